@@ -1,0 +1,320 @@
+"""The config schema: typed dataclasses that hold every default.
+
+Hydra YAML in ``conf/`` supplies values only; it is merged onto
+``OmegaConf.structured(Config)`` so unknown keys and wrong types are refused
+while composing, and converted once into these dataclasses. Per-field rules
+(allowed choices, ranges) are declared next to the field with :func:`choice`
+and :func:`bounded`; rules that span fields live in ``validate.py``.
+
+The defaults describe the embedded default run (a tiny Qwen2.5-VL on the
+synthetic image task, on CPU, two workers), so ``python -m easytrain.main``
+with no arguments does something useful; GPU presets in ``conf/exp/`` set
+what a real run needs.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Optional
+
+# Metadata keys read by validate.check_fields.
+CHOICES = "choices"
+LOW = "low"
+HIGH = "high"
+LOW_OPEN = "low_open"
+
+
+def choice(default: str, *options: str) -> Any:
+    """A string field restricted to ``options`` (the default must be one of them)."""
+    assert default in options, (default, options)
+    return field(default=default, metadata={CHOICES: options})
+
+
+def bounded(default: Any, low: Optional[float] = None, high: Optional[float] = None,
+            low_open: bool = False) -> Any:
+    """A numeric field in ``[low, high]`` (``(low, high]`` when ``low_open``)."""
+    return field(default=default, metadata={LOW: low, HIGH: high, LOW_OPEN: low_open})
+
+
+# ----------------------------------------------------------------------------- model
+
+
+@dataclass
+class LoraConfig:
+    rank: int = bounded(0, low=0)
+    """LoRA rank; 0 turns LoRA off (full fine-tuning)."""
+    alpha: float = bounded(16.0, low=0, low_open=True)
+    """LoRA scaling numerator: the update is scaled by alpha / rank."""
+    dropout: float = bounded(0.0, low=0.0, high=0.99)
+    """Dropout on the LoRA branch."""
+    target_modules: list[str] = field(default_factory=lambda: ["all-linear"])
+    """Module name suffixes to adapt, or ["all-linear"] for every linear layer of the language model."""
+
+
+@dataclass
+class ModelConfig:
+    path: str = "tiny:qwen2_5_vl"
+    """HF folder or hub id, or tiny:qwen2_5_vl | tiny:qwen2_vl | tiny:qwen2 (built locally, random weights)."""
+    tiny_size: str = choice("tiny", "tiny", "small")
+    """Size of a tiny: model: tiny (~0.2M parameters) or small (~4M)."""
+    tiny_seed: int = 0
+    """Seed the tiny: model's weights and tokenizer are built from."""
+    tokenizer_path: Optional[str] = None
+    """Tokenizer/processor folder when it differs from model.path."""
+    cache_dir: Optional[str] = None
+    """Where tiny models (and hub downloads) are cached; default ~/.cache/easytrain."""
+    dtype: str = choice("float32", "float32", "bfloat16", "float16")
+    """Dtype of trained parameters' compute copy (master weights stay float32 under FSDP mixed precision)."""
+    attn_implementation: str = choice("sdpa", "sdpa", "eager", "flash_attention_2")
+    """transformers attention kernel."""
+    gradient_checkpointing: bool = False
+    """Recompute activations in the backward pass: less memory, ~30% more compute."""
+    freeze_vision_tower: bool = False
+    """Do not train the vision encoder (saves its gradients and optimizer states)."""
+    freeze_aligner: bool = False
+    """Do not train the vision-language projector (merger)."""
+    freeze_llm: bool = False
+    """Do not train the language model (only vision tower and/or projector learn)."""
+    trust_remote_code: bool = False
+    """Allow model code from the model folder; off unless you trust the source."""
+    lora: LoraConfig = field(default_factory=LoraConfig)
+
+
+# ----------------------------------------------------------------------------- data
+
+
+@dataclass
+class DataConfig:
+    train_files: Any = "synthetic:shapes"
+    """Training data: a path (jsonl, parquet, HF dataset folder), repo@split, synthetic:<task>, or a list of these."""
+    val_files: Any = "synthetic:shapes"
+    """Validation data, same forms as train_files; null for none."""
+    prompt_key: str = "problem"
+    """Column holding the prompt text (may contain <image> placeholders)."""
+    answer_key: str = "answer"
+    """Column holding the ground truth the reward checks."""
+    image_key: Optional[str] = "images"
+    """Column holding images (bytes, paths, or base64); null for text-only data."""
+    image_dir: Optional[str] = None
+    """Folder that relative image paths are resolved against."""
+    format_prompt: Optional[str] = None
+    """Jinja template file applied to each prompt before the chat template (gets `content`)."""
+    max_prompt_length: int = bounded(256, low=1)
+    """Tokens of a prompt, text plus image tokens; longer prompts are filtered."""
+    max_response_length: int = bounded(32, low=1)
+    """Tokens generated per response."""
+    rollout_batch_size: int = bounded(8, low=1)
+    """Prompts per RL step (each gets worker.rollout.n responses)."""
+    val_batch_size: int = bounded(16, low=-1)
+    """Prompts per validation batch; -1 for the whole validation set at once."""
+    min_pixels: int = bounded(3136, low=1)
+    """Images smaller than this (in pixels) are upscaled; 3136 = 56x56 = 4 vision tokens."""
+    max_pixels: int = bounded(12544, low=1)
+    """Images larger than this are downscaled; each 28x28 block is one vision token (12544 = 16 tokens)."""
+    limit_images: int = bounded(1, low=0)
+    """Most images per sample; rows with more are skipped."""
+    shuffle: bool = True
+    """Shuffle training data each epoch (seeded by trainer.seed)."""
+
+
+# ----------------------------------------------------------------------------- workers
+
+
+@dataclass
+class FSDPConfig:
+    full_shard: bool = True
+    """Shard parameters, gradients and optimizer states (ZeRO-3 like); false shards only grads and optimizer states."""
+    shard_size: int = bounded(-1, low=-1)
+    """Ranks one copy of the model is sharded over (hybrid sharding replicates across groups); -1 = every rank of the role."""
+
+
+@dataclass
+class OffloadConfig:
+    params: bool = False
+    """Keep parameters in host RAM between uses (FSDP CPU offload)."""
+    optimizer: bool = False
+    """Keep optimizer states in host RAM (actor only)."""
+
+
+@dataclass
+class OptimConfig:
+    lr: float = bounded(1e-6, low=0.0, low_open=True)
+    """Peak learning rate of AdamW."""
+    weight_decay: float = bounded(1e-2, low=0.0)
+    """AdamW weight decay."""
+    betas: list[float] = field(default_factory=lambda: [0.9, 0.999])
+    """AdamW betas."""
+    warmup_steps: int = bounded(0, low=0)
+    """Linear warm-up, in optimizer steps."""
+    scheduler: str = choice("constant", "constant", "cosine", "linear")
+    """Learning-rate schedule after warm-up."""
+    max_grad_norm: float = bounded(1.0, low=0.0)
+    """Gradient clipping by global norm; 0 turns clipping off."""
+
+
+@dataclass
+class RoleConfig:
+    """Placement and memory settings every role has."""
+
+    fsdp: FSDPConfig = field(default_factory=FSDPConfig)
+    offload: OffloadConfig = field(default_factory=OffloadConfig)
+    ulysses_size: int = bounded(1, low=1)
+    """Ranks one sequence is split over (DeepSpeed-Ulysses sequence parallelism)."""
+
+
+@dataclass
+class ActorConfig(RoleConfig):
+    global_batch_size: int = bounded(8, low=1)
+    """Prompts per optimizer step, each with its worker.rollout.n responses."""
+    micro_batch_size_per_device_for_update: int = bounded(4, low=1)
+    """Sequences per forward/backward on one device during the update (gradient accumulation fills the rest)."""
+    micro_batch_size_per_device_for_experience: int = bounded(8, low=1)
+    """Sequences per forward on one device when computing log-probs."""
+    ppo_epochs: int = bounded(1, low=1)
+    """Passes over each rollout batch."""
+    clip_ratio_low: float = bounded(0.2, low=0.0)
+    """PPO lower clip: ratio >= 1 - clip_ratio_low."""
+    clip_ratio_high: float = bounded(0.28, low=0.0)
+    """PPO upper clip: ratio <= 1 + clip_ratio_high (higher than low: DAPO's clip-higher)."""
+    clip_ratio_dual: float = bounded(3.0, low=1.0)
+    """Dual-clip bound for negative advantages (ratio <= clip_ratio_dual)."""
+    optim: OptimConfig = field(default_factory=OptimConfig)
+
+
+@dataclass
+class RefConfig(RoleConfig):
+    pass
+
+
+@dataclass
+class RolloutConfig(RoleConfig):
+    engine: str = choice("hf", "hf", "vllm")
+    """Generation engine: hf (transformers generate, any device) or vllm."""
+    n: int = bounded(4, low=1)
+    """Responses sampled per prompt."""
+    temperature: float = bounded(1.0, low=0.0)
+    """Sampling temperature; 0 = greedy."""
+    top_p: float = bounded(1.0, low=0.0, high=1.0, low_open=True)
+    """Nucleus sampling mass."""
+    top_k: int = bounded(-1, low=-1)
+    """Top-k sampling; -1 = off."""
+    gpu_memory_utilization: float = bounded(0.6, low=0.0, high=1.0, low_open=True)
+    """Fraction of each GPU's memory vLLM may reserve (weights + KV cache)."""
+    tensor_parallel_size: int = bounded(1, low=1)
+    """GPUs one vLLM engine spans."""
+
+
+@dataclass
+class WorkerConfig:
+    actor: ActorConfig = field(default_factory=ActorConfig)
+    ref: RefConfig = field(default_factory=RefConfig)
+    rollout: RolloutConfig = field(default_factory=RolloutConfig)
+
+
+# ----------------------------------------------------------------------------- algorithm
+
+
+@dataclass
+class AlgorithmConfig:
+    adv_estimator: str = choice("grpo", "grpo", "rloo", "reinforce_plus_plus")
+    """How advantages are computed from rewards."""
+    norm_adv_by_std: bool = True
+    """GRPO: divide group-centred rewards by the group's std (Dr. GRPO sets this false)."""
+    use_kl_loss: bool = True
+    """Add a KL(actor || reference) term to the loss (GRPO style) instead of to the reward."""
+    kl_penalty: str = choice("low_var_kl", "low_var_kl", "kl", "abs", "mse")
+    """KL estimator: kl (k1), abs, mse (k2) or low_var_kl (k3)."""
+    kl_coef: float = bounded(1e-2, low=0.0)
+    """Weight of the KL term (initial value when kl_type=adaptive)."""
+    kl_type: str = choice("fixed", "fixed", "adaptive")
+    """fixed keeps kl_coef; adaptive steers it toward kl_target."""
+    kl_target: float = bounded(0.1, low=0.0, low_open=True)
+    """Adaptive KL: the KL the controller aims for."""
+    kl_horizon: int = bounded(10000, low=1)
+    """Adaptive KL: steps over which the coefficient adapts."""
+
+
+# ----------------------------------------------------------------------------- trainer
+
+
+@dataclass
+class TrainerConfig:
+    task: str = choice("rl", "rl", "sft")
+    """rl (GRPO and relatives) or sft."""
+    device: str = choice("cpu", "cpu", "cuda")
+    """Device workers compute on."""
+    nnodes: int = bounded(1, low=1)
+    """Nodes of the Ray cluster the run uses."""
+    workers_per_node: int = bounded(2, low=1)
+    """Worker processes per node: GPUs per node on cuda, CPU workers on cpu."""
+    total_epochs: int = bounded(1, low=1)
+    """Passes over the training data."""
+    max_steps: int = bounded(-1, low=-1)
+    """Stop after this many steps; -1 = run total_epochs."""
+    val_freq: int = bounded(-1, low=-1)
+    """Validate every N steps; -1 = only at the end."""
+    val_before_train: bool = False
+    """Validate once before the first step."""
+    val_only: bool = False
+    """Validate and exit without training."""
+    save_freq: int = bounded(-1, low=-1)
+    """Checkpoint every N steps; -1 = only at the end."""
+    save_limit: int = bounded(-1, low=-1)
+    """Keep the newest N checkpoints; -1 = keep all."""
+    resume: str = "auto"
+    """auto (latest complete checkpoint in output_dir, if any), off, or a checkpoint folder."""
+    loggers: list[str] = field(default_factory=lambda: ["console", "jsonl"])
+    """Where metrics go: console, jsonl, tensorboard, wandb."""
+    seed: int = 1
+    """Seed for data order, sampling and initialisation."""
+    output_dir: str = "${hydra:runtime.output_dir}"
+    """Run folder: metrics.jsonl, checkpoints/, plots. Defaults to Hydra's run folder (hydra.run.dir)."""
+    project_name: str = "easytrain"
+    """Project name for loggers."""
+    experiment_name: str = "tiny"
+    """Run name for loggers."""
+
+
+# ----------------------------------------------------------------------------- memory watchdog
+
+
+@dataclass
+class WatchdogConfig:
+    enabled: bool = True
+    """Sample memory on every node and act on pressure."""
+    sample_period_s: float = bounded(1.0, low=0.0, low_open=True)
+    """Seconds between samples."""
+    ram_soft: float = bounded(0.85, low=0.0, high=1.0, low_open=True)
+    """Node RAM fraction that triggers relief (offload, smaller micro batches)."""
+    ram_hard: float = bounded(0.92, low=0.0, high=1.0, low_open=True)
+    """Node RAM fraction that triggers a checkpoint and a clean stop (keep it below Ray's 0.95 kill line)."""
+    vram_soft: float = bounded(0.90, low=0.0, high=1.0, low_open=True)
+    """GPU memory fraction that triggers relief."""
+    vram_hard: float = bounded(0.97, low=0.0, high=1.0, low_open=True)
+    """GPU memory fraction that triggers a checkpoint and a clean stop."""
+    imbalance_factor: float = bounded(1.5, low=1.0)
+    """Warn when one GPU uses this many times the median of its peers."""
+
+
+# ----------------------------------------------------------------------------- ray
+
+
+@dataclass
+class RayConfig:
+    address: Optional[str] = None
+    """Cluster to join; null = RAY_ADDRESS if set, else start a local Ray."""
+    num_cpus: Optional[int] = None
+    """CPUs of a local Ray started by easytrain; null = all of this machine's."""
+    include_dashboard: bool = True
+    """Start the dashboard with a local Ray."""
+
+
+@dataclass
+class Config:
+    model: ModelConfig = field(default_factory=ModelConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    worker: WorkerConfig = field(default_factory=WorkerConfig)
+    algorithm: AlgorithmConfig = field(default_factory=AlgorithmConfig)
+    trainer: TrainerConfig = field(default_factory=TrainerConfig)
+    watchdog: WatchdogConfig = field(default_factory=WatchdogConfig)
+    ray: RayConfig = field(default_factory=RayConfig)

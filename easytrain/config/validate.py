@@ -1,0 +1,319 @@
+"""Validation of a composed config, before any worker starts.
+
+Every rule raises :class:`ConfigError`, whose message is one line naming the
+dotted key, its value, what is wrong and how to fix it. Per-field rules come
+from the schema's field metadata (:func:`check_fields`); rules that span
+fields are in :func:`validate`. Rules that need the model's shape (attention
+heads for sequence parallelism, text-only models) run when a
+:class:`ModelShape` is given.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from dataclasses import dataclass
+from typing import Any, Optional, Sequence
+
+from easytrain.config.schema import CHOICES, HIGH, LOW, LOW_OPEN, Config
+
+LOGGERS = ("console", "jsonl", "tensorboard", "wandb")
+ESTIMATORS_NEEDING_GROUPS = ("grpo", "rloo")
+
+
+class ConfigError(ValueError):
+    """A config value that cannot work; ``str(err)`` is one line for the user."""
+
+    def __init__(self, key: str, value: Any, problem: str, fix: str = "") -> None:
+        self.key, self.value, self.problem, self.fix = key, value, problem, fix
+        shown = _show(value)
+        message = f"{key}={shown}: {problem}" if shown is not None else f"{key}: {problem}"
+        super().__init__(f"{message}; {fix}" if fix else message)
+
+
+def _show(value: Any) -> Optional[str]:
+    if value is NO_VALUE:
+        return None
+    if isinstance(value, str):
+        return repr(value)
+    return str(value).replace("\n", " ")
+
+
+NO_VALUE: Any = object()
+"""Pass as a ConfigError's value when the key has no single value to show."""
+
+
+@dataclass(frozen=True)
+class ModelShape:
+    """What validation and planning need to know about a model's architecture."""
+
+    family: str
+    """qwen2_5_vl, qwen2_vl or qwen2 (or the HF model_type of another model)."""
+    num_attention_heads: int
+    num_key_value_heads: int
+    hidden_size: int
+    num_hidden_layers: int
+    vocab_size: int
+    max_position_embeddings: int
+    is_vision: bool
+    """Whether the model has a vision tower (accepts images)."""
+
+
+# ----------------------------------------------------------------------------- per field
+
+
+def check_fields(obj: Any, prefix: str = "") -> None:
+    """Check every field against the choices/bounds declared in the schema."""
+    for f in dataclasses.fields(obj):
+        key = f"{prefix}{f.name}"
+        value = getattr(obj, f.name)
+        if dataclasses.is_dataclass(value):
+            check_fields(value, key + ".")
+            continue
+        options = f.metadata.get(CHOICES)
+        if options is not None and value not in options:
+            raise ConfigError(key, value, "not a valid choice", f"use one of {', '.join(options)}")
+        if LOW in f.metadata:
+            _check_bounds(key, value, f.metadata[LOW], f.metadata[HIGH], f.metadata[LOW_OPEN])
+
+
+def _check_bounds(key: str, value: Any, low: Optional[float], high: Optional[float],
+                  low_open: bool) -> None:
+    if low is not None and (value < low or (low_open and value == low)):
+        side = f"> {low}" if low_open else f">= {low}"
+        raise ConfigError(key, value, f"must be {side}", _range_fix(low, high, low_open))
+    if high is not None and value > high:
+        raise ConfigError(key, value, f"must be <= {high}", _range_fix(low, high, low_open))
+
+
+def _range_fix(low: Optional[float], high: Optional[float], low_open: bool) -> str:
+    if low is not None and high is not None:
+        return f"use a value in {'(' if low_open else '['}{low}, {high}]"
+    return "use a value in range"
+
+
+# ----------------------------------------------------------------------------- cross field
+
+
+def validate(cfg: Config, shape: Optional[ModelShape] = None) -> None:
+    """Raise :class:`ConfigError` for the first impossible combination in ``cfg``."""
+    check_fields(cfg)
+    _check_data(cfg)
+    _check_batches(cfg)
+    _check_parallelism(cfg)
+    _check_rollout(cfg)
+    _check_model(cfg)
+    _check_trainer(cfg)
+    _check_watchdog(cfg)
+    if shape is not None:
+        _check_against_shape(cfg, shape)
+
+
+def _divisors(n: int) -> str:
+    found = [d for d in range(1, n + 1) if n % d == 0]
+    if len(found) > 8:
+        found = found[:4] + found[-3:]
+        return ", ".join(map(str, found[:4])) + ", ..., " + ", ".join(map(str, found[4:]))
+    return ", ".join(map(str, found))
+
+
+def _file_list(key: str, value: Any, required: bool) -> list[str]:
+    if value is None:
+        if required:
+            raise ConfigError(key, value, "no data given", "set it to a file, folder, repo@split or synthetic:<task>")
+        return []
+    files = [value] if isinstance(value, str) else value
+    if not isinstance(files, (list, tuple)) or not all(isinstance(v, str) and v for v in files):
+        raise ConfigError(key, value, "must be a path string or a list of path strings",
+                          f"write {key}=train.parquet or {key}=[a.parquet,b.jsonl]")
+    if required and not files:
+        raise ConfigError(key, value, "the list is empty", "give at least one file")
+    return list(files)
+
+
+def _check_data(cfg: Config) -> None:
+    d = cfg.data
+    _file_list("data.train_files", d.train_files, required=not cfg.trainer.val_only)
+    val = _file_list("data.val_files", d.val_files, required=False)
+    if not val and (cfg.trainer.val_only or cfg.trainer.val_before_train):
+        flag = "trainer.val_only" if cfg.trainer.val_only else "trainer.val_before_train"
+        raise ConfigError("data.val_files", d.val_files, f"{flag}=true needs validation data",
+                          f"set data.val_files or {flag}=false")
+    if d.max_pixels < d.min_pixels:
+        raise ConfigError("data.max_pixels", d.max_pixels,
+                          f"is smaller than data.min_pixels={d.min_pixels}",
+                          "raise data.max_pixels or lower data.min_pixels")
+    if d.image_key and d.limit_images < 1:
+        raise ConfigError("data.limit_images", d.limit_images,
+                          f"must be >= 1 when images are read (data.image_key={d.image_key!r})",
+                          "set data.limit_images>=1, or data.image_key=null for text-only data")
+    if d.val_batch_size == 0:
+        raise ConfigError("data.val_batch_size", 0, "must be >= 1, or -1 for the whole validation set")
+    if d.format_prompt is not None and not os.path.isfile(d.format_prompt):
+        raise ConfigError("data.format_prompt", d.format_prompt, "no such file",
+                          "give the path of a Jinja template (it receives `content`)")
+
+
+def world_size(cfg: Config) -> int:
+    """Worker processes of the run: nodes x workers per node."""
+    return cfg.trainer.nnodes * cfg.trainer.workers_per_node
+
+
+def _check_batches(cfg: Config) -> None:
+    actor, d = cfg.worker.actor, cfg.data
+    rl = cfg.trainer.task == "rl"
+    n = cfg.worker.rollout.n if rl else 1
+    if rl and cfg.algorithm.adv_estimator in ESTIMATORS_NEEDING_GROUPS and n < 2:
+        raise ConfigError("worker.rollout.n", n,
+                          f"algorithm.adv_estimator={cfg.algorithm.adv_estimator} compares responses "
+                          "within a prompt's group and needs at least 2",
+                          "set worker.rollout.n>=2 (4-16 is usual)")
+    if rl and d.rollout_batch_size % actor.global_batch_size:
+        raise ConfigError("worker.actor.global_batch_size", actor.global_batch_size,
+                          f"must divide data.rollout_batch_size={d.rollout_batch_size} "
+                          "(each rollout batch is split into optimizer steps)",
+                          f"use one of {_divisors(d.rollout_batch_size)}")
+    world = world_size(cfg)
+    if world % actor.ulysses_size:
+        return  # reported by _check_parallelism with a better message
+    dp = world // actor.ulysses_size
+    sequences = actor.global_batch_size * n
+    what = (f"worker.actor.global_batch_size={actor.global_batch_size} x worker.rollout.n={n}"
+            if rl else f"worker.actor.global_batch_size={actor.global_batch_size}")
+    if sequences % dp:
+        raise ConfigError("worker.actor.global_batch_size", actor.global_batch_size,
+                          f"{what} = {sequences} sequences per optimizer step do not split evenly "
+                          f"over {dp} data-parallel ranks",
+                          f"make the sequence count a multiple of {dp}")
+    per_rank = sequences // dp
+    micro = actor.micro_batch_size_per_device_for_update
+    if per_rank % micro:
+        raise ConfigError("worker.actor.micro_batch_size_per_device_for_update", micro,
+                          f"must divide the {per_rank} sequences each of {dp} data-parallel ranks "
+                          f"updates on per optimizer step ({what})",
+                          f"use one of {_divisors(per_rank)}")
+
+
+def _roles(cfg: Config) -> list[tuple[str, Any]]:
+    w = cfg.worker
+    return [("actor", w.actor), ("ref", w.ref), ("rollout", w.rollout)]
+
+
+def _check_parallelism(cfg: Config) -> None:
+    world = world_size(cfg)
+    where = (f"{world} workers (trainer.nnodes={cfg.trainer.nnodes} x "
+             f"trainer.workers_per_node={cfg.trainer.workers_per_node})")
+    for name, role in _roles(cfg):
+        if world % role.ulysses_size:
+            raise ConfigError(f"worker.{name}.ulysses_size", role.ulysses_size,
+                              f"must divide the {where}", f"use one of {_divisors(world)}")
+        shard = role.fsdp.shard_size
+        if shard == 0 or (shard > 0 and world % shard):
+            raise ConfigError(f"worker.{name}.fsdp.shard_size", shard,
+                              f"must be -1 (all ranks) or divide the {where}",
+                              f"use -1 or one of {_divisors(world)}")
+    for name in ("ref", "rollout"):
+        if getattr(cfg.worker, name).offload.optimizer:
+            raise ConfigError(f"worker.{name}.offload.optimizer", True,
+                              f"the {name} role holds no optimizer",
+                              f"set worker.{name}.offload.optimizer=false (offload.params is the one that applies)")
+
+
+def _check_rollout(cfg: Config) -> None:
+    r = cfg.worker.rollout
+    tp = r.tensor_parallel_size
+    if tp > 1 and r.engine != "vllm":
+        raise ConfigError("worker.rollout.tensor_parallel_size", tp,
+                          f"tensor parallelism is a vLLM feature and worker.rollout.engine={r.engine!r}",
+                          "set worker.rollout.engine=vllm or tensor_parallel_size=1")
+    if cfg.trainer.workers_per_node % tp:
+        unit = "GPUs" if cfg.trainer.device == "cuda" else "workers"
+        raise ConfigError("worker.rollout.tensor_parallel_size", tp,
+                          f"one engine must fit on a node, and {tp} does not divide the "
+                          f"{cfg.trainer.workers_per_node} {unit} per node (trainer.workers_per_node)",
+                          f"use one of {_divisors(cfg.trainer.workers_per_node)}")
+    if r.engine == "vllm" and cfg.trainer.device == "cpu" and cfg.model.dtype != "float32":
+        raise ConfigError("model.dtype", cfg.model.dtype, "vLLM on CPU runs only in float32",
+                          "set model.dtype=float32 or worker.rollout.engine=hf")
+
+
+def _check_model(cfg: Config) -> None:
+    m = cfg.model
+    if m.lora.rank > 0 and not m.lora.target_modules:
+        raise ConfigError("model.lora.target_modules", m.lora.target_modules,
+                          "LoRA is on (model.lora.rank>0) but adapts nothing",
+                          "list module names, e.g. [q_proj,v_proj], or [all-linear]")
+    if m.freeze_llm and m.freeze_vision_tower and m.freeze_aligner and m.lora.rank == 0:
+        raise ConfigError("model.freeze_llm", True,
+                          "with the vision tower and aligner also frozen and LoRA off, nothing is trained",
+                          "unfreeze a part or set model.lora.rank>0")
+    if m.dtype == "float16" and cfg.trainer.device == "cpu":
+        raise ConfigError("model.dtype", m.dtype, "float16 training is not supported on CPU",
+                          "use float32 or bfloat16")
+    if m.path.startswith("tiny:") and m.path[5:] not in ("qwen2_5_vl", "qwen2_vl", "qwen2"):
+        raise ConfigError("model.path", m.path, "unknown tiny model family",
+                          "use tiny:qwen2_5_vl, tiny:qwen2_vl or tiny:qwen2")
+    betas = cfg.worker.actor.optim.betas
+    if len(betas) != 2 or not all(0.0 <= b < 1.0 for b in betas):
+        raise ConfigError("worker.actor.optim.betas", betas, "AdamW needs two betas in [0, 1)",
+                          "e.g. worker.actor.optim.betas=[0.9,0.999]")
+    if cfg.worker.actor.clip_ratio_low >= 1.0:
+        raise ConfigError("worker.actor.clip_ratio_low", cfg.worker.actor.clip_ratio_low,
+                          "must be < 1 (the ratio's lower bound is 1 - clip_ratio_low)", "0.2 is usual")
+
+
+def _check_trainer(cfg: Config) -> None:
+    t = cfg.trainer
+    for i, name in enumerate(t.loggers):
+        if name not in LOGGERS:
+            raise ConfigError(f"trainer.loggers[{i}]", name, "unknown logger", f"use any of {', '.join(LOGGERS)}")
+    for key in ("max_steps", "val_freq", "save_freq", "save_limit"):
+        if getattr(t, key) == 0:
+            raise ConfigError(f"trainer.{key}", 0, "0 is not allowed", "use -1 to turn it off, or a positive number")
+    if t.resume not in ("auto", "off") and not os.path.isdir(t.resume):
+        raise ConfigError("trainer.resume", t.resume, "is neither auto, off nor an existing checkpoint folder",
+                          "give <output_dir>/checkpoints/global_step_<N>, or auto/off")
+
+
+def _check_watchdog(cfg: Config) -> None:
+    w = cfg.watchdog
+    for kind in ("ram", "vram"):
+        soft, hard = getattr(w, f"{kind}_soft"), getattr(w, f"{kind}_hard")
+        if soft >= hard:
+            raise ConfigError(f"watchdog.{kind}_soft", soft,
+                              f"must be below watchdog.{kind}_hard={hard} (relief comes before the stop)",
+                              f"lower watchdog.{kind}_soft or raise watchdog.{kind}_hard")
+
+
+def _check_against_shape(cfg: Config, shape: ModelShape) -> None:
+    heads, kv = shape.num_attention_heads, shape.num_key_value_heads
+    for name, role in _roles(cfg)[:2]:  # sequence parallelism applies to the training-side roles
+        u = role.ulysses_size
+        if u == 1:
+            continue
+        if heads % u:
+            raise ConfigError(f"worker.{name}.ulysses_size", u,
+                              f"must divide the model's {heads} attention heads (model.path={cfg.model.path})",
+                              f"use one of {_divisors(heads)}")
+        if kv % u and u % kv:
+            raise ConfigError(f"worker.{name}.ulysses_size", u,
+                              f"the model's {kv} key/value heads neither divide by it nor divide it "
+                              "(fewer KV heads are replicated across the group only when they divide it)",
+                              f"use a divisor or multiple of {kv} that divides {heads}")
+    if not shape.is_vision and cfg.data.image_key:
+        raise ConfigError("data.image_key", cfg.data.image_key,
+                          f"model.path={cfg.model.path} is a text-only model ({shape.family}) and cannot take images",
+                          "set data.image_key=null (the synthetic task then uses its text-only variant)")
+    total = cfg.data.max_prompt_length + cfg.data.max_response_length
+    if total > shape.max_position_embeddings:
+        raise ConfigError("data.max_response_length", cfg.data.max_response_length,
+                          f"prompt + response = {total} tokens exceeds the model's "
+                          f"{shape.max_position_embeddings} positions",
+                          "lower data.max_prompt_length or data.max_response_length")
+
+
+def split_files(value: Any) -> Sequence[str]:
+    """The list form of ``data.train_files`` / ``data.val_files`` (a string is one file)."""
+    if value is None:
+        return []
+    return [value] if isinstance(value, str) else list(value)

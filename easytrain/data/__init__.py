@@ -1,0 +1,1 @@
+"""Data: datasets, images and vision-token bookkeeping, synthetic tasks."""

@@ -1,0 +1,1 @@
+"""Distributed: starting or joining Ray, resource pools, worker groups, FSDP."""

@@ -1,0 +1,65 @@
+"""Loading models, tokenizers and image processors through transformers.
+
+One place turns ``model.path`` into a folder (building a tiny model when the
+path is ``tiny:<family>``) and loads from it with ``from_pretrained``, so
+tiny models and real checkpoints take the same path.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from pathlib import Path
+from typing import Any, Optional
+
+from easytrain.config.schema import ModelConfig
+from easytrain.models.tiny import build_tiny, image_processor_class, model_class_for
+
+logger = logging.getLogger(__name__)
+
+DTYPES = {"float32": "float32", "bfloat16": "bfloat16", "float16": "float16"}
+
+
+def model_folder(model: ModelConfig) -> str:
+    """A folder or hub id ``from_pretrained`` can load; builds tiny models into the cache."""
+    if model.path.startswith("tiny:"):
+        return str(build_tiny(model.path[5:], model.tiny_size, model.tiny_seed, model.cache_dir))
+    return model.path
+
+
+def model_family(folder: str) -> str:
+    """The HF ``model_type`` of a folder (or hub id, via AutoConfig)."""
+    config_file = Path(folder) / "config.json"
+    if config_file.is_file():
+        return str(json.loads(config_file.read_text())["model_type"])
+    from transformers import AutoConfig
+
+    return str(AutoConfig.from_pretrained(folder).model_type)
+
+
+def load_tokenizer(model: ModelConfig, folder: Optional[str] = None) -> Any:
+    from transformers import AutoTokenizer
+
+    source = model.tokenizer_path or folder or model_folder(model)
+    return AutoTokenizer.from_pretrained(source, trust_remote_code=model.trust_remote_code)
+
+
+def load_image_processor(model: ModelConfig, folder: Optional[str] = None) -> Any:
+    """Qwen's image processor (PIL backend); None for text-only models."""
+    folder = folder or model_folder(model)
+    if model_family(folder) not in ("qwen2_5_vl", "qwen2_vl"):
+        return None
+    return image_processor_class().from_pretrained(model.tokenizer_path or folder)
+
+
+def load_model(model: ModelConfig, folder: Optional[str] = None, device: str = "cpu") -> Any:
+    """The transformers model of ``model.path`` in ``model.dtype`` with the configured attention."""
+    import torch
+
+    folder = folder or model_folder(model)
+    cls = model_class_for(model_family(folder))
+    loaded = cls.from_pretrained(
+        folder, dtype=getattr(torch, DTYPES[model.dtype]), attn_implementation=model.attn_implementation,
+        trust_remote_code=model.trust_remote_code,
+    )
+    return loaded.to(device)

@@ -1,0 +1,70 @@
+"""Model shapes known without downloading weights.
+
+Validation (and later the memory planner) needs the attention-head layout
+and sizes of a model before anything is loaded. They come from, in order: the
+tiny-model specs, a local folder's ``config.json``, or the table of public
+checkpoints below (values from their published ``config.json``).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from pathlib import Path
+from typing import Any, Optional
+
+from easytrain.config.schema import ModelConfig
+from easytrain.config.validate import ModelShape
+
+logger = logging.getLogger(__name__)
+
+VISION_FAMILIES = ("qwen2_5_vl", "qwen2_vl")
+
+# Public checkpoints: (family, heads, kv heads, hidden, layers, vocab, max positions).
+_KNOWN: dict[str, tuple[str, int, int, int, int, int, int]] = {
+    "Qwen/Qwen2.5-VL-3B-Instruct": ("qwen2_5_vl", 16, 2, 2048, 36, 151936, 128000),
+    "Qwen/Qwen2.5-VL-7B-Instruct": ("qwen2_5_vl", 28, 4, 3584, 28, 152064, 128000),
+    "Qwen/Qwen2.5-VL-32B-Instruct": ("qwen2_5_vl", 40, 8, 5120, 64, 152064, 128000),
+    "Qwen/Qwen2.5-VL-72B-Instruct": ("qwen2_5_vl", 64, 8, 8192, 80, 152064, 128000),
+    "Qwen/Qwen2-VL-2B-Instruct": ("qwen2_vl", 12, 2, 1536, 28, 151936, 32768),
+    "Qwen/Qwen2-VL-7B-Instruct": ("qwen2_vl", 28, 4, 3584, 28, 152064, 32768),
+    "Qwen/Qwen2-VL-72B-Instruct": ("qwen2_vl", 64, 8, 8192, 80, 152064, 32768),
+    "Qwen/Qwen2.5-0.5B-Instruct": ("qwen2", 14, 2, 896, 24, 151936, 32768),
+    "Qwen/Qwen2.5-1.5B-Instruct": ("qwen2", 12, 2, 1536, 28, 151936, 32768),
+    "Qwen/Qwen2.5-7B-Instruct": ("qwen2", 28, 4, 3584, 28, 152064, 32768),
+}
+
+
+def shape_from_hf_config(config: dict[str, Any]) -> ModelShape:
+    """Read a ModelShape from a ``config.json`` dict (flat or with ``text_config``)."""
+    family = str(config.get("model_type", "unknown"))
+    text = dict(config)
+    text.update(config.get("text_config") or {})  # transformers 5 nests the LM settings
+    heads = int(text["num_attention_heads"])
+    return ModelShape(
+        family=family,
+        num_attention_heads=heads,
+        num_key_value_heads=int(text.get("num_key_value_heads") or heads),
+        hidden_size=int(text["hidden_size"]),
+        num_hidden_layers=int(text["num_hidden_layers"]),
+        vocab_size=int(text["vocab_size"]),
+        max_position_embeddings=int(text.get("max_position_embeddings") or 32768),
+        is_vision="vision_config" in config or family in VISION_FAMILIES,
+    )
+
+
+def resolve_shape(model: ModelConfig) -> Optional[ModelShape]:
+    """The shape of ``model.path``, or None when it cannot be known offline."""
+    path = model.path
+    if path.startswith("tiny:"):
+        from easytrain.models.tiny import tiny_hf_config
+
+        return shape_from_hf_config(tiny_hf_config(path[5:], model.tiny_size))
+    config_file = Path(path).expanduser() / "config.json"
+    if config_file.is_file():
+        return shape_from_hf_config(json.loads(config_file.read_text()))
+    if path in _KNOWN:
+        family, heads, kv, hidden, layers, vocab, positions = _KNOWN[path]
+        return ModelShape(family, heads, kv, hidden, layers, vocab, positions, family in VISION_FAMILIES)
+    logger.warning("model.path=%s: shape unknown offline; head-dependent checks run when the model loads", path)
+    return None

@@ -1,0 +1,283 @@
+"""Tiny random-initialised Qwen models for tests and the default run.
+
+``build_tiny("qwen2_5_vl", "tiny", seed=0)`` builds, deterministically from
+the seed, a real transformers Qwen2.5-VL / Qwen2-VL / Qwen2 with a byte-level
+BPE tokenizer trained here (Qwen's special tokens and chat template) and, for
+the VL families, Qwen's image processor; it saves them with
+``save_pretrained`` into a cache folder and returns the folder, which then
+loads through the same ``from_pretrained`` path as a real checkpoint.
+
+Sizes: ``tiny`` (~0.2M parameters, overhead-bound) and ``small`` (~4M: text
+hidden 256, 4 layers, head_dim 64; vision depth 4, hidden 128), where compute
+starts to dominate. Head dims stay >= 32 because vLLM's CPU attention rejects 16.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+import random
+import shutil
+import uuid
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any, Optional, Union
+
+logger = logging.getLogger(__name__)
+
+FAMILIES = ("qwen2_5_vl", "qwen2_vl", "qwen2")
+SIZES = ("tiny", "small")
+FACTORY_VERSION = 2
+"""Bump when the build changes, so cached folders from older builds are not reused."""
+
+SPECIAL_TOKENS = (
+    "<|endoftext|>", "<|im_start|>", "<|im_end|>",
+    "<|vision_start|>", "<|vision_end|>", "<|vision_pad|>", "<|image_pad|>", "<|video_pad|>",
+)
+VOCAB_SIZE = 1024
+
+# Qwen-VL style chat template: images in a message's content list become
+# <|vision_start|><|image_pad|><|vision_end|>, which the processor expands to
+# one <|image_pad|> per vision token.
+CHAT_TEMPLATE = (  # no whitespace control: the string holds no incidental whitespace
+    "{% for message in messages %}"
+    "{% if loop.first and message['role'] != 'system' %}"
+    "<|im_start|>system\nYou are a helpful assistant.<|im_end|>\n"
+    "{% endif %}"
+    "<|im_start|>{{ message['role'] }}\n"
+    "{% if message['content'] is string %}{{ message['content'] }}"
+    "{% else %}{% for part in message['content'] %}"
+    "{% if part['type'] == 'image' %}<|vision_start|><|image_pad|><|vision_end|>"
+    "{% elif part['type'] == 'text' %}{{ part['text'] }}{% endif %}"
+    "{% endfor %}{% endif %}"
+    "<|im_end|>\n"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+
+
+@dataclass(frozen=True)
+class TinySpec:
+    hidden: int
+    layers: int
+    heads: int
+    kv_heads: int
+    intermediate: int
+    vision_depth: int
+    vision_hidden: int
+    vision_heads: int
+    vision_intermediate: int
+
+    @property
+    def head_dim(self) -> int:
+        return self.hidden // self.heads
+
+
+SPECS = {
+    "tiny": TinySpec(hidden=64, layers=2, heads=2, kv_heads=1, intermediate=128,
+                     vision_depth=2, vision_hidden=32, vision_heads=1, vision_intermediate=64),
+    "small": TinySpec(hidden=256, layers=4, heads=4, kv_heads=2, intermediate=704,
+                      vision_depth=4, vision_hidden=128, vision_heads=2, vision_intermediate=256),
+}
+
+
+def _check(family: str, size: str) -> TinySpec:
+    if family not in FAMILIES:
+        raise ValueError(f"unknown tiny model family {family!r}; use one of {', '.join(FAMILIES)}")
+    if size not in SPECS:
+        raise ValueError(f"unknown tiny model size {size!r}; use one of {', '.join(SIZES)}")
+    return SPECS[size]
+
+
+def _mrope_section(head_dim: int) -> list[int]:
+    """Temporal/height/width split of the rotary half-dim (sums to head_dim // 2), Qwen's 1:1.5:1.5."""
+    half = head_dim // 2
+    t = half // 4
+    h = (half - t) // 2
+    return [t, h, half - t - h]
+
+
+def tiny_hf_config(family: str, size: str = "tiny", token_ids: Optional[dict[str, int]] = None) -> dict[str, Any]:
+    """The HF config dict of a tiny model (shape only unless ``token_ids`` are given)."""
+    spec = _check(family, size)
+    ids = token_ids or {}
+    text: dict[str, Any] = {
+        "vocab_size": VOCAB_SIZE, "hidden_size": spec.hidden, "intermediate_size": spec.intermediate,
+        "num_hidden_layers": spec.layers, "num_attention_heads": spec.heads,
+        "num_key_value_heads": spec.kv_heads, "max_position_embeddings": 4096,
+        "rms_norm_eps": 1e-6, "hidden_act": "silu", "use_cache": True,
+        "bos_token_id": ids.get("<|endoftext|>"), "eos_token_id": ids.get("<|im_end|>"),
+        "pad_token_id": ids.get("<|endoftext|>"),
+        "rope_parameters": {"rope_type": "default", "rope_theta": 1_000_000.0},
+    }
+    if family == "qwen2":
+        return {"model_type": "qwen2", "tie_word_embeddings": True, **text}
+    text["rope_parameters"]["mrope_section"] = _mrope_section(spec.head_dim)
+    if family == "qwen2_5_vl":
+        vision: dict[str, Any] = {
+            "depth": spec.vision_depth, "hidden_size": spec.vision_hidden, "num_heads": spec.vision_heads,
+            "intermediate_size": spec.vision_intermediate, "out_hidden_size": spec.hidden,
+            "window_size": 112, "fullatt_block_indexes": list(range(1, spec.vision_depth, 2)),
+        }
+    else:
+        vision = {
+            "depth": spec.vision_depth, "embed_dim": spec.vision_hidden, "num_heads": spec.vision_heads,
+            "mlp_ratio": spec.vision_intermediate // spec.vision_hidden, "hidden_size": spec.hidden,
+        }
+    return {
+        "model_type": family, "text_config": text, "vision_config": vision, "tie_word_embeddings": True,
+        "image_token_id": ids.get("<|image_pad|>"), "video_token_id": ids.get("<|video_pad|>"),
+        "vision_start_token_id": ids.get("<|vision_start|>"), "vision_end_token_id": ids.get("<|vision_end|>"),
+    }
+
+
+# ----------------------------------------------------------------------------- tokenizer
+
+
+_WORDS = (
+    "how many what which is are the a an of in on there image picture shown count shapes shape "
+    "circle circles square squares triangle triangles red green blue yellow purple orange black white "
+    "largest smallest bigger smaller more fewer than left right top bottom color colour answer final "
+    "think reasoning so therefore because total number each and or not yes no describe look at "
+    "user assistant system you helpful please step by first then"
+).split()
+
+
+def _corpus(seed: int, lines: int = 3000) -> list[str]:
+    """Deterministic text the BPE learns its merges from: task words, digits, markup."""
+    rng = random.Random(seed)
+    out = []
+    for _ in range(lines):
+        words = [rng.choice(_WORDS) for _ in range(rng.randint(4, 14))]
+        words.insert(rng.randrange(len(words)), str(rng.randint(0, 120)))
+        sentence = " ".join(words).capitalize() + rng.choice([".", "?", "!", ":"])
+        style = rng.random()
+        if style < 0.2:
+            sentence = f"<think>{sentence}</think> The answer is \\boxed{{{rng.randint(0, 20)}}}."
+        elif style < 0.3:
+            sentence = f"Answer: {rng.choice(_WORDS)}\n{sentence}"
+        out.append(sentence)
+    return out
+
+
+def build_tokenizer(seed: int = 0) -> Any:
+    """A byte-level BPE tokenizer with Qwen's special tokens and chat template."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    bpe = Tokenizer(models.BPE())
+    bpe.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    bpe.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=VOCAB_SIZE, special_tokens=list(SPECIAL_TOKENS), show_progress=False,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+    )
+    bpe.train_from_iterator(_corpus(seed), trainer)
+    return PreTrainedTokenizerFast(
+        tokenizer_object=bpe, eos_token="<|im_end|>", pad_token="<|endoftext|>",
+        additional_special_tokens=[t for t in SPECIAL_TOKENS if t not in ("<|im_end|>", "<|endoftext|>")],
+        chat_template=CHAT_TEMPLATE, model_max_length=4096, padding_side="left",
+    )
+
+
+# ----------------------------------------------------------------------------- build
+
+
+def default_cache_dir() -> Path:
+    return Path(os.path.expanduser("~/.cache/easytrain"))
+
+
+def tiny_folder_name(family: str, size: str, seed: int) -> str:
+    """Folder name: family, size, seed and a fingerprint of everything that shapes the build."""
+    import transformers
+
+    spec = _check(family, size)
+    key = json.dumps([FACTORY_VERSION, family, asdict(spec), seed, VOCAB_SIZE, transformers.__version__])
+    return f"{family}-{size}-seed{seed}-{hashlib.sha1(key.encode()).hexdigest()[:10]}"
+
+
+def build_tiny(family: str, size: str = "tiny", seed: int = 0,
+               cache_dir: Union[str, Path, None] = None) -> Path:
+    """Build (or reuse from the cache) a tiny model folder and return its path.
+
+    Safe to call from several processes at once: each builds into its own
+    temporary folder and the first atomic rename wins.
+    """
+    cache = Path(cache_dir).expanduser() if cache_dir else default_cache_dir()
+    target = cache / "tiny" / tiny_folder_name(family, size, seed)
+    if (target / "config.json").is_file():
+        return target
+    target.parent.mkdir(parents=True, exist_ok=True)
+    tmp = target.parent / f".{target.name}.{os.getpid()}.{uuid.uuid4().hex[:8]}"
+    try:
+        _build_into(tmp, family, size, seed)
+        try:
+            os.rename(tmp, target)
+            logger.info("built tiny %s (%s, seed %d) in %s", family, size, seed, target)
+        except OSError:  # another process finished first; its folder is equivalent
+            shutil.rmtree(tmp, ignore_errors=True)
+    finally:
+        if tmp.exists():
+            shutil.rmtree(tmp, ignore_errors=True)
+    return target
+
+
+def _build_into(folder: Path, family: str, size: str, seed: int) -> None:
+    import torch
+    import transformers
+
+    tokenizer = build_tokenizer(seed)
+    ids = {tok: tokenizer.convert_tokens_to_ids(tok) for tok in SPECIAL_TOKENS}
+    raw = tiny_hf_config(family, size, ids)
+    model_type = raw.pop("model_type")
+    config = transformers.AutoConfig.for_model(model_type, **raw)
+    model_class = model_class_for(family)
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        model = model_class(config).to(torch.float32)
+    model.generation_config.eos_token_id = ids["<|im_end|>"]
+    model.generation_config.pad_token_id = ids["<|endoftext|>"]
+    folder.mkdir(parents=True)
+    model.save_pretrained(folder)
+    tokenizer.save_pretrained(folder)
+    if family != "qwen2":
+        image_processor_class()().save_pretrained(folder)
+
+
+def model_class_for(family: str) -> Any:
+    """The transformers class for a model family (what ``from_pretrained`` is called on)."""
+    import transformers
+
+    classes = {
+        "qwen2_5_vl": transformers.Qwen2_5_VLForConditionalGeneration,
+        "qwen2_vl": transformers.Qwen2VLForConditionalGeneration,
+        "qwen2": transformers.Qwen2ForCausalLM,
+    }
+    if family not in classes:
+        raise ValueError(f"unsupported model family {family!r}; supported: {', '.join(classes)}")
+    return classes[family]
+
+
+def image_processor_class() -> Any:
+    """Qwen's image processor with the PIL backend (the default one needs torchvision)."""
+    from transformers.models.qwen2_vl import Qwen2VLImageProcessorPil
+
+    return Qwen2VLImageProcessorPil
+
+
+def count_parameters(folder: Union[str, Path]) -> int:
+    """Parameters stored in a saved model folder (read from the safetensors header, no load)."""
+    from safetensors import safe_open
+
+    total = 0
+    for file in Path(folder).glob("*.safetensors"):
+        with safe_open(str(file), framework="pt") as f:
+            for name in f.keys():
+                shape = f.get_slice(name).get_shape()
+                n = 1
+                for d in shape:
+                    n *= d
+                total += n
+    return total

