@@ -115,6 +115,16 @@ class DataConfig:
     """Most images per sample; rows with more are skipped."""
     shuffle: bool = True
     """Shuffle training data each epoch (seeded by trainer.seed)."""
+    downscale_images_to_fit: bool = False
+    """Shrink the images of a prompt over max_prompt_length until it fits, instead of skipping it."""
+    num_workers: int = bounded(2, low=0)
+    """Data loader processes preparing batches (image processing) beside the driver; 0 = in the driver."""
+    synthetic_size: int = bounded(512, low=1)
+    """Rows of the train split of a synthetic:<task> dataset."""
+    synthetic_val_size: int = bounded(64, low=1)
+    """Rows of the validation split of a synthetic:<task> dataset."""
+    synthetic_difficulty: int = bounded(1, low=1)
+    """Synthetic task difficulty: distractor shapes per image (and a larger canvas above 1)."""
 
 
 # ----------------------------------------------------------------------------- workers
@@ -234,6 +244,19 @@ class AlgorithmConfig:
     """Adaptive KL: steps over which the coefficient adapts."""
 
 
+# ----------------------------------------------------------------------------- reward
+
+
+@dataclass
+class RewardConfig:
+    function: str = "answer"
+    """A registered reward (answer, math, format) or a user function as path/to/file.py:name or package.module:name."""
+    format_weight: float = bounded(0.0, low=0.0, high=1.0)
+    """Share of the format reward in `overall`: (1 - w) * accuracy + w * format."""
+    num_workers: int = bounded(2, low=1)
+    """Ray actors scoring responses in parallel with the reference pass."""
+
+
 # ----------------------------------------------------------------------------- trainer
 
 
@@ -315,6 +338,7 @@ class Config:
     data: DataConfig = field(default_factory=DataConfig)
     worker: WorkerConfig = field(default_factory=WorkerConfig)
     algorithm: AlgorithmConfig = field(default_factory=AlgorithmConfig)
+    reward: RewardConfig = field(default_factory=RewardConfig)
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
     watchdog: WatchdogConfig = field(default_factory=WatchdogConfig)
     ray: RayConfig = field(default_factory=RayConfig)

@@ -1,0 +1,193 @@
+"""Prompt datasets: rows checked once before training, then served as ready prompts.
+
+Building a :class:`PromptDataset` reads every row once (with a progress bar):
+images decoded and sized, prompts templated and counted. Rows that cannot be
+used are skipped with one warning line naming the row and the reason and
+counted by reason in :attr:`PromptDataset.skips` (written to the run folder
+by :meth:`PromptDataset.write_skip_report`). A prompt whose text plus image
+tokens exceed ``data.max_prompt_length`` is skipped, or, with
+``data.downscale_images_to_fit``, its images are shrunk until it fits.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from collections import Counter
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Optional, Sequence
+
+from PIL import Image
+from tqdm import tqdm
+
+from easytrain.config.schema import DataConfig
+from easytrain.data.images import FACTOR, BadSample, decode_image, fit_image, vision_tokens
+from easytrain.data.prompts import build_messages, load_format_template, render_prompt
+from easytrain.data.sources import DataError, RowSource, open_source, require_columns
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class Prompt:
+    """One usable prompt, ready for either engine."""
+
+    uid: str
+    """``<file>#<row>``: stable across runs, used in logs and to group a prompt's responses."""
+    input_ids: list[int]
+    vllm_text: str
+    images: list[Image.Image]
+    """RGB images already sized onto the token grid."""
+    image_tokens: list[int]
+    answer: str
+    downscaled: bool = False
+    """Images were shrunk below data.max_pixels to fit data.max_prompt_length."""
+
+
+@dataclass
+class SkipReport:
+    """Rows seen and skipped, by reason."""
+
+    split: str
+    rows: int = 0
+    kept: int = 0
+    downscaled: int = 0
+    reasons: Counter = field(default_factory=Counter)
+
+    def as_dict(self) -> dict[str, Any]:
+        return {"split": self.split, "rows": self.rows, "kept": self.kept, "downscaled": self.downscaled,
+                "skipped": dict(sorted(self.reasons.items()))}
+
+
+def _text(value: Any, what: str) -> str:
+    if isinstance(value, bytes):
+        try:
+            value = value.decode("utf-8")
+        except UnicodeDecodeError as err:
+            raise BadSample("bad_text", f"{what} is not UTF-8") from err
+    if value is None or (isinstance(value, float) and value != value):  # None or NaN
+        raise BadSample("missing_answer" if what == "answer" else "empty_prompt", f"{what} is missing")
+    if not isinstance(value, str):
+        if what == "answer" and isinstance(value, (int, float, list)):
+            return json.dumps(value) if isinstance(value, list) else str(value)
+        raise BadSample("bad_text", f"{what} is a {type(value).__name__}, not text")
+    try:
+        value.encode("utf-8")
+    except UnicodeEncodeError as err:
+        raise BadSample("bad_text", f"{what} holds characters that are not valid UTF-8") from err
+    if not value.strip():
+        raise BadSample("missing_answer" if what == "answer" else "empty_prompt", f"{what} is empty")
+    return value
+
+
+class PromptDataset:
+    """Usable prompts of ``files``, for one split."""
+
+    def __init__(self, files: Sequence[str], cfg: DataConfig, tokenizer: Any, split: str = "train",
+                 seed: int = 0, vision: bool = True, cache_dir: Optional[str] = None, progress: bool = True) -> None:
+        self.cfg, self.tokenizer, self.split = cfg, tokenizer, split
+        self.image_key = cfg.image_key if vision else None
+        self.template = load_format_template(cfg.format_prompt)
+        size = cfg.synthetic_size if split == "train" else cfg.synthetic_val_size
+        self.sources: list[RowSource] = []
+        for spec in files:
+            source = open_source(spec, cache_dir=cache_dir, seed=seed, split=split, text_only=not self.image_key,
+                                 synthetic_size=size, difficulty=cfg.synthetic_difficulty)
+            require_columns(source, [("data.prompt_key", cfg.prompt_key), ("data.answer_key", cfg.answer_key),
+                                     ("data.image_key", self.image_key)])
+            self.sources.append(source)
+        self.skips = SkipReport(split)
+        self._index: list[tuple[int, int]] = []
+        self.prompt_lengths: list[int] = []
+        self._scan(progress)
+
+    def _scan(self, progress: bool) -> None:
+        total = sum(len(s) for s in self.sources)
+        bar = tqdm(total=total, desc=f"checking {self.split} data", unit="row", disable=not progress)
+        for s, source in enumerate(self.sources):
+            for r in range(len(source)):
+                self.skips.rows += 1
+                try:
+                    prompt = self._build(s, r)
+                except BadSample as bad:
+                    self.skips.reasons[bad.reason] += 1
+                    logger.warning("data: skipped %s row %d: %s", source.name, r, bad)
+                else:
+                    self._index.append((s, r))
+                    self.prompt_lengths.append(len(prompt.input_ids))
+                    self.skips.downscaled += prompt.downscaled
+                bar.update(1)
+        bar.close()
+        self.skips.kept = len(self._index)
+        if not self._index:
+            raise DataError(f"no usable rows in {', '.join(s.name for s in self.sources)} "
+                            f"({self.split}): skipped {dict(self.skips.reasons)}")
+        if self.skips.reasons:
+            logger.warning("data (%s): kept %d of %d rows; skipped %s", self.split, self.skips.kept,
+                           self.skips.rows, dict(self.skips.reasons))
+
+    def __len__(self) -> int:
+        return len(self._index)
+
+    def __getitem__(self, index: int) -> Prompt:
+        s, r = self._index[index]
+        return self._build(s, r)
+
+    def _build(self, s: int, r: int) -> Prompt:
+        source, cfg = self.sources[s], self.cfg
+        row = source[r]
+        if isinstance(row, BadSample):
+            raise row
+        where = f"{source.name}#{r}"
+        problem = _text(row.get(cfg.prompt_key), "prompt")
+        answer = _text(row.get(cfg.answer_key), "answer")
+        if self.template is not None:
+            problem = self.template.render(content=problem)
+        raw_images = self._raw_images(row)
+        decoded = [decode_image(v, cfg.image_dir, f"{where} image {i}") for i, v in enumerate(raw_images)]
+        images = [fit_image(im, cfg.min_pixels, cfg.max_pixels) for im in decoded]
+        messages = build_messages(problem, len(images))
+        rendered = render_prompt(self.tokenizer, messages, [vision_tokens(im.height, im.width) for im in images])
+        downscaled = len(rendered.input_ids) > cfg.max_prompt_length
+        if downscaled:
+            if not (cfg.downscale_images_to_fit and images):
+                raise BadSample("prompt_too_long", f"{len(rendered.input_ids)} tokens > "
+                                f"data.max_prompt_length={cfg.max_prompt_length}")
+            images, rendered = self._downscale(decoded, messages, rendered)
+        return Prompt(uid=where, input_ids=rendered.input_ids, vllm_text=rendered.vllm_text, images=images,
+                      image_tokens=rendered.image_tokens, answer=answer,
+                      downscaled=downscaled)
+
+    def _raw_images(self, row: dict[str, Any]) -> list[Any]:
+        if not self.image_key:
+            return []
+        value = row.get(self.image_key)
+        if value is None:
+            return []
+        values = list(value) if isinstance(value, (list, tuple)) else [value]
+        if len(values) > self.cfg.limit_images:
+            raise BadSample("too_many_images", f"{len(values)} images > data.limit_images={self.cfg.limit_images}")
+        return values
+
+    def _downscale(self, decoded: list[Image.Image], messages: list[dict[str, Any]], rendered: Any) -> tuple:
+        """Shrink every image to an equal share of the tokens the text leaves free."""
+        text_tokens = len(rendered.input_ids) - sum(rendered.image_tokens)
+        share = (self.cfg.max_prompt_length - text_tokens) // len(decoded)
+        if share < 1:
+            raise BadSample("prompt_too_long", f"the text alone takes {text_tokens} tokens "
+                            f"of data.max_prompt_length={self.cfg.max_prompt_length}")
+        max_pixels = share * FACTOR * FACTOR
+        min_pixels = min(self.cfg.min_pixels, max_pixels)
+        images = [fit_image(im, min_pixels, max_pixels) for im in decoded]
+        rendered = render_prompt(self.tokenizer, messages, [vision_tokens(im.height, im.width) for im in images])
+        return images, rendered
+
+    def write_skip_report(self, folder: str | Path) -> Path:
+        """Append this split's counts to ``<folder>/data_report.json``."""
+        path = Path(folder) / "data_report.json"
+        path.parent.mkdir(parents=True, exist_ok=True)
+        report = json.loads(path.read_text()) if path.is_file() else {}
+        report[self.split] = self.skips.as_dict()
+        path.write_text(json.dumps(report, indent=2) + "\n")
+        return path

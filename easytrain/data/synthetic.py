@@ -1,0 +1,158 @@
+"""The built-in synthetic verifiable task: questions about coloured shapes drawn with PIL.
+
+Three question types, equally frequent, each with exactly balanced answers
+(so the best constant answer scores 1/K within a type):
+
+- count:   "How many red circles are there?"          answer 1..4
+- largest: "Which shape is the largest?"               circle | square | triangle
+- colour:  "What colour is the square?"                red | green | blue | yellow
+
+``difficulty`` adds distractor shapes and grows the canvas. The text-only
+variant describes the same scene in words instead of showing it, for text
+models. Splits are generated deterministically from (seed, split) and written
+to parquet in the geometry3k schema (``images`` as a list of
+``{"bytes", "path"}``, ``problem`` with an ``<image>`` placeholder,
+``answer``), so they go through the same loader as real data.
+"""
+
+from __future__ import annotations
+
+import io
+import os
+import random
+import uuid
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Optional
+
+from PIL import Image, ImageDraw
+
+SHAPES = ("circle", "square", "triangle")
+COLOURS = {"red": (220, 40, 40), "green": (40, 170, 60), "blue": (40, 80, 220), "yellow": (230, 200, 30)}
+QUESTION_TYPES = ("count", "largest", "colour")
+COUNTS = ("1", "2", "3", "4")
+INSTRUCTION = " Put the final answer in \\boxed{}."
+VERSION = 1
+
+
+@dataclass
+class Item:
+    shape: str
+    colour: str
+    size: int
+    x: int = 0
+    y: int = 0
+
+
+def _classes(kind: str) -> tuple[str, ...]:
+    return {"count": COUNTS, "largest": SHAPES, "colour": tuple(COLOURS)}[kind]
+
+
+def _scene(kind: str, answer: str, rng: random.Random, difficulty: int) -> tuple[list[Item], str]:
+    """Shapes whose truthful answer to the question of ``kind`` is ``answer``, and the question."""
+    extra = difficulty
+    if kind == "count":
+        shape, colour = rng.choice(SHAPES), rng.choice(list(COLOURS))
+        items = [Item(shape, colour, rng.randint(10, 18)) for _ in range(int(answer))]
+        others = [(s, c) for s in SHAPES for c in COLOURS if (s, c) != (shape, colour)]
+        items += [Item(*rng.choice(others), rng.randint(10, 18)) for _ in range(extra)]
+        return items, f"How many {colour} {shape}s are there?"
+    if kind == "largest":
+        colours = list(COLOURS)
+        big = Item(answer, rng.choice(colours), rng.randint(26, 32))
+        small = [Item(s, rng.choice(colours), rng.randint(9, 16))
+                 for s in [s for s in SHAPES if s != answer] + [rng.choice(SHAPES) for _ in range(extra)]]
+        return [big, *small], "Which shape is the largest: circle, square or triangle?"
+    shape = rng.choice(SHAPES)
+    target = Item(shape, answer, rng.randint(14, 22))
+    others = [Item(rng.choice([s for s in SHAPES if s != shape]), rng.choice(list(COLOURS)), rng.randint(10, 18))
+              for _ in range(extra + 1)]
+    return [target, *others], f"What colour is the {shape}?"
+
+
+def _place(items: list[Item], side: int, rng: random.Random) -> None:
+    """Positions without overlap (rejection sampling; shrinks a shape if the canvas is crowded)."""
+    placed: list[Item] = []
+    for item in items:
+        for attempt in range(200):
+            r = item.size
+            item.x, item.y = rng.randint(r + 2, side - r - 2), rng.randint(r + 2, side - r - 2)
+            if all((item.x - o.x) ** 2 + (item.y - o.y) ** 2 > (r + o.size + 3) ** 2 for o in placed):
+                break
+            if attempt % 50 == 49:
+                item.size = max(6, item.size - 2)
+        placed.append(item)
+
+
+def _draw(items: list[Item], side: int) -> bytes:
+    image = Image.new("RGB", (side, side), (255, 255, 255))
+    draw = ImageDraw.Draw(image)
+    for it in items:
+        colour, r = COLOURS[it.colour], it.size
+        if it.shape == "circle":
+            draw.ellipse([it.x - r, it.y - r, it.x + r, it.y + r], fill=colour)
+        elif it.shape == "square":
+            draw.rectangle([it.x - r, it.y - r, it.x + r, it.y + r], fill=colour)
+        else:
+            draw.polygon([(it.x, it.y - r), (it.x - r, it.y + r), (it.x + r, it.y + r)], fill=colour)
+    buffer = io.BytesIO()
+    image.save(buffer, format="PNG")
+    return buffer.getvalue()
+
+
+def _describe(items: list[Item], rng: random.Random) -> str:
+    shuffled = items[:]
+    rng.shuffle(shuffled)
+    return "The picture shows " + "; ".join(f"a {i.colour} {i.shape} of size {i.size}" for i in shuffled) + "."
+
+
+def generate(size: int, seed: int, split: str = "train", difficulty: int = 1,
+             text_only: bool = False) -> list[dict[str, Any]]:
+    """Rows of the shapes task, deterministic in (size, seed, split, difficulty, text_only)."""
+    rng = random.Random(f"shapes/{seed}/{split}/{difficulty}")
+    side = 112 + 28 * max(0, difficulty - 1)
+    plan = []
+    for i in range(size):
+        kind = QUESTION_TYPES[i % len(QUESTION_TYPES)]
+        classes = _classes(kind)
+        plan.append((kind, classes[(i // len(QUESTION_TYPES)) % len(classes)]))
+    rng.shuffle(plan)
+    rows = []
+    for kind, answer in plan:
+        items, question = _scene(kind, answer, rng, difficulty)
+        _place(items, side, rng)
+        if text_only:
+            rows.append({"images": [], "problem": f"{_describe(items, rng)} {question}{INSTRUCTION}",
+                         "answer": answer, "question_type": kind})
+        else:
+            rows.append({"images": [{"bytes": _draw(items, side), "path": None}],
+                         "problem": f"<image>{question}{INSTRUCTION}", "answer": answer, "question_type": kind})
+    return rows
+
+
+def write_parquet(rows: list[dict[str, Any]], path: Path) -> None:
+    """Write rows in the geometry3k schema (images as list<struct<bytes, path>>), atomically."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    image = pa.struct([("bytes", pa.binary()), ("path", pa.string())])
+    schema = pa.schema([("images", pa.list_(image)), ("problem", pa.string()), ("answer", pa.string()),
+                        ("question_type", pa.string())])
+    table = pa.Table.from_pylist(rows, schema=schema)
+    tmp = path.with_name(f".{path.name}.{uuid.uuid4().hex[:8]}")
+    pq.write_table(table, tmp)
+    os.replace(tmp, path)
+
+
+def ensure_synthetic(task: str, split: str, size: int, seed: int, difficulty: int = 1,
+                     text_only: bool = False, cache_dir: Optional[str] = None) -> Path:
+    """Path of the task's parquet for this split, generated on first use."""
+    if task != "shapes":
+        raise ValueError(f"unknown synthetic task {task!r}; available: shapes")
+    root = Path(os.path.expanduser(cache_dir or "~/.cache/easytrain")) / "synthetic"
+    root.mkdir(parents=True, exist_ok=True)
+    variant = "-text" if text_only else ""
+    path = root / f"{task}{variant}-{split}-n{size}-seed{seed}-d{difficulty}-v{VERSION}.parquet"
+    if not path.is_file():
+        write_parquet(generate(size, seed, split, difficulty, text_only), path)
+    return path

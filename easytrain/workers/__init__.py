@@ -1,0 +1,1 @@
+"""Workers: the roles (actor, reference, rollout) and the reward pool."""
