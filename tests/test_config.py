@@ -117,6 +117,9 @@ BAD = [
     (["model.freeze_llm=true", "model.freeze_vision_tower=true", "model.freeze_aligner=true"],
      "model.freeze_llm"),
     (["worker.actor.optim.betas=[0.9]"], "worker.actor.optim.betas"),
+    (["reward.function=acuracy"], "reward.function='acuracy': not a registered reward"),
+    (["reward.function=/no/such/file.py:fn"], "reward.function='/no/such/file.py:fn': no such file"),
+    (["reward.format_weight=1.5"], "reward.format_weight=1.5"),
 ]
 
 

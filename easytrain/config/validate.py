@@ -105,6 +105,7 @@ def validate(cfg: Config, shape: Optional[ModelShape] = None) -> None:
     _check_model(cfg)
     _check_trainer(cfg)
     _check_watchdog(cfg)
+    _check_reward(cfg)
     if shape is not None:
         _check_against_shape(cfg, shape)
 
@@ -283,6 +284,20 @@ def _check_watchdog(cfg: Config) -> None:
             raise ConfigError(f"watchdog.{kind}_soft", soft,
                               f"must be below watchdog.{kind}_hard={hard} (relief comes before the stop)",
                               f"lower watchdog.{kind}_soft or raise watchdog.{kind}_hard")
+
+
+def _check_reward(cfg: Config) -> None:
+    from easytrain.rewards.registry import REGISTRY
+
+    spec = cfg.reward.function
+    if spec in REGISTRY:
+        return
+    if ":" not in spec:
+        raise ConfigError("reward.function", spec, "not a registered reward",
+                          f"use one of {', '.join(REGISTRY)}, or path/to/file.py:name, or package.module:name")
+    target = spec.rsplit(":", 1)[0]
+    if target.endswith(".py") and not os.path.isfile(target):
+        raise ConfigError("reward.function", spec, f"no such file {target!r}", "check the path")
 
 
 def _check_against_shape(cfg: Config, shape: ModelShape) -> None:

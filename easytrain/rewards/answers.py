@@ -18,7 +18,7 @@ import re
 from typing import Optional, Sequence
 
 THINK_END = "</think>"
-_ANSWER_IS = re.compile(r"(?:final answer|answer)\s*(?:is|:)\s*(.+)", re.IGNORECASE)
+_ANSWER_IS = re.compile(r"(?:final answer|answer)\s*(?:is\s*:?|:)\s*(.+)", re.IGNORECASE)
 _FORMAT = re.compile(r"^\s*<think>(?P<think>.+?)</think>\s*(?P<answer>.*\S.*)$", re.DOTALL)
 _TEXT_WRAP = re.compile(r"\\(?:text|mathrm|textbf|mathbf)\{([^{}]*)\}")
 

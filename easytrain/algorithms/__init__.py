@@ -1,0 +1,1 @@
+"""Algorithms: advantage estimators, KL penalties and policy losses as pure tensor functions."""

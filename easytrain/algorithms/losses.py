@@ -1,0 +1,59 @@
+"""The clipped policy-gradient loss and masked reductions."""
+
+from __future__ import annotations
+
+import torch
+
+
+def masked_sum(values: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    return (values * mask).sum()
+
+
+def masked_mean(values: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    return (values * mask).sum() / mask.sum().clamp(min=1)
+
+
+def aggregate(token_losses: torch.Tensor, mask: torch.Tensor, mode: str, normaliser: float) -> torch.Tensor:
+    """Reduce per-token losses to the micro batch's share of the mini-batch loss.
+
+    token-mean: sum over tokens / ``normaliser`` (the mini batch's token count,
+    over all ranks), so micro batches and ranks add up to one token mean.
+    seq-mean-token-mean: each sequence's token mean, summed / ``normaliser``
+    (the mini batch's sequence count).
+    """
+    if mode == "token-mean":
+        return masked_sum(token_losses, mask) / normaliser
+    if mode == "seq-mean-token-mean":
+        per_seq = (token_losses * mask).sum(-1) / mask.sum(-1).clamp(min=1)
+        return per_seq.sum() / normaliser
+    raise ValueError(f"unknown loss_agg_mode {mode!r}")
+
+
+def policy_loss(log_probs: torch.Tensor, old_log_probs: torch.Tensor, advantages: torch.Tensor,
+                clip_low: float, clip_high: float, clip_dual: float) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """Per-token PPO loss with clip-higher (separate low/high bounds) and dual clip for negative advantages.
+
+    Returns the token losses and per-token indicators for metrics (clipped,
+    dual-clipped) plus the log ratio.
+    """
+    log_ratio = (log_probs - old_log_probs).clamp(-20.0, 20.0)
+    ratio = log_ratio.exp()
+    unclipped = -advantages * ratio
+    clipped = -advantages * ratio.clamp(1.0 - clip_low, 1.0 + clip_high)
+    loss = torch.maximum(unclipped, clipped)
+    dual = -advantages * clip_dual
+    use_dual = (advantages < 0) & (loss > dual)
+    loss = torch.where(use_dual, dual, loss)
+    return loss, {"clipped": (clipped > unclipped).float(), "dual_clipped": use_dual.float(), "log_ratio": log_ratio}
+
+
+def entropy_from_logits(logits: torch.Tensor) -> torch.Tensor:
+    """Per-position entropy of softmax(logits)."""
+    log_p = torch.log_softmax(logits.float(), dim=-1)
+    return -(log_p.exp() * log_p).sum(-1)
+
+
+def token_log_probs(logits: torch.Tensor, tokens: torch.Tensor, temperature: float = 1.0) -> torch.Tensor:
+    """log softmax(logits / temperature) at ``tokens``: log-probs of the sampling distribution."""
+    scaled = logits.float() / (temperature if temperature > 0 else 1.0)
+    return torch.log_softmax(scaled, dim=-1).gather(-1, tokens.unsqueeze(-1)).squeeze(-1)
