@@ -41,26 +41,35 @@ def fail(err: ConfigError, prog: str = "easytrain") -> None:
     sys.exit(EXIT_CONFIG_ERROR)
 
 
-def run(config: Config) -> None:
-    """Prepare the run's resources and hand over to the trainer for ``trainer.task``."""
+def run(config: Config) -> dict[str, float]:
+    """Start or join Ray and run the trainer for ``trainer.task``; returns the final validation metrics."""
     from easytrain.distributed.cluster import init_ray
-    from easytrain.models.hf import model_folder
+    from easytrain.trainer.rl import RLTrainer
 
+    if config.trainer.task == "sft":
+        raise ConfigError("trainer.task", "sft", "the SFT trainer is not part of this build yet",
+                          "use trainer.task=rl")
     logger.info("run folder: %s", config.trainer.output_dir)
-    folder = model_folder(config.model)
-    logger.info("model: %s (%s)", config.model.path, folder)
     init_ray(config.ray)
-    logger.warning("trainer.task=%s: the trainer is not part of this build yet; "
-                   "config, model and Ray are ready, stopping here", config.trainer.task)
+    trainer = RLTrainer(config)
+    try:
+        return trainer.fit()
+    finally:
+        trainer.close()
 
 
 @hydra.main(config_path=str(CONF_DIR), config_name="config", version_base="1.3")
 def _hydra_main(cfg: DictConfig) -> None:
+    from easytrain.data.sources import DataError
+
     try:
         config = resolve(cfg)
+        run(config)
     except ConfigError as err:
         fail(err)
-    run(config)
+    except DataError as err:
+        sys.stderr.write(f"easytrain: data error: {err}\n")
+        sys.exit(EXIT_CONFIG_ERROR)
 
 
 def main(argv: Sequence[str] | None = None) -> None:

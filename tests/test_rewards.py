@@ -27,6 +27,10 @@ from easytrain.rewards.answers import answer_reward, final_answer, format_reward
     ("<think>it is \\boxed{3}</think> I am not sure.", "3", 0.0),  # answer only inside the reasoning
     ("<think>the answer is 3", "3", 0.0),  # reasoning never closed
     ("I think it is three", "3", 0.0),
+    ("circle", "circle", 1.0),  # a bare response is its own answer
+    (" Circle.\n", "circle", 1.0),
+    ("circle square triangle", "circle", 0.0),
+    ("it is a circle", "circle", 0.0),
     ("", "3", 0.0),
     ("\\boxed{3", "3", 0.0),  # unbalanced box
 ])
@@ -60,7 +64,8 @@ def test_format_reward(response: str, score: float) -> None:
 def test_final_answer_extraction() -> None:
     assert final_answer("<think>x</think>The final answer is: 12") == "12"
     assert final_answer("\\boxed{\\frac{a}{b}}") == "\\frac{a}{b}"
-    assert final_answer("no answer here") is None
+    assert final_answer("no answer here") == "no answer here"
+    assert final_answer("   ") is None
 
 
 def test_format_weight_mixes_into_overall() -> None:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Sequence
+
 import torch
 
 
@@ -48,12 +50,22 @@ def policy_loss(log_probs: torch.Tensor, old_log_probs: torch.Tensor, advantages
 
 
 def entropy_from_logits(logits: torch.Tensor) -> torch.Tensor:
-    """Per-position entropy of softmax(logits)."""
+    """Per-position entropy of softmax(logits) (-inf logits contribute nothing)."""
     log_p = torch.log_softmax(logits.float(), dim=-1)
-    return -(log_p.exp() * log_p).sum(-1)
+    return -(log_p.exp() * log_p.masked_fill(torch.isinf(log_p), 0.0)).sum(-1)
 
 
-def token_log_probs(logits: torch.Tensor, tokens: torch.Tensor, temperature: float = 1.0) -> torch.Tensor:
-    """log softmax(logits / temperature) at ``tokens``: log-probs of the sampling distribution."""
+def sampling_logits(logits: torch.Tensor, temperature: float = 1.0,
+                    suppressed: Sequence[int] = ()) -> torch.Tensor:
+    """Logits of the sampling distribution: divided by the temperature, never-generated tokens at -inf."""
     scaled = logits.float() / (temperature if temperature > 0 else 1.0)
+    if suppressed:
+        scaled[..., list(suppressed)] = float("-inf")
+    return scaled
+
+
+def token_log_probs(logits: torch.Tensor, tokens: torch.Tensor, temperature: float = 1.0,
+                    suppressed: Sequence[int] = ()) -> torch.Tensor:
+    """log-probs of ``tokens`` under the sampling distribution (see :func:`sampling_logits`)."""
+    scaled = sampling_logits(logits, temperature, suppressed)
     return torch.log_softmax(scaled, dim=-1).gather(-1, tokens.unsqueeze(-1)).squeeze(-1)

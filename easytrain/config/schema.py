@@ -123,8 +123,8 @@ class DataConfig:
     """Rows of the train split of a synthetic:<task> dataset."""
     synthetic_val_size: int = bounded(64, low=1)
     """Rows of the validation split of a synthetic:<task> dataset."""
-    synthetic_difficulty: int = bounded(1, low=1)
-    """Synthetic task difficulty: distractor shapes per image (and a larger canvas above 1)."""
+    synthetic_difficulty: int = bounded(1, low=0)
+    """Synthetic task difficulty: distractor shapes per image (and a larger canvas above 1); 0 = none."""
 
 
 # ----------------------------------------------------------------------------- workers
@@ -188,6 +188,11 @@ class ActorConfig(RoleConfig):
     """PPO upper clip: ratio <= 1 + clip_ratio_high (higher than low: DAPO's clip-higher)."""
     clip_ratio_dual: float = bounded(3.0, low=1.0)
     """Dual-clip bound for negative advantages (ratio <= clip_ratio_dual)."""
+    loss_agg_mode: str = choice("token-mean", "token-mean", "seq-mean-token-mean")
+    """How token losses become the loss: mean over all tokens of the mini batch, or per-sequence means averaged."""
+    reuse_log_probs_on_policy: bool = True
+    """Skip the old-log-prob pass when the update is exactly on-policy (ppo_epochs=1 and one optimizer
+    step per rollout batch): the old log-probs then equal the detached current ones."""
     optim: OptimConfig = field(default_factory=OptimConfig)
 
 
@@ -242,6 +247,10 @@ class AlgorithmConfig:
     """Adaptive KL: the KL the controller aims for."""
     kl_horizon: int = bounded(10000, low=1)
     """Adaptive KL: steps over which the coefficient adapts."""
+    dynamic_sampling: bool = False
+    """DAPO: drop prompts whose responses all scored the same and refill the batch with new prompts."""
+    max_sampling_retries: int = bounded(3, low=0)
+    """Dynamic sampling: extra generation rounds to refill a batch before training on what there is."""
 
 
 # ----------------------------------------------------------------------------- reward
@@ -270,6 +279,8 @@ class TrainerConfig:
     """Nodes of the Ray cluster the run uses."""
     workers_per_node: int = bounded(2, low=1)
     """Worker processes per node: GPUs per node on cuda, CPU workers on cpu."""
+    colocate: bool = True
+    """Actor, reference and rollout share the same devices, time-sliced; false gives each role its own pool."""
     total_epochs: int = bounded(1, low=1)
     """Passes over the training data."""
     max_steps: int = bounded(-1, low=-1)
@@ -280,6 +291,8 @@ class TrainerConfig:
     """Validate once before the first step."""
     val_only: bool = False
     """Validate and exit without training."""
+    log_samples: int = bounded(4, low=0)
+    """Validation generations written to samples.jsonl at each validation."""
     save_freq: int = bounded(-1, low=-1)
     """Checkpoint every N steps; -1 = only at the end."""
     save_limit: int = bounded(-1, low=-1)

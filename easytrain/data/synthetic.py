@@ -66,7 +66,7 @@ def _scene(kind: str, answer: str, rng: random.Random, difficulty: int) -> tuple
     shape = rng.choice(SHAPES)
     target = Item(shape, answer, rng.randint(14, 22))
     others = [Item(rng.choice([s for s in SHAPES if s != shape]), rng.choice(list(COLOURS)), rng.randint(10, 18))
-              for _ in range(extra + 1)]
+              for _ in range(extra)]
     return [target, *others], f"What colour is the {shape}?"
 
 

@@ -52,14 +52,15 @@ def load_image_processor(model: ModelConfig, folder: Optional[str] = None) -> An
     return image_processor_class().from_pretrained(model.tokenizer_path or folder)
 
 
-def load_model(model: ModelConfig, folder: Optional[str] = None, device: str = "cpu") -> Any:
-    """The transformers model of ``model.path`` in ``model.dtype`` with the configured attention."""
+def load_model(model: ModelConfig, folder: Optional[str] = None, device: str = "cpu",
+               dtype: Optional[str] = None) -> Any:
+    """The transformers model of ``model.path`` in ``dtype`` (default ``model.dtype``) with the configured attention."""
     import torch
 
     folder = folder or model_folder(model)
     cls = model_class_for(model_family(folder))
     loaded = cls.from_pretrained(
-        folder, dtype=getattr(torch, DTYPES[model.dtype]), attn_implementation=model.attn_implementation,
+        folder, dtype=getattr(torch, DTYPES[dtype or model.dtype]), attn_implementation=model.attn_implementation,
         trust_remote_code=model.trust_remote_code,
     )
     return loaded.to(device)

@@ -6,7 +6,9 @@ by listing candidates):
 1. Reasoning is ignored: text inside ``<think>...</think>`` (or before the
    last ``</think>``) never counts as an answer.
 2. The answer is the content of ``\\boxed{...}`` in the rest of the
-   response; without a box, the text after the last "answer is" / "Answer:".
+   response; without a box, the text after the last "answer is" / "Answer:";
+   without either, the whole remaining response (a bare "circle" answers
+   "circle"; a sentence around it does not).
 3. Exactly one distinct final answer must be stated. Two different boxes
    ("\\boxed{2} or \\boxed{3}") score 0, as does a box listing several
    candidates ("\\boxed{2, 3}" against "3"), since it does not equal the truth.
@@ -70,7 +72,7 @@ def final_answer(response: str) -> Optional[str]:
     candidates = boxed_contents(tail)
     if not candidates:
         lines = [m.group(1) for m in _ANSWER_IS.finditer(tail)]
-        candidates = lines[-1:]  # "the answer is X" may be restated; the last statement is the answer
+        candidates = lines[-1:] if lines else [tail]  # "the answer is X" may be restated; the last one counts
     distinct = {normalize(c) for c in candidates if c.strip()}
     if len(distinct) != 1:
         return None

@@ -1,0 +1,156 @@
+"""Worker groups: one Ray actor per rank of a role, called once per phase.
+
+A worker class declares how each remote method is dispatched with
+:func:`dispatch`: ``BROADCAST`` sends the same arguments to every rank and
+returns every result; ``SCATTER`` splits a :class:`Batch` by data-parallel
+rank (padding it to a multiple of the ranks first, and dropping the padding
+from the gathered result) and concatenates the ranks' result batches;
+``RANK0`` calls every rank (collectives need all of them) and returns rank
+0's result. One remote call per rank per phase; tensors travel through Ray's
+object store.
+
+Workers are created with ``max_restarts=0`` on purpose: a restarted rank
+would come back without its shard of the model and optimizer and hang the
+others' collectives, so a death is reported (role, rank, node) and the run
+stops; resuming is the checkpoint's job.
+"""
+
+from __future__ import annotations
+
+import enum
+import logging
+import socket
+from typing import Any, Callable, Optional, TypeVar
+
+import ray
+
+from easytrain.distributed.batch import Batch
+from easytrain.distributed.resources import ResourcePool
+
+logger = logging.getLogger(__name__)
+
+F = TypeVar("F", bound=Callable[..., Any])
+DISPATCH_ATTR = "__easytrain_dispatch__"
+
+
+class Dispatch(enum.Enum):
+    BROADCAST = "broadcast"
+    SCATTER = "scatter"
+    RANK0 = "rank0"
+
+
+def dispatch(mode: Dispatch) -> Callable[[F], F]:
+    """Declare how a worker method is called across the group."""
+    def mark(fn: F) -> F:
+        setattr(fn, DISPATCH_ATTR, mode)
+        return fn
+    return mark
+
+
+class WorkerError(RuntimeError):
+    """A worker died or raised; the message names role, rank and node."""
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("", 0))
+        return int(s.getsockname()[1])
+
+
+class WorkerGroup:
+    def __init__(self, worker_cls: type, role: str, pool: ResourcePool, *, num_cpus: float, num_gpus: float,
+                 init_args: tuple[Any, ...] = (), env: Optional[dict[str, str]] = None) -> None:
+        self.role, self.pool, self.worker_cls = role, pool, worker_cls
+        remote_cls = ray.remote(worker_cls)
+        self.workers = []
+        for placement in pool.placements:
+            options = dict(num_cpus=num_cpus, num_gpus=num_gpus, max_restarts=0, max_task_retries=0,
+                           scheduling_strategy=pool.strategy(placement.rank),
+                           name=f"easytrain-{role}-{placement.rank}-{id(self):x}",
+                           runtime_env={"env_vars": dict(env or {})})
+            self.workers.append(remote_cls.options(**options).remote(
+                *init_args, role=role, rank=placement.rank, world_size=pool.world_size))
+
+    @property
+    def world_size(self) -> int:
+        return len(self.workers)
+
+    def init_process_group(self) -> None:
+        """One torch.distributed world for the role (``cpu:gloo,cuda:nccl``), rendezvous at rank 0."""
+        address = self._get([self.workers[0].node_ip.remote()], "node_ip")[0]
+        port = self._get([self.workers[0].free_port.remote()], "free_port")[0]
+        self._get([w.init_process_group.remote(address, port) for w in self.workers], "init_process_group")
+
+    def _mode(self, method: str) -> Dispatch:
+        fn = getattr(self.worker_cls, method, None)
+        if fn is None:
+            raise AttributeError(f"{self.worker_cls.__name__} has no method {method!r}")
+        return getattr(fn, DISPATCH_ATTR, Dispatch.BROADCAST)
+
+    def call(self, method: str, *args: Any, **kwargs: Any) -> Any:
+        """Call ``method`` on the group with its declared dispatch and wait for the result."""
+        return self.collect(self.submit(method, *args, **kwargs))
+
+    def submit(self, method: str, *args: Any, **kwargs: Any) -> "Pending":
+        """Start ``method`` on every rank without waiting (see :meth:`collect`)."""
+        mode = self._mode(method)
+        if mode is not Dispatch.SCATTER:
+            refs = [getattr(w, method).remote(*args, **kwargs) for w in self.workers]
+            return Pending(method, mode, refs)
+        batch, rest = args[0], args[1:]
+        if not isinstance(batch, Batch):
+            raise TypeError(f"{self.role}.{method} scatters a Batch, got {type(batch).__name__}")
+        n = len(batch)
+        pad = (-n) % self.world_size
+        if pad:  # repeat leading samples; their results are dropped in collect
+            batch = batch.select(list(range(n)) + [i % n for i in range(pad)])
+        chunks = batch.split(self.world_size)
+        refs = [getattr(w, method).remote(chunk, *rest, **kwargs) for w, chunk in zip(self.workers, chunks)]
+        real, start = [], 0
+        for chunk in chunks:  # how many samples of each chunk are real (padding sits at the end)
+            real.append(max(0, min(len(chunk), n - start)))
+            start += len(chunk)
+        return Pending(method, mode, refs, [len(c) for c in chunks], real)
+
+    def collect(self, pending: "Pending") -> Any:
+        results = self._get(pending.refs, pending.method)
+        if pending.mode is Dispatch.RANK0:
+            return results[0]
+        if pending.mode is Dispatch.SCATTER and all(isinstance(r, Batch) for r in results):
+            kept = []
+            for result, size, real in zip(results, pending.chunk_sizes, pending.real_sizes):
+                per_sample = len(result) // size if size else 0  # e.g. n responses per prompt
+                kept.append(result if real == size else result.select(range(real * per_sample)))
+            return Batch.concat(kept)
+        return results
+
+    def _get(self, refs: list[Any], method: str) -> list[Any]:
+        out = []
+        for rank, ref in enumerate(refs):
+            try:
+                out.append(ray.get(ref))
+            except ray.exceptions.RayActorError as err:
+                place = self.pool.placements[rank]
+                raise WorkerError(f"{self.role} worker rank {rank} on node {place.node_ip} died during "
+                                  f"{method}: {str(err).splitlines()[0] if str(err) else type(err).__name__}") from err
+            except ray.exceptions.RayTaskError as err:
+                place = self.pool.placements[rank]
+                cause = err.cause if getattr(err, "cause", None) is not None else err
+                raise WorkerError(f"{self.role} worker rank {rank} on node {place.node_ip} failed in {method}: "
+                                  f"{type(cause).__name__}: {str(cause).splitlines()[0] if str(cause) else ''}"
+                                  ) from err
+        return out
+
+    def shutdown(self) -> None:
+        for worker in self.workers:
+            ray.kill(worker)
+        self.workers = []
+
+
+class Pending:
+    """Calls started on every rank of a group, not yet collected."""
+
+    def __init__(self, method: str, mode: Dispatch, refs: list[Any], chunk_sizes: Optional[list[int]] = None,
+                 real_sizes: Optional[list[int]] = None) -> None:
+        self.method, self.mode, self.refs = method, mode, refs
+        self.chunk_sizes, self.real_sizes = chunk_sizes or [], real_sizes or []

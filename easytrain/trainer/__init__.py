@@ -1,0 +1,1 @@
+"""Trainers: the RL loop (single controller), metrics and timing."""

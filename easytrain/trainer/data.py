@@ -1,0 +1,79 @@
+"""The RL trainer's data: train/validation prompt datasets, their loaders, and decoding responses."""
+
+from __future__ import annotations
+
+import logging
+import math
+from typing import Any, Iterator
+
+from easytrain.config.schema import Config
+from easytrain.config.validate import split_files
+from easytrain.data.collate import PromptCollator
+from easytrain.data.dataset import PromptDataset
+from easytrain.data.loader import PromptLoader
+from easytrain.data.vision import IMAGE_PAD
+from easytrain.distributed.batch import Batch
+from easytrain.models.hf import load_image_processor, load_tokenizer, model_folder
+
+logger = logging.getLogger(__name__)
+
+PROMPT_TENSORS = ("input_ids", "attention_mask", "pixel_values", "image_grid_thw", "mm_token_type_ids")
+
+
+class RLData:
+    def __init__(self, config: Config) -> None:
+        self.config = config
+        d, m = config.data, config.model
+        folder = model_folder(m)
+        self.tokenizer = load_tokenizer(m, folder)
+        self.processor = load_image_processor(m, folder)
+        vision = self.processor is not None and d.image_key is not None
+        if self.processor is not None:  # images are sized by the dataset; keep the processor's bounds in step
+            self.processor.size = {"shortest_edge": d.min_pixels, "longest_edge": d.max_pixels}
+        cache = m.cache_dir
+        self.train = PromptDataset(split_files(d.train_files), d, self.tokenizer, "train", config.trainer.seed,
+                                   vision, cache)
+        self.val = (PromptDataset(split_files(d.val_files), d, self.tokenizer, "val", config.trainer.seed, vision,
+                                  cache) if d.val_files else None)
+        for dataset in (self.train, self.val):
+            if dataset is not None:
+                dataset.write_skip_report(config.trainer.output_dir)
+        self.collator = PromptCollator(self.tokenizer.pad_token_id, self.processor if vision else None,
+                                       self.tokenizer.convert_tokens_to_ids(IMAGE_PAD))
+        self.loader = PromptLoader(self.train, d.rollout_batch_size, self.collator, d.shuffle, config.trainer.seed,
+                                   d.num_workers)
+
+    def total_steps(self) -> int:
+        t = self.config.trainer
+        per_epoch = self.loader.sampler.batches_per_epoch
+        total = per_epoch * t.total_epochs
+        return min(total, t.max_steps) if t.max_steps > 0 else total
+
+    def train_batches(self) -> Iterator[Batch]:
+        """Prompt batches across epochs, resuming from the loader's position."""
+        while True:
+            for raw in self.loader:
+                yield to_batch(raw, self.config.worker.rollout.engine == "vllm")
+
+    def val_batches(self) -> Iterator[Batch]:
+        assert self.val is not None, "no validation data (data.val_files)"
+        size = len(self.val) if self.config.data.val_batch_size < 0 else self.config.data.val_batch_size
+        for start in range(0, len(self.val), size):
+            prompts = [self.val[i] for i in range(start, min(start + size, len(self.val)))]
+            yield to_batch(self.collator(prompts), self.config.worker.rollout.engine == "vllm")
+
+    def decode(self, batch: Batch) -> list[str]:
+        responses = batch["responses"] * batch["response_mask"].long()
+        return self.tokenizer.batch_decode(responses, skip_special_tokens=True)
+
+
+def to_batch(raw: dict[str, Any], keep_images: bool) -> Batch:
+    """A collated prompt batch as a Batch: tensors, per-prompt lists, images per prompt."""
+    import torch
+
+    tensors = {k: raw[k] for k in PROMPT_TENSORS if k in raw}
+    meta = {"uids": raw["uids"], "answers": raw["answers"]}
+    if keep_images:  # vLLM takes the PIL images and its own prompt form
+        meta.update(images=raw["images"], vllm_prompts=raw["vllm_prompts"])
+    counts = torch.tensor([len(images) for images in raw["images"]]) if "pixel_values" in raw else None
+    return Batch(tensors, meta, counts)

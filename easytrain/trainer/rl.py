@@ -1,0 +1,189 @@
+"""The GRPO driver (single controller): one worker-group call per phase, each timed.
+
+    generate -> reward (in the background) -> reference log-probs -> old log-probs
+    -> advantages -> update -> weight sync
+
+The driver holds prompts, token ids, rewards and advantages; models live in
+the worker groups. Run it through ``python -m easytrain.main``.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from typing import Any, Iterator, Optional
+
+import torch
+from tqdm import tqdm
+
+from easytrain.algorithms.advantages import compute_advantages, informative_groups, token_advantages
+from easytrain.algorithms.kl import KLController, kl_penalty
+from easytrain.config.schema import Config
+from easytrain.distributed.batch import Batch
+from easytrain.trainer.data import RLData
+from easytrain.trainer.metrics import MetricsLogger, PhaseTimer
+from easytrain.trainer.roles import Roles, build_roles
+from easytrain.trainer.stats import reduce_update_metrics, response_metrics, reward_metrics
+
+logger = logging.getLogger(__name__)
+
+
+class RLTrainer:
+    def __init__(self, config: Config, data: Optional[RLData] = None) -> None:
+        self.config = config
+        self.data = data or RLData(config)
+        self.total_steps = self.data.total_steps()
+        a = config.algorithm
+        self.kl = KLController(a.kl_coef, a.kl_type == "adaptive", a.kl_target, a.kl_horizon)
+        steps_per_rollout = config.data.rollout_batch_size // config.worker.actor.global_batch_size
+        self.roles: Roles = build_roles(config, self.total_steps * steps_per_rollout * config.worker.actor.ppo_epochs)
+        self.metrics = MetricsLogger(config.trainer.output_dir, config.trainer.loggers, config.trainer.experiment_name)
+        self.on_policy = config.worker.actor.ppo_epochs == 1 and steps_per_rollout == 1
+        self.step = 0
+
+    # ------------------------------------------------------------------ loop
+
+    def fit(self) -> dict[str, float]:
+        t = self.config.trainer
+        last: dict[str, float] = {}
+        if t.val_before_train or t.val_only:
+            last = self.validate()
+            if t.val_only:
+                return last
+        bar = tqdm(total=self.total_steps, desc="GRPO", unit="step")
+        prompts = self.data.train_batches()
+        while self.step < self.total_steps:
+            self.step += 1
+            metrics = self.train_step(prompts)
+            if t.val_freq > 0 and self.step % t.val_freq == 0 and self.step < self.total_steps:
+                metrics.update(self.validate())
+            self.metrics.log(self.step, metrics)
+            bar.update(1)
+            bar.set_postfix(reward=f"{metrics['reward/mean']:.3f}")
+        bar.close()
+        last = self.validate()
+        return last
+
+    def train_step(self, prompts: Iterator[Batch]) -> dict[str, float]:
+        timer, start = PhaseTimer(), time.perf_counter()
+        batch, scores, sampling = self.rollout(prompts, timer)
+        with timer("old_log_probs"):
+            if not (self.on_policy and self.config.worker.actor.reuse_log_probs_on_policy):
+                batch = batch.union(self.roles.actor.call("compute_log_probs", batch))
+        with timer("advantages"):
+            batch = self.add_advantages(batch, scores)
+        with timer("update"):
+            update = self.roles.actor.call("update", self.for_update(batch), self.kl.coef)
+        with timer("sync"):
+            self.roles.transport.sync(self.roles.actor, self.roles.rollout)
+        metrics = {**reward_metrics(scores), **response_metrics(batch), **reduce_update_metrics(update), **sampling}
+        self.kl.update(metrics.get("actor/kl_loss", 0.0), len(batch))
+        metrics["actor/kl_coef"] = self.kl.coef
+        metrics.update(timer.times)
+        metrics["time/step"] = time.perf_counter() - start
+        metrics["perf/tokens_per_s"] = float(batch["response_mask"].sum()) / max(metrics["time/generate"], 1e-9)
+        metrics.update(self.memory())
+        return metrics
+
+    # ------------------------------------------------------------------ phases
+
+    def rollout(self, prompts: Iterator[Batch],
+                timer: PhaseTimer) -> tuple[Batch, dict[str, torch.Tensor], dict[str, float]]:
+        """Generate and score; with dynamic sampling, keep only groups with signal and refill."""
+        n, target = self.config.worker.rollout.n, self.config.data.rollout_batch_size
+        kept: list[tuple[Batch, dict[str, torch.Tensor]]] = []
+        spare: list[tuple[Batch, dict[str, torch.Tensor]]] = []
+        rounds = 0
+        while True:
+            batch, scores = self.generate_and_score(next(prompts), timer)
+            if not self.config.algorithm.dynamic_sampling:
+                return batch, scores, {}
+            keep = informative_groups(scores["overall"], torch.arange(len(batch)) // n)
+            rows = torch.nonzero(keep).flatten().tolist()
+            rest = torch.nonzero(~keep).flatten().tolist()
+            kept.append((batch.select(rows), {k: v[rows] for k, v in scores.items()}))
+            spare.append((batch.select(rest), {k: v[rest] for k, v in scores.items()}))
+            rounds += 1
+            have = sum(len(b) for b, _ in kept) // n
+            if have >= target or rounds > self.config.algorithm.max_sampling_retries:
+                break
+        parts = kept + spare  # groups without signal fill what the retries could not
+        merged = Batch.concat([b for b, _ in parts])
+        merged_scores = {k: torch.cat([s[k] for _, s in parts]) for k in parts[0][1]}
+        rows = list(range(target * n))
+        return (merged.select(rows), {k: v[rows] for k, v in merged_scores.items()},
+                {"sampling/rounds": float(rounds), "sampling/informative_groups": float(min(have, target))})
+
+    def generate_and_score(self, prompts: Batch, timer: PhaseTimer,
+                           validate: bool = False) -> tuple[Batch, dict[str, torch.Tensor]]:
+        with timer("generate"):
+            batch = self.roles.rollout.call("generate", prompts, self.step, validate)
+        texts = self.data.decode(batch)
+        pending = self.roles.rewards.submit(texts, batch.meta["answers"])
+        if not validate and self.roles.ref is not None:
+            with timer("ref"):  # runs while the reward actors score
+                batch = batch.union(self.roles.ref.call("compute_ref_log_probs", batch))
+        with timer("reward"):
+            scores, errors = self.roles.rewards.collect(pending)
+        table = {key: torch.tensor([s.get(key, 0.0) for s in scores]) for key in scores[0]}
+        table["errors"] = torch.full((len(scores),), float(errors) / max(1, len(scores)))
+        batch.meta["texts"] = texts
+        return batch, table
+
+    def add_advantages(self, batch: Batch, scores: dict[str, torch.Tensor]) -> Batch:
+        a, n = self.config.algorithm, self.config.worker.rollout.n
+        rewards = scores["overall"].to(torch.float32)
+        mask = batch["response_mask"]
+        if not a.use_kl_loss and "ref_log_probs" in batch:  # KL in the reward
+            kl = kl_penalty(batch["rollout_log_probs"], batch["ref_log_probs"], a.kl_penalty)
+            rewards = rewards - self.kl.coef * (kl * mask).sum(-1)
+        groups = torch.arange(len(batch)) // n
+        advantages = compute_advantages(a.adv_estimator, rewards, groups, a.norm_adv_by_std)
+        return batch.union(Batch({"advantages": token_advantages(advantages, mask)}))
+
+    def for_update(self, batch: Batch) -> Batch:
+        """Order samples so each rank's contiguous share holds its slice of every optimizer step.
+
+        Step s uses samples [s*G, (s+1)*G) of the rollout batch, whatever the
+        number of ranks, so 1 rank and k ranks take the same optimizer steps.
+        """
+        dp = self.roles.actor.world_size
+        per_step = self.config.worker.actor.global_batch_size * self.config.worker.rollout.n
+        steps = len(batch) // per_step
+        share = per_step // dp
+        order = [s * per_step + r * share + i for r in range(dp) for s in range(steps) for i in range(share)]
+        return batch.select(order)
+
+    def validate(self) -> dict[str, float]:
+        timer = PhaseTimer()
+        all_scores: list[dict[str, torch.Tensor]] = []
+        samples: list[dict[str, Any]] = []
+        for prompts in self.data.val_batches():
+            batch, scores = self.generate_and_score(prompts, timer, validate=True)
+            all_scores.append(scores)
+            for i in range(len(batch)):
+                if len(samples) < self.config.trainer.log_samples:
+                    samples.append({"uid": batch.meta["uids"][i], "response": batch.meta["texts"][i],
+                                    "answer": batch.meta["answers"][i], "score": float(scores["overall"][i])})
+        merged = {k: torch.cat([s[k] for s in all_scores]) for k in all_scores[0]}
+        metrics = {f"val/{k}": v for k, v in reward_metrics(merged).items()}
+        metrics["val/time"] = timer.times.get("time/generate", 0.0) + timer.times.get("time/reward", 0.0)
+        if samples:
+            self.metrics.write_samples(self.step, samples)
+        self.metrics.log(self.step, metrics)
+        return metrics
+
+    def memory(self) -> dict[str, float]:
+        out = {}
+        groups = {"actor": self.roles.actor, "ref": self.roles.ref, "rollout": self.roles.rollout}
+        for name, group in groups.items():
+            if group is None:
+                continue
+            readings = group.call("memory")
+            for key in readings[0]:
+                out[f"memory/{name}_{key}_max"] = max(r[key] for r in readings)
+        return out
+
+    def close(self) -> None:
+        self.metrics.close()
+        self.roles.shutdown()

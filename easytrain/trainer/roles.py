@@ -1,0 +1,76 @@
+"""Placing the roles on the cluster: one resource pool (colocated) or one per role, and their worker groups."""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from typing import Optional
+
+from easytrain.config.schema import Config
+from easytrain.distributed.group import WorkerGroup
+from easytrain.distributed.resources import ResourcePool
+from easytrain.workers.actor import ActorWorker
+from easytrain.workers.reference import ReferenceWorker
+from easytrain.workers.reward_pool import RewardPool
+from easytrain.workers.rollout.worker import RolloutWorker
+from easytrain.workers.weight_sync import ObjectStoreTransport, WeightTransport
+
+logger = logging.getLogger(__name__)
+
+
+def needs_reference(config: Config) -> bool:
+    """A reference model is needed for any KL term (as a loss or in the reward)."""
+    return config.algorithm.kl_coef > 0
+
+
+@dataclass
+class Roles:
+    actor: WorkerGroup
+    ref: Optional[WorkerGroup]
+    rollout: WorkerGroup
+    rewards: RewardPool
+    transport: WeightTransport
+    pools: list[ResourcePool]
+
+    def shutdown(self) -> None:
+        for group in (self.actor, self.ref, self.rollout):
+            if group is not None:
+                group.shutdown()
+        self.rewards.shutdown()
+        for pool in self.pools:
+            pool.release()
+
+
+def build_roles(config: Config, total_optimizer_steps: int) -> Roles:
+    """Create pools and groups, start process groups, load models (in parallel across roles)."""
+    t = config.trainer
+    with_ref = needs_reference(config)
+    names = ["actor", "rollout"] + (["ref"] if with_ref else [])
+    gpu = 1.0 if t.device == "cuda" else 0.0
+    if t.colocate:
+        pool = ResourcePool("colocated", t.nnodes, t.workers_per_node, t.device)
+        pools = {name: pool for name in names}
+        share = round(1.0 / len(names), 4)  # roles time-slice each device
+        cpus, gpus = share, gpu * share
+    else:
+        pools = {name: ResourcePool(name, t.nnodes, t.workers_per_node, t.device) for name in names}
+        cpus, gpus = 1.0, gpu
+    env = {"TOKENIZERS_PARALLELISM": "false"}
+    actor = WorkerGroup(ActorWorker, "actor", pools["actor"], num_cpus=cpus, num_gpus=gpus, init_args=(config,),
+                        env=env)
+    rollout = WorkerGroup(RolloutWorker, "rollout", pools["rollout"], num_cpus=cpus, num_gpus=gpus,
+                          init_args=(config,), env=env)
+    ref = (WorkerGroup(ReferenceWorker, "ref", pools["ref"], num_cpus=cpus, num_gpus=gpus, init_args=(config,),
+                       env=env) if with_ref else None)
+    training = [g for g in (actor, ref) if g is not None]
+    for group in training:
+        group.init_process_group()
+    pending = [actor.submit("setup", total_optimizer_steps), rollout.submit("setup")]
+    if ref is not None:
+        pending.append(ref.submit("setup"))
+    sizes = [group.collect(p) for group, p in zip([actor, rollout] + ([ref] if ref else []), pending)]
+    logger.info("actor: %s parameters (%s trainable) on %d rank(s); rollout engine %s; reference %s",
+                sizes[0][0]["total"], sizes[0][0]["trainable"], actor.world_size, sizes[1][0]["engine"],
+                "on" if ref else "off")
+    return Roles(actor, ref, rollout, RewardPool(config.reward), ObjectStoreTransport(),
+                 list({id(p): p for p in pools.values()}.values()))

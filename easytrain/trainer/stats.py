@@ -1,0 +1,45 @@
+"""Per-step metrics from rewards, responses and the actor's update sums."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from easytrain.distributed.batch import Batch
+
+
+def reward_metrics(scores: dict[str, torch.Tensor]) -> dict[str, float]:
+    overall = scores["overall"]
+    out = {"reward/mean": float(overall.mean()), "reward/std": float(overall.std()) if len(overall) > 1 else 0.0,
+           "reward/max": float(overall.max()), "reward/min": float(overall.min())}
+    for key, values in scores.items():
+        if key not in ("overall", "errors"):
+            out[f"reward/{key}"] = float(values.mean())
+    if "errors" in scores:
+        out["reward/error_rate"] = float(scores["errors"].mean())
+    return out
+
+
+def response_metrics(batch: Batch) -> dict[str, float]:
+    lengths = batch["response_mask"].sum(-1)
+    width = batch["responses"].shape[1]
+    return {"response_length/mean": float(lengths.mean()), "response_length/max": float(lengths.max()),
+            "response_length/clip_ratio": float((lengths >= width).float().mean()),
+            "prompt_length/mean": float(batch["attention_mask"][:, : -width].sum(-1).float().mean())}
+
+
+def reduce_update_metrics(per_rank: list[dict[str, Any]]) -> dict[str, float]:
+    """Sum the ranks' token-weighted sums and divide by tokens (grad norm: by optimizer steps)."""
+    total: dict[str, float] = {}
+    for metrics in per_rank:
+        for key, value in metrics.items():
+            total[key] = total.get(key, 0.0) + float(value)
+    tokens = max(total.pop("actor/tokens", 1.0), 1.0)
+    steps = max(total.pop("actor/optimizer_steps", 1.0), 1.0)
+    out = {"actor/lr": float(per_rank[0].get("actor/lr", 0.0))}
+    total.pop("actor/lr", None)
+    for key, value in total.items():
+        name = key[: -len("_sum")] if key.endswith("_sum") else key
+        out[name] = value / steps if name == "actor/grad_norm" else value / tokens
+    return out

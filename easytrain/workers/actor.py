@@ -1,0 +1,142 @@
+"""The actor: the policy being trained (FSDP2), its log-probs, its update, and its weights for the rollout."""
+
+from __future__ import annotations
+
+import logging
+import math
+from collections import defaultdict
+from typing import Any, Optional
+
+import torch
+import torch.distributed as dist
+from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+from easytrain.algorithms.kl import kl_penalty
+from easytrain.algorithms.losses import aggregate, masked_sum, policy_loss
+from easytrain.config.schema import Config
+from easytrain.distributed.batch import Batch
+from easytrain.distributed.group import Dispatch, dispatch
+from easytrain.workers.base import WorkerBase, build_sharded_model
+from easytrain.workers.forward import micro_batches, response_log_probs
+from easytrain.workers.weight_sync import to_hf_names
+
+logger = logging.getLogger(__name__)
+
+
+def lr_lambda(warmup: int, total: int, kind: str) -> Any:
+    """Linear warm-up, then constant, cosine or linear decay to zero at ``total`` optimizer steps."""
+    def factor(step: int) -> float:
+        if warmup and step < warmup:
+            return (step + 1) / warmup
+        if kind == "constant" or total <= warmup:
+            return 1.0
+        progress = min(1.0, (step - warmup) / max(1, total - warmup))
+        return 0.5 * (1 + math.cos(math.pi * progress)) if kind == "cosine" else 1.0 - progress
+    return factor
+
+
+class ActorWorker(WorkerBase):
+    def __init__(self, config: Config, *, role: str, rank: int, world_size: int) -> None:
+        super().__init__(config, role=role, rank=rank, world_size=world_size)
+        self.cfg = config.worker.actor
+        self.model: Any = None
+        self.optimizer: Optional[torch.optim.Optimizer] = None
+        self.scheduler: Any = None
+
+    @dispatch(Dispatch.BROADCAST)
+    def setup(self, total_optimizer_steps: int) -> dict[str, int]:
+        self.model = build_sharded_model(self.config, self.cfg, self.folder, self.device, self.world_size,
+                                         trainable=True)
+        params = [p for p in self.model.parameters() if p.requires_grad]
+        optim = self.cfg.optim
+        self.optimizer = torch.optim.AdamW(params, lr=optim.lr, betas=tuple(optim.betas),  # type: ignore[arg-type]
+                                           weight_decay=optim.weight_decay, foreach=False)
+        self.scheduler = torch.optim.lr_scheduler.LambdaLR(
+            self.optimizer, lr_lambda(optim.warmup_steps, total_optimizer_steps, optim.scheduler))
+        return {"trainable": sum(p.numel() for p in params),
+                "total": sum(p.numel() for p in self.model.parameters())}
+
+    @dispatch(Dispatch.SCATTER)
+    def compute_log_probs(self, batch: Batch) -> Batch:
+        """Old log-probs under the current weights (no grad)."""
+        self.model.eval()
+        out = []
+        with torch.no_grad():
+            for micro in micro_batches(batch, self.cfg.micro_batch_size_per_device_for_experience):
+                log_probs, _ = response_log_probs(self.model, micro, self.config.worker.rollout.temperature,
+                                                  self.device)
+                out.append(log_probs.cpu())
+        return Batch({"old_log_probs": torch.cat(out)})
+
+    @dispatch(Dispatch.SCATTER)
+    def update(self, batch: Batch, kl_coef: float) -> dict[str, float]:
+        """PPO epochs over the local share of the rollout batch; returns summed metrics for the driver."""
+        assert self.optimizer is not None
+        self.model.train()
+        per_step = len(batch) // self.steps_per_rollout()
+        sums: dict[str, float] = defaultdict(float)
+        for _ in range(self.cfg.ppo_epochs):
+            for start in range(0, len(batch), per_step):
+                mini = batch.select(range(start, start + per_step))
+                for key, value in self._optimizer_step(mini, kl_coef).items():
+                    sums[key] += value
+        return dict(sums)
+
+    def steps_per_rollout(self) -> int:
+        return self.config.data.rollout_batch_size // self.cfg.global_batch_size
+
+    def _optimizer_step(self, mini: Batch, kl_coef: float) -> dict[str, float]:
+        algo, temperature = self.config.algorithm, self.config.worker.rollout.temperature
+        mode = self.cfg.loss_agg_mode
+        local = float(mini["response_mask"].sum()) if mode == "token-mean" else float(len(mini))
+        normaliser = torch.tensor([local], dtype=torch.float64)
+        dp = self.world_size
+        if dp > 1:
+            dist.all_reduce(normaliser)
+        scale = float(normaliser) / dp  # FSDP averages gradients over ranks; undo it for a global mean
+        sums: dict[str, float] = defaultdict(float)
+        self.optimizer.zero_grad(set_to_none=True)  # type: ignore[union-attr]
+        for micro in micro_batches(mini, self.cfg.micro_batch_size_per_device_for_update):
+            mask = micro["response_mask"].to(self.device, torch.float32)
+            log_probs, entropy = response_log_probs(self.model, micro, temperature, self.device, with_entropy=True)
+            old = micro["old_log_probs"].to(self.device) if "old_log_probs" in micro else log_probs.detach()
+            advantages = micro["advantages"].to(self.device)
+            token_loss, info = policy_loss(log_probs, old, advantages, self.cfg.clip_ratio_low,
+                                           self.cfg.clip_ratio_high, self.cfg.clip_ratio_dual)
+            loss = aggregate(token_loss, mask, mode, scale)
+            if algo.use_kl_loss and "ref_log_probs" in micro:
+                kl = kl_penalty(log_probs, micro["ref_log_probs"].to(self.device), algo.kl_penalty)
+                loss = loss + kl_coef * aggregate(kl, mask, mode, scale)
+                sums["actor/kl_loss_sum"] += float(masked_sum(kl.detach(), mask))
+            loss.backward()
+            with torch.no_grad():
+                sums["actor/pg_loss_sum"] += float(masked_sum(token_loss, mask))
+                sums["actor/clipfrac_sum"] += float(masked_sum(info["clipped"], mask))
+                sums["actor/dual_clipfrac_sum"] += float(masked_sum(info["dual_clipped"], mask))
+                sums["actor/ppo_kl_sum"] += float(masked_sum(-info["log_ratio"], mask))
+                sums["actor/entropy_sum"] += float(masked_sum(entropy, mask))  # type: ignore[arg-type]
+                sums["actor/tokens"] += float(mask.sum())
+        max_norm = self.cfg.optim.max_grad_norm or float("inf")
+        norm = torch.nn.utils.clip_grad_norm_([p for p in self.model.parameters() if p.requires_grad], max_norm)
+        norm = norm.full_tensor() if hasattr(norm, "full_tensor") else norm
+        if torch.isfinite(norm):
+            self.optimizer.step()  # type: ignore[union-attr]
+        else:
+            logger.warning("actor: non-finite gradient norm %s, optimizer step skipped", float(norm))
+        self.scheduler.step()
+        sums["actor/grad_norm_sum"] += float(norm)
+        sums["actor/optimizer_steps"] += 1
+        sums["actor/lr"] = self.scheduler.get_last_lr()[0]
+        return sums
+
+    @dispatch(Dispatch.RANK0)
+    def full_state_dict(self) -> Optional[dict[str, torch.Tensor]]:
+        """Full (unsharded) weights in HF names on rank 0, on CPU; every rank must take part."""
+        options = StateDictOptions(full_state_dict=True, cpu_offload=True)
+        state = get_model_state_dict(self.model, options=options)
+        return to_hf_names(state, self.lora_scale) if self.rank == 0 else None
+
+    @property
+    def lora_scale(self) -> float:
+        lora = self.config.model.lora
+        return lora.alpha / lora.rank if lora.rank else 1.0

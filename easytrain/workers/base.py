@@ -1,0 +1,108 @@
+"""Building blocks every role worker shares: process group, device, seeds, model building, memory readings."""
+
+from __future__ import annotations
+
+import logging
+import os
+from datetime import timedelta
+from typing import Any, Optional
+
+import psutil
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from easytrain.config.schema import Config, RoleConfig
+from easytrain.distributed.fsdp import apply_activation_checkpointing, apply_fsdp, build_mesh
+from easytrain.distributed.group import Dispatch, dispatch, free_port
+from easytrain.models.hf import load_model, model_folder
+
+logger = logging.getLogger(__name__)
+
+BACKEND = "cpu:gloo,cuda:nccl"
+"""One process group for CPU and GPU tensors: the same code runs in CPU tests and on GPUs."""
+
+
+def backend() -> str:
+    """BACKEND, minus NCCL where torch was built without it (CPU wheels)."""
+    return BACKEND if dist.is_nccl_available() else "cpu:gloo"
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+class WorkerBase:
+    """What a role worker is before it holds a model: its rank, device, seed and process group."""
+
+    def __init__(self, config: Config, *, role: str, rank: int, world_size: int) -> None:
+        logging.basicConfig(level=logging.INFO, format=f"[{role}{rank}] %(levelname)s %(name)s: %(message)s")
+        self.config, self.role, self.rank, self.world_size = config, role, rank, world_size
+        self.device = torch.device("cuda", 0) if config.trainer.device == "cuda" else torch.device("cpu")
+        if self.device.type == "cuda":
+            torch.cuda.set_device(self.device)
+        torch.manual_seed(config.trainer.seed + 1000 * rank)
+        self.folder = model_folder(config.model)
+
+    @dispatch(Dispatch.BROADCAST)
+    def node_ip(self) -> str:
+        import ray
+
+        return ray.util.get_node_ip_address()
+
+    @dispatch(Dispatch.BROADCAST)
+    def free_port(self) -> int:
+        return free_port()
+
+    @dispatch(Dispatch.BROADCAST)
+    def init_process_group(self, address: str, port: int) -> None:
+        dist.init_process_group(backend(), init_method=f"tcp://{address}:{port}", rank=self.rank,
+                                world_size=self.world_size, timeout=timedelta(minutes=30))
+
+    @dispatch(Dispatch.BROADCAST)
+    def memory(self) -> dict[str, float]:
+        """This process's memory: RSS now, and the torch allocator's peak on GPU."""
+        reading = {"rss_gb": psutil.Process(os.getpid()).memory_info().rss / 2**30}
+        if self.device.type == "cuda":
+            reading["gpu_peak_gb"] = torch.cuda.max_memory_allocated() / 2**30
+        return reading
+
+
+def build_sharded_model(config: Config, role: RoleConfig, folder: str, device: torch.device,
+                        world_size: int, trainable: bool) -> nn.Module:
+    """The role's model: loaded in fp32 master precision, frozen parts set, checkpointing, then FSDP2."""
+    model_cfg = config.model
+    model = load_model(model_cfg, folder, dtype="float32")
+    model.config.use_cache = False
+    if not trainable:
+        model.requires_grad_(False)
+        model.eval()
+    else:
+        freeze_parts(model, model_cfg.freeze_vision_tower, model_cfg.freeze_aligner, model_cfg.freeze_llm)
+        if model_cfg.gradient_checkpointing:
+            apply_activation_checkpointing(model)
+    compute_dtype = DTYPES[model_cfg.dtype]
+    param_dtype: Optional[torch.dtype] = None if compute_dtype == torch.float32 else compute_dtype
+    if world_size > 1 or role.offload.params or param_dtype is not None:
+        mesh = build_mesh(device.type, world_size, role.fsdp.shard_size)
+        apply_fsdp(model, mesh=mesh, reshard_after_forward=role.fsdp.full_shard, offload_params=role.offload.params,
+                   param_dtype=param_dtype, reduce_dtype=torch.float32 if param_dtype else None,
+                   device_type=device.type)
+    if not role.offload.params:
+        model.to(device)
+    return model
+
+
+def freeze_parts(model: nn.Module, vision: bool, aligner: bool, llm: bool) -> None:
+    """Turn off gradients of the vision tower, the projector (merger) and/or the language model."""
+    inner: Any = getattr(model, "model", model)
+    visual = getattr(inner, "visual", None)
+    if visual is not None:
+        for name, param in visual.named_parameters():
+            is_merger = name.startswith("merger.")
+            if (is_merger and aligner) or (not is_merger and vision):
+                param.requires_grad_(False)
+    if llm:
+        language = getattr(inner, "language_model", inner if visual is None else None)
+        if language is not None:
+            language.requires_grad_(False)
+        if hasattr(model, "lm_head") and not getattr(model.config, "tie_word_embeddings", False):
+            model.lm_head.requires_grad_(False)

@@ -1,0 +1,45 @@
+"""Forward passes over prompt+response sequences: per-token log-probs and entropy of the responses."""
+
+from __future__ import annotations
+
+from typing import Any, Iterator
+
+import torch
+from torch import nn
+
+from easytrain.algorithms.losses import entropy_from_logits, sampling_logits
+from easytrain.distributed.batch import Batch
+
+MODEL_INPUTS = ("input_ids", "attention_mask", "position_ids", "pixel_values", "image_grid_thw", "mm_token_type_ids")
+
+
+def model_inputs(batch: Batch, device: torch.device) -> dict[str, torch.Tensor]:
+    return {k: batch[k].to(device) for k in MODEL_INPUTS if k in batch}
+
+
+def suppressed_tokens(config: Any) -> list[int]:
+    """Tokens a response may never contain: the vision placeholders (an image token in a response
+    would not match any image feature). Generation suppresses them and log-probs exclude them."""
+    names = ("image_token_id", "video_token_id", "vision_start_token_id", "vision_end_token_id")
+    return sorted({int(getattr(config, n)) for n in names if getattr(config, n, None) is not None})
+
+
+def response_log_probs(model: nn.Module, batch: Batch, temperature: float, device: torch.device,
+                       with_entropy: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Log-probs (and entropy) of the sampling distribution at each response token, shape (B, R).
+
+    Responses start at the same column for every row (prompts are left-padded),
+    so only the last R+1 positions' logits are computed.
+    """
+    responses = batch["responses"].to(device)
+    length = responses.shape[1]
+    logits = model(**model_inputs(batch, device), logits_to_keep=length + 1, use_cache=False).logits[:, :-1]
+    scaled = sampling_logits(logits, temperature, suppressed_tokens(model.config))
+    log_probs = torch.log_softmax(scaled, dim=-1).gather(-1, responses.unsqueeze(-1)).squeeze(-1)
+    entropy = entropy_from_logits(scaled) if with_entropy else None
+    return log_probs, entropy
+
+
+def micro_batches(batch: Batch, size: int) -> Iterator[Batch]:
+    for start in range(0, len(batch), size):
+        yield batch.select(range(start, min(start + size, len(batch))))

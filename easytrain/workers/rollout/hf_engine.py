@@ -1,0 +1,56 @@
+"""Generation with transformers ``generate``: the engine on CPU, and a reference on any device."""
+
+from __future__ import annotations
+
+import logging
+from typing import Any, Iterable
+
+import torch
+
+from easytrain.algorithms.losses import token_log_probs
+from easytrain.workers.forward import suppressed_tokens
+from easytrain.distributed.batch import Batch
+from easytrain.workers.rollout.engine import RolloutEngine, SamplingParams, response_mask
+
+logger = logging.getLogger(__name__)
+
+GENERATE_INPUTS = ("input_ids", "attention_mask", "pixel_values", "image_grid_thw", "mm_token_type_ids")
+
+
+class HFEngine(RolloutEngine):
+    def __init__(self, model: Any, eos_ids: list[int], pad_id: int, device: torch.device) -> None:
+        self.model, self.eos_ids, self.pad_id, self.device = model.eval(), eos_ids, pad_id, device
+        self.suppressed = suppressed_tokens(model.config)
+
+    @torch.no_grad()
+    def generate(self, prompts: Batch, params: SamplingParams) -> Batch:
+        expanded = prompts.repeat_interleave(params.n)
+        inputs = {k: expanded[k].to(self.device) for k in GENERATE_INPUTS if k in expanded}
+        sample = params.temperature > 0
+        torch.manual_seed(params.seed)
+        out = self.model.generate(
+            **inputs, do_sample=sample, temperature=params.temperature if sample else None,
+            top_p=params.top_p if sample else None, top_k=(params.top_k if params.top_k > 0 else 0) if sample else None,
+            max_new_tokens=params.max_new_tokens, eos_token_id=self.eos_ids, pad_token_id=self.pad_id,
+            suppress_tokens=self.suppressed or None,
+            return_dict_in_generate=True, output_logits=True, use_cache=True)
+        prompt_len = inputs["input_ids"].shape[1]
+        responses = out.sequences[:, prompt_len:]
+        logits = torch.stack(out.logits, dim=1)  # (B*n, R, V): raw logits of every generated position
+        mask = response_mask(responses, self.eos_ids)
+        responses = torch.where(mask.bool(), responses, torch.full_like(responses, self.pad_id))
+        log_probs = token_log_probs(logits, responses, params.temperature, self.suppressed) * mask
+        return Batch({"responses": responses.cpu(), "response_mask": mask.cpu(),
+                      "rollout_log_probs": log_probs.cpu()})
+
+    @torch.no_grad()
+    def update_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> int:
+        params = self.model.state_dict(keep_vars=True)  # tied weights appear under every name
+        loaded = 0
+        for name, tensor in weights:
+            target = params.get(name)
+            if target is None:
+                raise KeyError(f"rollout model has no weight named {name!r}")
+            target.copy_(tensor.to(target.device, target.dtype))
+            loaded += 1
+        return loaded

@@ -1,0 +1,35 @@
+"""Prompt + response sequences, as every training-side forward pass takes them."""
+
+from __future__ import annotations
+
+import torch
+
+from easytrain.data.collate import rope_positions
+from easytrain.distributed.batch import Batch
+
+
+def assemble(prompts: Batch, generated: Batch, n: int, merge_size: int = 2) -> Batch:
+    """Join each prompt (repeated ``n`` times) with its responses: ids, masks, positions, image tensors.
+
+    Prompts are left-padded and responses right-padded, so every response
+    starts at the same column. Position ids are Qwen-VL's 3-D rope positions
+    when the prompts carry ``mm_token_type_ids``, else 1-D positions.
+    """
+    rows = prompts.repeat_interleave(n)
+    prompt_ids, prompt_mask = rows["input_ids"], rows["attention_mask"]
+    responses, mask = generated["responses"], generated["response_mask"]
+    input_ids = torch.cat([prompt_ids, responses], dim=1)
+    attention_mask = torch.cat([prompt_mask, mask.to(prompt_mask.dtype)], dim=1)
+    tensors = dict(generated.tensors, input_ids=input_ids, attention_mask=attention_mask,
+                   prompt_length=torch.full((len(rows),), prompt_ids.shape[1]))
+    if "mm_token_type_ids" in rows:
+        types = torch.cat([rows["mm_token_type_ids"], torch.zeros_like(responses)], dim=1)
+        tensors["mm_token_type_ids"] = types
+        tensors["position_ids"] = rope_positions(input_ids, types, rows.tensors.get("image_grid_thw"),
+                                                 attention_mask, merge_size)
+    else:
+        tensors["position_ids"] = (attention_mask.cumsum(-1) - 1).clamp(min=0) * attention_mask
+    for key in ("pixel_values", "image_grid_thw"):
+        if key in rows:
+            tensors[key] = rows[key]
+    return Batch(tensors, rows.meta, rows.image_counts)
