@@ -1,7 +1,7 @@
 """Shared test harness.
 
-- ``ray_local``: one local Ray for the whole session (2 CPUs, like this machine).
-- ``ray_two_nodes``: a 2-node Ray cluster on this machine (``ray.cluster_utils.Cluster``);
+- ``ray_local``: one local Ray for the whole session (8 logical CPUs on this 2-core machine).
+- ``ray_two_nodes``: a 2-node Ray cluster on this machine (``ray.cluster_utils.Cluster``, 2 CPUs each);
   tests using it run last, because only one Ray can be connected at a time.
 - ``tiny_model``: ``tiny_model(family, size)`` builds a tiny model once per session.
 - markers: ``slow`` (end-to-end; ``pytest -m 'not slow'`` skips them), ``gpu``
@@ -36,7 +36,8 @@ class RayClusters:
         if self.kind == "local" and ray.is_initialized():
             return
         self.stop()
-        ray.init(num_cpus=2, include_dashboard=False, namespace="easytrain-tests", log_to_driver=False)
+        # 8 logical CPUs on 2 cores: tests place several small worker groups side by side.
+        ray.init(num_cpus=8, include_dashboard=False, namespace="easytrain-tests", log_to_driver=False)
         self.kind = "local"
 
     def two_nodes(self):  # -> ray.cluster_utils.Cluster
@@ -46,8 +47,8 @@ class RayClusters:
         if self.kind == "two_nodes" and ray.is_initialized():
             return self.cluster
         self.stop()
-        cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 1, "include_dashboard": False})
-        cluster.add_node(num_cpus=1)
+        cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 2, "include_dashboard": False})
+        cluster.add_node(num_cpus=2)
         cluster.wait_for_nodes()
         ray.init(address=cluster.address, namespace="easytrain-tests", log_to_driver=False)
         self.cluster, self.kind = cluster, "two_nodes"

@@ -19,7 +19,7 @@ def test_local_ray_runs_tasks(ray_local: None) -> None:
 
     pids = ray.get([where.remote() for _ in range(4)])
     assert all(pid != os.getpid() for pid in pids)
-    assert ray.cluster_resources()["CPU"] == 2
+    assert ray.cluster_resources()["CPU"] == 8
 
 
 @pytest.mark.slow

@@ -29,14 +29,14 @@ class Batch:
     def __len__(self) -> int:
         for key, value in self.tensors.items():
             if key not in PACKED_PATCH_KEYS + PACKED_IMAGE_KEYS:
-                return int(value.shape[self._sample_dim(key)])
+                return int(value.shape[self._sample_dim(key, value)])
         for value in self.meta.values():
             return len(value)
         return 0
 
     @staticmethod
-    def _sample_dim(key: str) -> int:
-        return 1 if key == "position_ids" else 0  # Qwen-VL rope positions are (3, batch, length)
+    def _sample_dim(key: str, value: torch.Tensor) -> int:
+        return 1 if key == "position_ids" and value.dim() == 3 else 0  # Qwen-VL rope positions: (3, batch, length)
 
     def __getitem__(self, key: str) -> torch.Tensor:
         return self.tensors[key]
@@ -58,7 +58,7 @@ class Batch:
         out = Batch(meta={k: [v[i] for i in indices] for k, v in self.meta.items()})
         for key, value in self.tensors.items():
             if key not in PACKED_PATCH_KEYS + PACKED_IMAGE_KEYS:
-                out.tensors[key] = value.index_select(self._sample_dim(key), index)
+                out.tensors[key] = value.index_select(self._sample_dim(key, value), index)
         if self.image_counts is not None:
             out.image_counts = self.image_counts[index]
             image_offsets, patch_offsets = self._image_ranges()
@@ -92,7 +92,7 @@ class Batch:
         out = Batch(meta={k: [x for b in batches for x in b.meta[k]] for k in first.meta})
         for key in first.tensors:
             values = [b.tensors[key] for b in batches]
-            dim = 0 if key in PACKED_PATCH_KEYS + PACKED_IMAGE_KEYS else Batch._sample_dim(key)
+            dim = 0 if key in PACKED_PATCH_KEYS + PACKED_IMAGE_KEYS else Batch._sample_dim(key, values[0])
             out.tensors[key] = torch.cat(_pad_last(values) if values[0].dim() > dim + 1 else values, dim=dim)
         if first.image_counts is not None:
             out.image_counts = torch.cat([b.image_counts for b in batches])  # type: ignore[misc]

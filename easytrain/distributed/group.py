@@ -18,8 +18,10 @@ stops; resuming is the checkpoint's job.
 from __future__ import annotations
 
 import enum
+import functools
 import logging
 import socket
+import time
 from typing import Any, Callable, Optional, TypeVar
 
 import ray
@@ -40,10 +42,19 @@ class Dispatch(enum.Enum):
 
 
 def dispatch(mode: Dispatch) -> Callable[[F], F]:
-    """Declare how a worker method is called across the group."""
+    """Declare how a worker method is called across the group; the worker's busy time is recorded
+    per method (``self.busy``) so orchestration overhead can be told apart from work."""
     def mark(fn: F) -> F:
-        setattr(fn, DISPATCH_ATTR, mode)
-        return fn
+        @functools.wraps(fn)
+        def timed(self: Any, *args: Any, **kwargs: Any) -> Any:
+            start = time.perf_counter()
+            try:
+                return fn(self, *args, **kwargs)
+            finally:
+                busy = self.__dict__.setdefault("busy", {})
+                busy[fn.__name__] = busy.get(fn.__name__, 0.0) + time.perf_counter() - start
+        setattr(timed, DISPATCH_ATTR, mode)
+        return timed  # type: ignore[return-value]
     return mark
 
 

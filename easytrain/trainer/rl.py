@@ -55,9 +55,9 @@ class RLTrainer:
         while self.step < self.total_steps:
             self.step += 1
             metrics = self.train_step(prompts)
-            if t.val_freq > 0 and self.step % t.val_freq == 0 and self.step < self.total_steps:
-                metrics.update(self.validate())
             self.metrics.log(self.step, metrics)
+            if t.val_freq > 0 and self.step % t.val_freq == 0 and self.step < self.total_steps:
+                self.validate()
             bar.update(1)
             bar.set_postfix(reward=f"{metrics['reward/mean']:.3f}")
         bar.close()

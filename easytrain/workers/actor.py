@@ -129,6 +129,17 @@ class ActorWorker(WorkerBase):
         sums["actor/lr"] = self.scheduler.get_last_lr()[0]
         return sums
 
+    @dispatch(Dispatch.BROADCAST)
+    def placement(self) -> dict[str, Any]:
+        """Where this rank's parameters and optimizer states live and which offload policy FSDP holds."""
+        from easytrain.distributed.fsdp import offload_policies, parameter_devices
+
+        states = [v for state in self.optimizer.state.values() for v in state.values()  # type: ignore[union-attr]
+                  if torch.is_tensor(v) and v.dim() > 0]
+        return {"offload_policies": sorted(set(offload_policies(self.model))),
+                "param_devices": sorted(parameter_devices(self.model)),
+                "optimizer_state_devices": sorted({t.device.type for t in states})}
+
     @dispatch(Dispatch.RANK0)
     def full_state_dict(self) -> Optional[dict[str, torch.Tensor]]:
         """Full (unsharded) weights in HF names on rank 0, on CPU; every rank must take part."""

@@ -57,10 +57,20 @@ class WorkerBase:
         dist.init_process_group(backend(), init_method=f"tcp://{address}:{port}", rank=self.rank,
                                 world_size=self.world_size, timeout=timedelta(minutes=30))
 
+    def busy_times(self, reset: bool = True) -> dict[str, float]:
+        """Seconds spent inside each dispatched method since the last reset."""
+        busy = dict(self.__dict__.get("busy", {}))
+        if reset:
+            self.__dict__["busy"] = {}
+        return busy
+
     @dispatch(Dispatch.BROADCAST)
     def memory(self) -> dict[str, float]:
         """This process's memory: RSS now, and the torch allocator's peak on GPU."""
-        reading = {"rss_gb": psutil.Process(os.getpid()).memory_info().rss / 2**30}
+        import resource
+
+        reading = {"rss_gb": psutil.Process(os.getpid()).memory_info().rss / 2**30,
+                   "peak_rss_gb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20}
         if self.device.type == "cuda":
             reading["gpu_peak_gb"] = torch.cuda.max_memory_allocated() / 2**30
         return reading

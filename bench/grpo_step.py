@@ -1,0 +1,113 @@
+"""One GRPO step, phase by phase: where the time goes, how much is orchestration, memory per role.
+
+    .venv/bin/python bench/grpo_step.py                 # tiny model  -> bench/results/grpo_step_tiny.json
+    .venv/bin/python bench/grpo_step.py --size small    # ~4M model   -> bench/results/grpo_step_small.json
+
+Runs the real trainer (local Ray, 2 CPU workers, colocated actor/ref/rollout,
+HF engine) on the synthetic image task: 8 prompts x 4 responses, 32 new
+tokens, reference with a KL loss, fp32. After warm-up steps it measures
+``--steps`` steps. Orchestration overhead is the step's wall time minus the
+work: for each phase the slowest rank's time inside the worker method (each
+worker records its own busy time), plus the time waiting for reward scores.
+What is left is the driver's own work, Ray calls and (de)serialisation.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+PHASE_METHODS = {
+    "generate": [("rollout", "generate")], "ref": [("ref", "compute_ref_log_probs")],
+    "old_log_probs": [("actor", "compute_log_probs")], "update": [("actor", "update")],
+    "sync": [("actor", "full_state_dict"), ("rollout", "update_weights")],
+}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--size", choices=["tiny", "small"], default="tiny")
+    parser.add_argument("--steps", type=int, default=6)
+    parser.add_argument("--warmup", type=int, default=2)
+    args = parser.parse_args()
+
+    import ray
+    import torch
+    import transformers
+
+    from easytrain.config import load
+    from easytrain.distributed.cluster import init_ray
+    from easytrain.trainer.rl import RLTrainer
+
+    out_dir = tempfile.mkdtemp(prefix="easytrain-grpo-bench-")
+    config = load([f"trainer.output_dir={out_dir}", f"model.tiny_size={args.size}", "data.num_workers=0",
+                   "data.rollout_batch_size=8", "worker.rollout.n=4", "data.max_response_length=32",
+                   "worker.actor.global_batch_size=8", "algorithm.kl_coef=0.04", "trainer.loggers=[jsonl]",
+                   "data.synthetic_size=128", f"trainer.max_steps={args.warmup + args.steps}"])
+    init_ray(config.ray)
+    trainer = RLTrainer(config)
+    groups = {"actor": trainer.roles.actor, "ref": trainer.roles.ref, "rollout": trainer.roles.rollout}
+    prompts = trainer.data.train_batches()
+    records = []
+    for step in range(args.warmup + args.steps):
+        trainer.step = step + 1
+        for group in groups.values():
+            group.call("busy_times")  # reset
+        metrics = trainer.train_step(prompts)
+        busy = {name: group.call("busy_times") for name, group in groups.items()}
+        work = {phase: sum(max(b.get(method, 0.0) for b in busy[role]) for role, method in methods)
+                for phase, methods in PHASE_METHODS.items()}
+        if step < args.warmup:
+            continue
+        compute = sum(work.values()) + metrics["time/reward"]
+        records.append({"step_s": metrics["time/step"], "phases_s": {k[5:]: v for k, v in metrics.items()
+                                                                      if k.startswith("time/") and k != "time/step"},
+                        "worker_busy_s": work, "orchestration_s": metrics["time/step"] - compute,
+                        "generated_tokens": metrics["perf/tokens_per_s"] * metrics["time/generate"],
+                        "tokens_per_s": metrics["perf/tokens_per_s"]})
+    memory = {name: group.call("memory") for name, group in groups.items()}
+    trainer.close()
+    ray.shutdown()
+
+    median = statistics.median
+    step_s = median(r["step_s"] for r in records)
+    overhead = median(r["orchestration_s"] / r["step_s"] for r in records)
+    summary = {
+        "benchmark": "grpo_step", "command": f"python bench/grpo_step.py --size {args.size} --steps {args.steps}",
+        "measured": time.strftime("%Y-%m-%d %H:%M:%S %Z"),
+        "machine": {"cpus": __import__("os").cpu_count(), "platform": platform.platform()},
+        "versions": {"torch": torch.__version__, "transformers": transformers.__version__, "ray": ray.__version__},
+        "settings": {"model": f"tiny:qwen2_5_vl ({args.size})", "prompts": 8, "n": 4, "new_tokens": 32,
+                     "workers": 2, "kl_coef": 0.04, "dtype": "float32", "warmup_steps": args.warmup},
+        "median_step_s": round(step_s, 3),
+        "median_phase_s": {p: round(median(r["phases_s"].get(p, 0.0) for r in records), 4)
+                           for p in records[0]["phases_s"]},
+        "median_orchestration_s": round(median(r["orchestration_s"] for r in records), 4),
+        "median_orchestration_pct": round(100 * overhead, 2),
+        "median_generated_tokens_per_s": round(median(r["tokens_per_s"] for r in records), 1),
+        "peak_rss_gb_per_role": {name: round(max(r["peak_rss_gb"] for r in readings), 3)
+                                 for name, readings in memory.items()},
+        "steps": records,
+    }
+    path = ROOT / "bench" / "results" / f"grpo_step_{args.size}.json"
+    path.write_text(json.dumps(summary, indent=2) + "\n")
+    print(f"median step {step_s:.3f} s; orchestration {summary['median_orchestration_s']:.3f} s "
+          f"({summary['median_orchestration_pct']}% of the step); "
+          f"{summary['median_generated_tokens_per_s']} generated tokens/s")
+    for phase, seconds in summary["median_phase_s"].items():
+        print(f"  {phase:<14} {seconds:.4f} s")
+    print(f"  peak RSS per role (GB): {summary['peak_rss_gb_per_role']}")
+    print(f"wrote {path}")
+
+
+if __name__ == "__main__":
+    main()

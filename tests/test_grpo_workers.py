@@ -1,0 +1,164 @@
+"""Role workers on real Ray with real FSDP2 (gloo): on-policy log-probs, rank-count invariance, offload,
+uneven scatter, and worker deaths reported by role, rank and node."""
+
+from __future__ import annotations
+
+from typing import Any, Iterator
+
+import pytest
+import ray
+import torch
+
+from easytrain.config import Config, load
+from easytrain.distributed.batch import Batch
+from easytrain.distributed.group import WorkerError, WorkerGroup
+from easytrain.distributed.resources import ResourcePool
+from easytrain.trainer.data import RLData
+from easytrain.trainer.roles import Roles, build_roles
+from easytrain.workers.actor import ActorWorker
+
+pytestmark = pytest.mark.slow
+
+
+def make_config(tmp: str, *extra: str) -> Config:
+    return load([f"trainer.output_dir={tmp}", "data.num_workers=0", "data.synthetic_size=32",
+                 "data.synthetic_val_size=8", "worker.rollout.n=2", "data.rollout_batch_size=4",
+                 "worker.actor.global_batch_size=4", "worker.actor.micro_batch_size_per_device_for_update=2",
+                 "worker.actor.optim.lr=1e-3", "data.max_response_length=8", *extra])
+
+
+@pytest.fixture(scope="module")
+def setup(ray_clusters: Any, tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Any]]:
+    ray_clusters.local()
+    config = make_config(str(tmp_path_factory.mktemp("grpo")))
+    data = RLData(config)
+    roles = build_roles(config, total_optimizer_steps=10)
+    prompts = next(data.train_batches())
+    rollout = roles.rollout.call("generate", prompts, 0)
+    yield {"config": config, "data": data, "roles": roles, "prompts": prompts, "rollout": rollout}
+    roles.shutdown()
+
+
+def test_rollout_batch_is_grouped_and_masked(setup: dict[str, Any]) -> None:
+    rollout, prompts = setup["rollout"], setup["prompts"]
+    assert len(rollout) == 2 * len(prompts)
+    assert rollout.meta["uids"] == [u for u in prompts.meta["uids"] for _ in range(2)]
+    mask = rollout["response_mask"]
+    # the mask is a prefix of ones: nothing counts after the first EOS
+    assert torch.equal(mask, mask.cummin(dim=1).values)
+    assert rollout["position_ids"].shape == (3, *rollout["input_ids"].shape)
+    assert int(rollout["image_grid_thw"].shape[0]) == len(rollout)  # one image per sample, repeated per response
+
+
+def test_on_policy_log_probs_match_the_rollout(setup: dict[str, Any]) -> None:
+    """The rollout's sampling log-probs equal the actor's recomputation for the same weights (fp32)."""
+    rollout = setup["rollout"]
+    actor = setup["roles"].actor.call("compute_log_probs", rollout)["old_log_probs"]
+    mask = rollout["response_mask"].bool()
+    diff = (actor - rollout["rollout_log_probs"]).abs()[mask]
+    assert diff.max() < 2e-4, float(diff.max())
+    ref = setup["roles"].ref.call("compute_ref_log_probs", rollout)["ref_log_probs"]
+    assert (ref - actor).abs()[mask].max() < 2e-4  # the reference starts as the same model
+
+
+def test_uneven_batches_are_padded_and_unpadded_by_the_group(setup: dict[str, Any]) -> None:
+    prompts = setup["prompts"].select([0, 1, 2])
+    out = setup["roles"].rollout.call("generate", prompts, 0)
+    assert len(out) == 6 and out.meta["uids"] == [u for u in prompts.meta["uids"] for _ in range(2)]
+
+
+def _update(group: WorkerGroup, batch: Batch, reorder_for: int, config: Config) -> dict[str, torch.Tensor]:
+    from easytrain.trainer.rl import RLTrainer
+
+    ordered = RLTrainer.for_update(_Shim(config, reorder_for), batch)  # type: ignore[arg-type]
+    group.call("update", ordered, 0.01)
+    return group.call("full_state_dict")
+
+
+class _Shim:
+    """Just enough of RLTrainer for its for_update ordering."""
+
+    def __init__(self, config: Config, ranks: int) -> None:
+        self.config = config
+        self.roles = type("R", (), {"actor": type("A", (), {"world_size": ranks})()})()
+
+
+def _train_batch(setup: dict[str, Any]) -> Batch:
+    rollout = setup["rollout"]
+    ref = setup["roles"].ref.call("compute_ref_log_probs", rollout)
+    advantages = torch.linspace(-1, 1, len(rollout))[:, None] * rollout["response_mask"]
+    return rollout.union(ref).union(Batch({"advantages": advantages}))
+
+
+def _actor_group(config: Config, nnodes: int, per_node: int, name: str) -> WorkerGroup:
+    pool = ResourcePool(name, nnodes, per_node, "cpu")
+    group = WorkerGroup(ActorWorker, "actor", pool, num_cpus=1, num_gpus=0, init_args=(config,))
+    group.init_process_group()
+    group.call("setup", 10)
+    return group
+
+
+def test_update_on_one_rank_equals_two_fsdp_ranks(setup: dict[str, Any]) -> None:
+    config, batch = setup["config"], _train_batch(setup)
+    two = setup["roles"].actor
+    one = _actor_group(config, 1, 1, "one-rank")
+    try:
+        initial = one.call("full_state_dict")
+        after_one = _update(one, batch, 1, config)
+        after_two = _update(two, batch, 2, config)
+    finally:
+        one.shutdown()
+        one.pool.release()
+    assert after_one.keys() == after_two.keys()
+    for name, value in after_one.items():
+        assert torch.allclose(value, after_two[name], atol=2e-6, rtol=1e-4), name
+    moved = max(float((after_one[k] - initial[k]).abs().max()) for k in initial)
+    assert moved > 1e-4  # the update did something, so the agreement above means something
+
+
+def test_the_update_changes_the_weights_and_syncs_to_the_rollout(setup: dict[str, Any]) -> None:
+    roles: Roles = setup["roles"]
+    before = roles.actor.call("full_state_dict")
+    roles.actor.call("update", _train_batch(setup), 0.01)
+    after = roles.actor.call("full_state_dict")
+    assert any(not torch.equal(before[k], after[k]) for k in before)
+    loaded = roles.transport.sync(roles.actor, roles.rollout)
+    assert loaded == len(after)
+    rollout = roles.rollout.call("generate", setup["prompts"], 1)
+    recomputed = roles.actor.call("compute_log_probs", rollout)["old_log_probs"]
+    mask = rollout["response_mask"].bool()
+    assert (recomputed - rollout["rollout_log_probs"]).abs()[mask].max() < 2e-4  # on-policy again after sync
+
+
+def test_param_offload_gives_the_same_update_and_is_installed(setup: dict[str, Any]) -> None:
+    config, batch = setup["config"], _train_batch(setup)
+    offloaded_cfg = make_config(config.trainer.output_dir, "worker.actor.offload.params=true")
+    plain = _actor_group(config, 1, 2, "plain")
+    offloaded = _actor_group(offloaded_cfg, 1, 2, "offloaded")
+    try:
+        assert {p["offload_policies"][0] for p in offloaded.call("placement")} == {"CPUOffloadPolicy"}
+        assert {p["offload_policies"][0] for p in plain.call("placement")} == {"OffloadPolicy"}
+        a = _update(plain, batch, 2, config)
+        b = _update(offloaded, batch, 2, offloaded_cfg)
+        for place in offloaded.call("placement"):  # between phases the shards and states sit in host memory
+            assert place["param_devices"] == ["cpu"] and place["optimizer_state_devices"] == ["cpu"]
+    finally:
+        for group in (plain, offloaded):
+            group.shutdown()
+            group.pool.release()
+    for name in a:
+        assert torch.allclose(a[name], b[name], atol=1e-6), name
+
+
+def test_a_dead_worker_is_named(setup: dict[str, Any]) -> None:
+    config = setup["config"]
+    pool = ResourcePool("doomed", 1, 2, "cpu")
+    group = WorkerGroup(ActorWorker, "actor", pool, num_cpus=1, num_gpus=0, init_args=(config,))
+    try:
+        ray.get([w.node_ip.remote() for w in group.workers])
+        ray.kill(group.workers[1])
+        with pytest.raises(WorkerError, match=r"actor worker rank 1 on node [\d.]+ died during node_ip"):
+            group.call("node_ip")
+    finally:
+        group.shutdown()
+        pool.release()
