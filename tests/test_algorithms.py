@@ -106,3 +106,20 @@ def test_log_probs_use_the_sampling_temperature() -> None:
     logits = torch.tensor([[[2.0, 0.0, -1.0]]])
     got = token_log_probs(logits, torch.tensor([[0]]), temperature=0.5)
     assert got.item() == pytest.approx(torch.log_softmax(logits / 0.5, -1)[0, 0, 0].item())
+
+
+def test_dynamic_sampling_keeps_informative_groups_first_then_fills() -> None:
+    from easytrain.distributed.batch import Batch
+    from easytrain.trainer.sampling import informative_count, keep_informative
+
+    def round_(uids: list[str], rewards: list[float]) -> tuple[Batch, dict[str, torch.Tensor]]:
+        return Batch({"r": torch.tensor(rewards)}, {"uids": uids}), {"overall": torch.tensor(rewards)}
+
+    # n = 2; round 1: groups a (signal), b (none); round 2: c (none), d (signal)
+    first = round_(["a", "a", "b", "b"], [1.0, 0.0, 1.0, 1.0])
+    second = round_(["c", "c", "d", "d"], [0.0, 0.0, 0.0, 1.0])
+    assert informative_count([first], 2) == 1 and informative_count([first, second], 2) == 2
+    batch, scores = keep_informative([first, second], n=2, target=2)
+    assert batch.meta["uids"] == ["a", "a", "d", "d"] and scores["overall"].tolist() == [1.0, 0.0, 0.0, 1.0]
+    batch, _ = keep_informative([first, second], n=2, target=3)  # retries ran out: fill with a flat group
+    assert batch.meta["uids"] == ["a", "a", "d", "d", "b", "b"]

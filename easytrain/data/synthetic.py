@@ -1,7 +1,8 @@
 """The built-in synthetic verifiable task: questions about coloured shapes drawn with PIL.
 
 Three question types, equally frequent, each with exactly balanced answers
-(so the best constant answer scores 1/K within a type):
+(so the best constant answer scores 1/K within a type); ``synthetic:shapes/colour``
+(or ``shapes/count+largest``) keeps a subset:
 
 - count:   "How many red circles are there?"          answer 1..4
 - largest: "Which shape is the largest?"               circle | square | triangle
@@ -106,16 +107,16 @@ def _describe(items: list[Item], rng: random.Random) -> str:
     return "The picture shows " + "; ".join(f"a {i.colour} {i.shape} of size {i.size}" for i in shuffled) + "."
 
 
-def generate(size: int, seed: int, split: str = "train", difficulty: int = 1,
-             text_only: bool = False) -> list[dict[str, Any]]:
-    """Rows of the shapes task, deterministic in (size, seed, split, difficulty, text_only)."""
-    rng = random.Random(f"shapes/{seed}/{split}/{difficulty}")
+def generate(size: int, seed: int, split: str = "train", difficulty: int = 1, text_only: bool = False,
+             types: tuple[str, ...] = QUESTION_TYPES) -> list[dict[str, Any]]:
+    """Rows of the shapes task, deterministic in (size, seed, split, difficulty, text_only, types)."""
+    rng = random.Random(f"shapes/{seed}/{split}/{difficulty}/{'+'.join(types)}")
     side = 112 + 28 * max(0, difficulty - 1)
     plan = []
     for i in range(size):
-        kind = QUESTION_TYPES[i % len(QUESTION_TYPES)]
+        kind = types[i % len(types)]
         classes = _classes(kind)
-        plan.append((kind, classes[(i // len(QUESTION_TYPES)) % len(classes)]))
+        plan.append((kind, classes[(i // len(types)) % len(classes)]))
     rng.shuffle(plan)
     rows = []
     for kind, answer in plan:
@@ -144,15 +145,24 @@ def write_parquet(rows: list[dict[str, Any]], path: Path) -> None:
     os.replace(tmp, path)
 
 
+def parse_task(task: str) -> tuple[str, ...]:
+    """``shapes`` (every question type) or ``shapes/colour`` / ``shapes/count+largest`` (a subset)."""
+    name, _, wanted = task.partition("/")
+    types = tuple(wanted.split("+")) if wanted else QUESTION_TYPES
+    if name != "shapes" or not set(types) <= set(QUESTION_TYPES):
+        raise ValueError(f"unknown synthetic task {task!r}; use shapes, or shapes/<types> with types from "
+                         f"{', '.join(QUESTION_TYPES)} joined by +")
+    return types
+
+
 def ensure_synthetic(task: str, split: str, size: int, seed: int, difficulty: int = 1,
                      text_only: bool = False, cache_dir: Optional[str] = None) -> Path:
     """Path of the task's parquet for this split, generated on first use."""
-    if task != "shapes":
-        raise ValueError(f"unknown synthetic task {task!r}; available: shapes")
+    types = parse_task(task)
     root = Path(os.path.expanduser(cache_dir or "~/.cache/easytrain")) / "synthetic"
     root.mkdir(parents=True, exist_ok=True)
     variant = "-text" if text_only else ""
-    path = root / f"{task}{variant}-{split}-n{size}-seed{seed}-d{difficulty}-v{VERSION}.parquet"
+    path = root / f"shapes-{'+'.join(types)}{variant}-{split}-n{size}-seed{seed}-d{difficulty}-v{VERSION}.parquet"
     if not path.is_file():
-        write_parquet(generate(size, seed, split, difficulty, text_only), path)
+        write_parquet(generate(size, seed, split, difficulty, text_only, types), path)
     return path

@@ -98,6 +98,16 @@ class Batch:
             out.image_counts = torch.cat([b.image_counts for b in batches])  # type: ignore[misc]
         return out
 
+    def interleave_for_ranks(self, per_step: int, ranks: int) -> "Batch":
+        """Reorder so each rank's contiguous share holds its slice of every optimizer step.
+
+        Step s uses samples [s*per_step, (s+1)*per_step) whatever the number of
+        ranks, so 1 rank and k ranks take the same optimizer steps on the same data.
+        """
+        steps, share = len(self) // per_step, per_step // ranks
+        return self.select([s * per_step + r * share + i for r in range(ranks) for s in range(steps)
+                            for i in range(share)])
+
     def union(self, other: "Batch") -> "Batch":
         """This batch with ``other``'s tensors and meta added (same samples)."""
         assert len(self) == len(other) or not len(other), (len(self), len(other))

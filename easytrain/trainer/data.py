@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import logging
-import math
 from typing import Any, Iterator
 
 from easytrain.config.schema import Config

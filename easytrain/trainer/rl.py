@@ -16,13 +16,14 @@ from typing import Any, Iterator, Optional
 import torch
 from tqdm import tqdm
 
-from easytrain.algorithms.advantages import compute_advantages, informative_groups, token_advantages
+from easytrain.algorithms.advantages import compute_advantages, token_advantages
 from easytrain.algorithms.kl import KLController, kl_penalty
 from easytrain.config.schema import Config
 from easytrain.distributed.batch import Batch
 from easytrain.trainer.data import RLData
 from easytrain.trainer.metrics import MetricsLogger, PhaseTimer
 from easytrain.trainer.roles import Roles, build_roles
+from easytrain.trainer.sampling import informative_count, keep_informative
 from easytrain.trainer.stats import reduce_update_metrics, response_metrics, reward_metrics
 
 logger = logging.getLogger(__name__)
@@ -89,30 +90,18 @@ class RLTrainer:
 
     def rollout(self, prompts: Iterator[Batch],
                 timer: PhaseTimer) -> tuple[Batch, dict[str, torch.Tensor], dict[str, float]]:
-        """Generate and score; with dynamic sampling, keep only groups with signal and refill."""
+        """Generate and score; with dynamic sampling, keep groups with signal and refill (DAPO)."""
+        batch, scores = self.generate_and_score(next(prompts), timer)
+        if not self.config.algorithm.dynamic_sampling:
+            return batch, scores, {}
         n, target = self.config.worker.rollout.n, self.config.data.rollout_batch_size
-        kept: list[tuple[Batch, dict[str, torch.Tensor]]] = []
-        spare: list[tuple[Batch, dict[str, torch.Tensor]]] = []
-        rounds = 0
-        while True:
-            batch, scores = self.generate_and_score(next(prompts), timer)
-            if not self.config.algorithm.dynamic_sampling:
-                return batch, scores, {}
-            keep = informative_groups(scores["overall"], torch.arange(len(batch)) // n)
-            rows = torch.nonzero(keep).flatten().tolist()
-            rest = torch.nonzero(~keep).flatten().tolist()
-            kept.append((batch.select(rows), {k: v[rows] for k, v in scores.items()}))
-            spare.append((batch.select(rest), {k: v[rest] for k, v in scores.items()}))
-            rounds += 1
-            have = sum(len(b) for b, _ in kept) // n
-            if have >= target or rounds > self.config.algorithm.max_sampling_retries:
-                break
-        parts = kept + spare  # groups without signal fill what the retries could not
-        merged = Batch.concat([b for b, _ in parts])
-        merged_scores = {k: torch.cat([s[k] for _, s in parts]) for k in parts[0][1]}
-        rows = list(range(target * n))
-        return (merged.select(rows), {k: v[rows] for k, v in merged_scores.items()},
-                {"sampling/rounds": float(rounds), "sampling/informative_groups": float(min(have, target))})
+        rounds = [(batch, scores)]
+        while (informative_count(rounds, n) < target
+               and len(rounds) <= self.config.algorithm.max_sampling_retries):
+            rounds.append(self.generate_and_score(next(prompts), timer))
+        batch, scores = keep_informative(rounds, n, target)
+        return batch, scores, {"sampling/rounds": float(len(rounds)),
+                               "sampling/informative_groups": float(min(informative_count(rounds, n), target))}
 
     def generate_and_score(self, prompts: Batch, timer: PhaseTimer,
                            validate: bool = False) -> tuple[Batch, dict[str, torch.Tensor]]:
@@ -120,9 +109,10 @@ class RLTrainer:
             batch = self.roles.rollout.call("generate", prompts, self.step, validate)
         texts = self.data.decode(batch)
         pending = self.roles.rewards.submit(texts, batch.meta["answers"])
-        if not validate and self.roles.ref is not None:
+        reference = self.roles.reference
+        if not validate and reference is not None:
             with timer("ref"):  # runs while the reward actors score
-                batch = batch.union(self.roles.ref.call("compute_ref_log_probs", batch))
+                batch = batch.union(reference.call("compute_ref_log_probs", batch))
         with timer("reward"):
             scores, errors = self.roles.rewards.collect(pending)
         table = {key: torch.tensor([s.get(key, 0.0) for s in scores]) for key in scores[0]}
@@ -142,17 +132,8 @@ class RLTrainer:
         return batch.union(Batch({"advantages": token_advantages(advantages, mask)}))
 
     def for_update(self, batch: Batch) -> Batch:
-        """Order samples so each rank's contiguous share holds its slice of every optimizer step.
-
-        Step s uses samples [s*G, (s+1)*G) of the rollout batch, whatever the
-        number of ranks, so 1 rank and k ranks take the same optimizer steps.
-        """
-        dp = self.roles.actor.world_size
         per_step = self.config.worker.actor.global_batch_size * self.config.worker.rollout.n
-        steps = len(batch) // per_step
-        share = per_step // dp
-        order = [s * per_step + r * share + i for r in range(dp) for s in range(steps) for i in range(share)]
-        return batch.select(order)
+        return batch.interleave_for_ranks(per_step, self.roles.actor.world_size)
 
     def validate(self) -> dict[str, float]:
         timer = PhaseTimer()

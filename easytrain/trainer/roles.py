@@ -19,18 +19,27 @@ logger = logging.getLogger(__name__)
 
 
 def needs_reference(config: Config) -> bool:
-    """A reference model is needed for any KL term (as a loss or in the reward)."""
-    return config.algorithm.kl_coef > 0
+    """A reference group is needed for a KL term, unless LoRA lets the actor serve it (adapters off)."""
+    return config.algorithm.kl_coef > 0 and config.model.lora.rank == 0
 
 
 @dataclass
 class Roles:
     actor: WorkerGroup
     ref: Optional[WorkerGroup]
+    """The reference group; None when there is no KL term or when the actor serves it (LoRA)."""
     rollout: WorkerGroup
     rewards: RewardPool
     transport: WeightTransport
     pools: list[ResourcePool]
+    lora_reference: bool = False
+
+    @property
+    def reference(self) -> Optional[WorkerGroup]:
+        """Whichever group answers compute_ref_log_probs, if any."""
+        if self.ref is not None:
+            return self.ref
+        return self.actor if self.lora_reference else None
 
     def shutdown(self) -> None:
         for group in (self.actor, self.ref, self.rollout):
@@ -73,4 +82,5 @@ def build_roles(config: Config, total_optimizer_steps: int) -> Roles:
                 sizes[0][0]["total"], sizes[0][0]["trainable"], actor.world_size, sizes[1][0]["engine"],
                 "on" if ref else "off")
     return Roles(actor, ref, rollout, RewardPool(config.reward), ObjectStoreTransport(),
-                 list({id(p): p for p in pools.values()}.values()))
+                 list({id(p): p for p in pools.values()}.values()),
+                 lora_reference=config.model.lora.rank > 0 and config.algorithm.kl_coef > 0)

@@ -69,6 +69,20 @@ class ActorWorker(WorkerBase):
         return Batch({"old_log_probs": torch.cat(out)})
 
     @dispatch(Dispatch.SCATTER)
+    def compute_ref_log_probs(self, batch: Batch) -> Batch:
+        """With LoRA the reference is this model with its adapters disabled: no second copy."""
+        if self.config.model.lora.rank == 0:
+            raise RuntimeError("the actor serves reference log-probs only with LoRA (model.lora.rank > 0)")
+        self.model.eval()
+        out = []
+        with torch.no_grad(), self.model.disable_adapter():
+            for micro in micro_batches(batch, self.cfg.micro_batch_size_per_device_for_experience):
+                log_probs, _ = response_log_probs(self.model, micro, self.config.worker.rollout.temperature,
+                                                  self.device)
+                out.append(log_probs.cpu())
+        return Batch({"ref_log_probs": torch.cat(out)})
+
+    @dispatch(Dispatch.SCATTER)
     def update(self, batch: Batch, kl_coef: float) -> dict[str, float]:
         """PPO epochs over the local share of the rollout batch; returns summed metrics for the driver."""
         assert self.optimizer is not None

@@ -89,6 +89,8 @@ def build_sharded_model(config: Config, role: RoleConfig, folder: str, device: t
         freeze_parts(model, model_cfg.freeze_vision_tower, model_cfg.freeze_aligner, model_cfg.freeze_llm)
         if model_cfg.gradient_checkpointing:
             apply_activation_checkpointing(model)
+        if model_cfg.lora.rank > 0:
+            model = apply_lora(model, model_cfg.lora)
     compute_dtype = DTYPES[model_cfg.dtype]
     param_dtype: Optional[torch.dtype] = None if compute_dtype == torch.float32 else compute_dtype
     if world_size > 1 or role.offload.params or param_dtype is not None:
@@ -99,6 +101,27 @@ def build_sharded_model(config: Config, role: RoleConfig, folder: str, device: t
     if not role.offload.params:
         model.to(device)
     return model
+
+
+LINEAR_NAMES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+
+
+def apply_lora(model: nn.Module, lora: Any) -> nn.Module:
+    """PEFT LoRA adapters on the language model; everything else frozen.
+
+    ``all-linear`` means the language model's attention and MLP projections
+    (the vision tower and the head are left out, as is usual for VLM LoRA).
+    """
+    from peft import LoraConfig, get_peft_model
+
+    if list(lora.target_modules) == ["all-linear"]:
+        scope = r".*language_model\." if hasattr(getattr(model, "model", model), "language_model") else r".*layers\."
+        targets: Any = scope + r".*\.(" + "|".join(LINEAR_NAMES) + r")$"
+    else:
+        targets = list(lora.target_modules)
+    config = LoraConfig(r=lora.rank, lora_alpha=lora.alpha, lora_dropout=lora.dropout, target_modules=targets,
+                        bias="none")
+    return get_peft_model(model, config)
 
 
 def freeze_parts(model: nn.Module, vision: bool, aligner: bool, llm: bool) -> None:
