@@ -14,13 +14,13 @@ from typing import Optional, Sequence
 
 from omegaconf import OmegaConf
 
-from easytrain.config import ConfigError, compose
+from easytrain.config import ConfigError, compose, with_default_preset
 
 
 def _config(overrides: Sequence[str]) -> int:
     from easytrain.main import resolve
 
-    config = resolve(compose(overrides))
+    config = resolve(compose(with_default_preset(overrides)))
     sys.stdout.write(OmegaConf.to_yaml(OmegaConf.structured(config)))
     return 0
 

@@ -19,7 +19,8 @@ from typing import Sequence
 import hydra
 from omegaconf import DictConfig
 
-from easytrain.config import CONF_DIR, Config, ConfigError, compose, register_schema, to_config, validate
+from easytrain.config import (CONF_DIR, Config, ConfigError, compose, register_schema, to_config, validate,
+                              with_default_preset)
 from easytrain.models.shapes import resolve_shape
 
 logger = logging.getLogger("easytrain")
@@ -74,7 +75,9 @@ def _hydra_main(cfg: DictConfig) -> None:
 
 def main(argv: Sequence[str] | None = None) -> None:
     args = list(sys.argv[1:] if argv is None else argv)
-    if not any(a.startswith("-") for a in args):
+    flags = [a for a in args if a.startswith("-")]
+    args = flags + with_default_preset([a for a in args if not a.startswith("-")])
+    if not flags:
         # Hydra reports composition errors as multi-line text with exit code 1;
         # compose once here so a bad config is one line and exit code 2.
         try:

@@ -30,8 +30,13 @@ def test_presets_compose_and_validate(preset: str, model: str) -> None:
     assert _resolve([f"+exp={preset}"]).model.path == model
 
 
-def test_no_arguments_is_the_tiny_preset() -> None:
-    assert _resolve([]) == _resolve(["+exp=tiny"])
+def test_no_preset_means_the_tiny_preset() -> None:
+    from easytrain.config import with_default_preset
+
+    assert with_default_preset([]) == ["+exp=tiny"]
+    assert with_default_preset(["trainer.seed=3"]) == ["+exp=tiny", "trainer.seed=3"]
+    assert with_default_preset(["+exp=qwen25vl_7b"]) == ["+exp=qwen25vl_7b"]
+    assert _resolve(with_default_preset([])) == _resolve(["+exp=tiny"])
 
 
 def test_gpu_preset_values() -> None:

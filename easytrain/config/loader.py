@@ -30,6 +30,19 @@ CONF_DIR = Path(__file__).resolve().parents[2] / "conf"
 """The YAML tree (``conf/`` at the repository root)."""
 SCHEMA_NAME = "easytrain_schema"
 PRIMARY = "config"
+DEFAULT_PRESET = "tiny"
+"""The experiment preset used when the command line names none."""
+
+
+def with_default_preset(overrides: Sequence[str]) -> list[str]:
+    """``overrides`` plus ``+exp=tiny`` when no ``exp`` preset is chosen.
+
+    The preset is not in ``config.yaml``'s defaults list because Hydra then
+    refuses ``+exp=...`` (a group already in the list cannot be added again);
+    adding it here keeps ``python -m easytrain.main`` and ``+exp=tiny`` the same run.
+    """
+    chosen = any(o.lstrip("+~").split("=", 1)[0] == "exp" for o in overrides)
+    return list(overrides) if chosen else [f"+exp={DEFAULT_PRESET}", *overrides]
 
 
 def register_schema() -> None:

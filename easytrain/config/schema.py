@@ -6,10 +6,9 @@ while composing, and converted once into these dataclasses. Per-field rules
 (allowed choices, ranges) are declared next to the field with :func:`choice`
 and :func:`bounded`; rules that span fields live in ``validate.py``.
 
-The defaults describe the embedded default run (a tiny Qwen2.5-VL on the
-synthetic image task, on CPU, two workers), so ``python -m easytrain.main``
-with no arguments does something useful; GPU presets in ``conf/exp/`` set
-what a real run needs.
+The defaults are small and safe (CPU, float32, two workers, short
+sequences); a run normally starts from a preset in ``conf/exp/`` (the
+``tiny`` one when the command line names none), which sets what the run needs.
 """
 
 from __future__ import annotations

@@ -35,11 +35,11 @@ _KNOWN: dict[str, tuple[str, int, int, int, int, int, int]] = {
 }
 
 
-def shape_from_hf_config(config: dict[str, Any]) -> ModelShape:
+def shape_from_hf_config(hf: dict[str, Any]) -> ModelShape:
     """Read a ModelShape from a ``config.json`` dict (flat or with ``text_config``)."""
-    family = str(config.get("model_type", "unknown"))
-    text = dict(config)
-    text.update(config.get("text_config") or {})  # transformers 5 nests the LM settings
+    family = str(hf.get("model_type", "unknown"))
+    text = dict(hf)
+    text.update(hf.get("text_config") or {})  # transformers 5 nests the LM settings
     heads = int(text["num_attention_heads"])
     return ModelShape(
         family=family,
@@ -49,7 +49,7 @@ def shape_from_hf_config(config: dict[str, Any]) -> ModelShape:
         num_hidden_layers=int(text["num_hidden_layers"]),
         vocab_size=int(text["vocab_size"]),
         max_position_embeddings=int(text.get("max_position_embeddings") or 32768),
-        is_vision="vision_config" in config or family in VISION_FAMILIES,
+        is_vision="vision_config" in hf or family in VISION_FAMILIES,
     )
 
 

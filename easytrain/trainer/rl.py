@@ -46,11 +46,10 @@ class RLTrainer:
 
     def fit(self) -> dict[str, float]:
         t = self.config.trainer
-        last: dict[str, float] = {}
         if t.val_before_train or t.val_only:
-            last = self.validate()
+            first = self.validate()
             if t.val_only:
-                return last
+                return first
         bar = tqdm(total=self.total_steps, desc="GRPO", unit="step")
         prompts = self.data.train_batches()
         while self.step < self.total_steps:
@@ -62,8 +61,7 @@ class RLTrainer:
             bar.update(1)
             bar.set_postfix(reward=f"{metrics['reward/mean']:.3f}")
         bar.close()
-        last = self.validate()
-        return last
+        return self.validate()
 
     def train_step(self, prompts: Iterator[Batch]) -> dict[str, float]:
         timer, start = PhaseTimer(), time.perf_counter()

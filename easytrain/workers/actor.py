@@ -17,7 +17,7 @@ from easytrain.config.schema import Config
 from easytrain.distributed.batch import Batch
 from easytrain.distributed.group import Dispatch, dispatch
 from easytrain.workers.base import WorkerBase, build_sharded_model
-from easytrain.workers.forward import micro_batches, response_log_probs
+from easytrain.workers.forward import batch_log_probs, micro_batches, response_log_probs
 from easytrain.workers.weight_sync import to_hf_names
 
 logger = logging.getLogger(__name__)
@@ -60,13 +60,11 @@ class ActorWorker(WorkerBase):
     def compute_log_probs(self, batch: Batch) -> Batch:
         """Old log-probs under the current weights (no grad)."""
         self.model.eval()
-        out = []
-        with torch.no_grad():
-            for micro in micro_batches(batch, self.cfg.micro_batch_size_per_device_for_experience):
-                log_probs, _ = response_log_probs(self.model, micro, self.config.worker.rollout.temperature,
-                                                  self.device)
-                out.append(log_probs.cpu())
-        return Batch({"old_log_probs": torch.cat(out)})
+        return Batch({"old_log_probs": self._log_probs(batch)})
+
+    def _log_probs(self, batch: Batch) -> torch.Tensor:
+        return batch_log_probs(self.model, batch, self.cfg.micro_batch_size_per_device_for_experience,
+                               self.config.worker.rollout.temperature, self.device)
 
     @dispatch(Dispatch.SCATTER)
     def compute_ref_log_probs(self, batch: Batch) -> Batch:
@@ -74,13 +72,8 @@ class ActorWorker(WorkerBase):
         if self.config.model.lora.rank == 0:
             raise RuntimeError("the actor serves reference log-probs only with LoRA (model.lora.rank > 0)")
         self.model.eval()
-        out = []
-        with torch.no_grad(), self.model.disable_adapter():
-            for micro in micro_batches(batch, self.cfg.micro_batch_size_per_device_for_experience):
-                log_probs, _ = response_log_probs(self.model, micro, self.config.worker.rollout.temperature,
-                                                  self.device)
-                out.append(log_probs.cpu())
-        return Batch({"ref_log_probs": torch.cat(out)})
+        with self.model.disable_adapter():
+            return Batch({"ref_log_probs": self._log_probs(batch)})
 
     @dispatch(Dispatch.SCATTER)
     def update(self, batch: Batch, kl_coef: float) -> dict[str, float]:

@@ -40,6 +40,14 @@ def response_log_probs(model: nn.Module, batch: Batch, temperature: float, devic
     return log_probs, entropy
 
 
+@torch.no_grad()
+def batch_log_probs(model: nn.Module, batch: Batch, micro_size: int, temperature: float,
+                    device: torch.device) -> torch.Tensor:
+    """Response log-probs of a whole batch, micro batch by micro batch, without gradients (on CPU)."""
+    return torch.cat([response_log_probs(model, micro, temperature, device)[0].cpu()
+                      for micro in micro_batches(batch, micro_size)])
+
+
 def micro_batches(batch: Batch, size: int) -> Iterator[Batch]:
     for start in range(0, len(batch), size):
         yield batch.select(range(start, min(start + size, len(batch))))

@@ -4,13 +4,11 @@ from __future__ import annotations
 
 from typing import Any
 
-import torch
-
 from easytrain.config.schema import Config
 from easytrain.distributed.batch import Batch
 from easytrain.distributed.group import Dispatch, dispatch
 from easytrain.workers.base import WorkerBase, build_sharded_model
-from easytrain.workers.forward import micro_batches, response_log_probs
+from easytrain.workers.forward import batch_log_probs
 
 
 class ReferenceWorker(WorkerBase):
@@ -26,11 +24,6 @@ class ReferenceWorker(WorkerBase):
 
     @dispatch(Dispatch.SCATTER)
     def compute_ref_log_probs(self, batch: Batch) -> Batch:
-        out = []
         size = self.config.worker.actor.micro_batch_size_per_device_for_experience
-        with torch.no_grad():
-            for micro in micro_batches(batch, size):
-                log_probs, _ = response_log_probs(self.model, micro, self.config.worker.rollout.temperature,
-                                                  self.device)
-                out.append(log_probs.cpu())
-        return Batch({"ref_log_probs": torch.cat(out)})
+        log_probs = batch_log_probs(self.model, batch, size, self.config.worker.rollout.temperature, self.device)
+        return Batch({"ref_log_probs": log_probs})

@@ -1,0 +1,54 @@
+"""The README's default run, measured: wall time and reward curve of `python -m easytrain.main`.
+
+    .venv/bin/python bench/default_run.py        # writes bench/results/default_run.json
+
+Runs the embedded default (tiny Qwen2.5-VL, synthetic image task, local Ray,
+CPU) exactly as the README's first command does, in a fresh process, with the
+run folder in a temporary directory; then reads its metrics.jsonl.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import platform
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def main() -> None:
+    run_dir = Path(tempfile.mkdtemp(prefix="easytrain-default-run-"))
+    start = time.perf_counter()
+    done = subprocess.run([sys.executable, "-m", "easytrain.main", f"hydra.run.dir={run_dir}"], cwd=ROOT,
+                          capture_output=True, text=True)
+    wall = time.perf_counter() - start
+    if done.returncode != 0:
+        sys.stderr.write(done.stderr[-4000:])
+        raise SystemExit(f"the default run failed with exit code {done.returncode}")
+    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    steps = [r for r in rows if "reward/mean" in r]
+    val = [r for r in rows if "val/reward/mean" in r]
+    record = {
+        "benchmark": "default_run", "command": "python -m easytrain.main",
+        "measured": time.strftime("%Y-%m-%d %H:%M:%S %Z"),
+        "machine": {"cpus": os.cpu_count(), "platform": platform.platform()},
+        "wall_s": round(wall, 1), "steps": len(steps),
+        "median_step_s": round(sorted(r["time/step"] for r in steps)[len(steps) // 2], 3),
+        "reward_curve": [[r["step"], round(r["reward/mean"], 4)] for r in steps],
+        "val_reward": [[r["step"], round(r["val/reward/mean"], 4)] for r in val],
+    }
+    out = ROOT / "bench" / "results" / "default_run.json"
+    out.write_text(json.dumps(record, indent=2) + "\n")
+    print(f"default run: {wall:.1f} s wall, {len(steps)} steps, median step {record['median_step_s']} s")
+    print("train reward:", " ".join(f"{s}:{r:.2f}" for s, r in record["reward_curve"]))
+    print("val reward:", record["val_reward"])
+    print(f"wrote {out}")
+
+
+if __name__ == "__main__":
+    main()
