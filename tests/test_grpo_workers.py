@@ -194,3 +194,19 @@ def test_reusing_log_probs_on_policy_equals_recomputing_them(setup: dict[str, An
             group.pool.release()
     for name, value in with_pass.items():
         assert torch.allclose(value, without[name], atol=1e-6), name
+
+
+def test_hybrid_sharding_gives_the_same_update(setup: dict[str, Any]) -> None:
+    """shard_size=1 on 2 ranks: a (replicate=2, shard=1) mesh, i.e. HSDP; same weights as full sharding."""
+    config, batch = setup["config"], _train_batch(setup)
+    hybrid_cfg = make_config(config.trainer.output_dir, "worker.actor.fsdp.shard_size=1")
+    full, hybrid = _actor_group(config, 1, 2, "full"), _actor_group(hybrid_cfg, 1, 2, "hybrid")
+    try:
+        a = _update(full, batch, 2, config)
+        b = _update(hybrid, batch, 2, hybrid_cfg)
+    finally:
+        for group in (full, hybrid):
+            group.shutdown()
+            group.pool.release()
+    for name in a:
+        assert torch.allclose(a[name], b[name], atol=2e-6, rtol=1e-4), name

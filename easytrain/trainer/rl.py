@@ -153,12 +153,12 @@ class RLTrainer:
         return metrics
 
     def memory(self) -> dict[str, float]:
-        out = {}
+        """Each role's largest per-worker reading; all workers are asked at once."""
         groups = {"actor": self.roles.actor, "ref": self.roles.ref, "rollout": self.roles.rollout}
-        for name, group in groups.items():
-            if group is None:
-                continue
-            readings = group.call("memory")
+        pending = {name: group.submit("memory") for name, group in groups.items() if group is not None}
+        out = {}
+        for name, calls in pending.items():
+            readings = groups[name].collect(calls)  # type: ignore[union-attr]
             for key in readings[0]:
                 out[f"memory/{name}_{key}_max"] = max(r[key] for r in readings)
         return out
