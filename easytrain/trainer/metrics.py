@@ -15,6 +15,10 @@ from typing import Any, Iterator, Optional
 
 logger = logging.getLogger("easytrain.metrics")
 
+CONSOLE = ("reward/mean", "reward/accuracy", "response_length/mean", "actor/pg_loss", "actor/kl_loss",
+           "actor/entropy", "actor/grad_norm", "perf/tokens_per_s", "time/step")
+"""What the console line shows; metrics.jsonl and TensorBoard get everything."""
+
 
 class PhaseTimer:
     """Wall time per named phase of one step (``time/<phase>``)."""
@@ -52,7 +56,7 @@ class MetricsLogger:
             for key, value in metrics.items():
                 self.tensorboard.add_scalar(key, value, step)
         if self.console:
-            shown = {k: v for k, v in sorted(metrics.items()) if not k.startswith("time/") or k == "time/step"}
+            shown = {k: v for k, v in metrics.items() if k in CONSOLE or k.startswith("val/reward/mean")}
             logger.info("step %d: %s", step, " ".join(f"{k}={v:.4g}" for k, v in shown.items()))
 
     def write_samples(self, step: int, samples: list[dict[str, Any]]) -> None:

@@ -35,6 +35,9 @@ class WorkerBase:
 
     def __init__(self, config: Config, *, role: str, rank: int, world_size: int) -> None:
         logging.basicConfig(level=logging.INFO, format=f"[{role}{rank}] %(levelname)s %(name)s: %(message)s")
+        from transformers.utils import logging as hf_logging
+
+        hf_logging.disable_progress_bar()  # per-worker "Loading weights" bars would flood the driver's log
         self.config, self.role, self.rank, self.world_size = config, role, rank, world_size
         self.device = torch.device("cuda", 0) if config.trainer.device == "cuda" else torch.device("cpu")
         if self.device.type == "cuda":
