@@ -11,10 +11,6 @@ def masked_sum(values: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
     return (values * mask).sum()
 
 
-def masked_mean(values: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-    return (values * mask).sum() / mask.sum().clamp(min=1)
-
-
 def aggregate(token_losses: torch.Tensor, mask: torch.Tensor, mode: str, normaliser: float) -> torch.Tensor:
     """Reduce per-token losses to the micro batch's share of the mini-batch loss.
 
@@ -64,8 +60,12 @@ def sampling_logits(logits: torch.Tensor, temperature: float = 1.0,
     return scaled
 
 
+def gather_log_probs(scaled_logits: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
+    """log softmax of already-scaled logits at ``tokens``."""
+    return torch.log_softmax(scaled_logits, dim=-1).gather(-1, tokens.unsqueeze(-1)).squeeze(-1)
+
+
 def token_log_probs(logits: torch.Tensor, tokens: torch.Tensor, temperature: float = 1.0,
                     suppressed: Sequence[int] = ()) -> torch.Tensor:
     """log-probs of ``tokens`` under the sampling distribution (see :func:`sampling_logits`)."""
-    scaled = sampling_logits(logits, temperature, suppressed)
-    return torch.log_softmax(scaled, dim=-1).gather(-1, tokens.unsqueeze(-1)).squeeze(-1)
+    return gather_log_probs(sampling_logits(logits, temperature, suppressed), tokens)

@@ -54,6 +54,11 @@ def rope_positions(input_ids: torch.Tensor, token_types: torch.Tensor, image_gri
     return positions
 
 
+def text_positions(attention_mask: torch.Tensor) -> torch.Tensor:
+    """1-D positions counting only real tokens (padding gets 0), for text-only models."""
+    return (attention_mask.cumsum(-1) - 1).clamp(min=0) * attention_mask
+
+
 @dataclass
 class PromptCollator:
     """Picklable collate function (it runs in data-loader worker processes)."""
@@ -77,7 +82,7 @@ class PromptCollator:
         }
         images = [im for p in prompts for im in p.images]
         if self.image_processor is None:
-            batch["position_ids"] = (attention_mask.cumsum(-1) - 1).clamp(min=0) * attention_mask
+            batch["position_ids"] = text_positions(attention_mask)
             return batch
         types = mm_token_type_ids(input_ids, self.image_token_id, self.video_token_id)
         batch["mm_token_type_ids"] = types

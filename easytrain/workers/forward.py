@@ -7,7 +7,7 @@ from typing import Any, Iterator
 import torch
 from torch import nn
 
-from easytrain.algorithms.losses import entropy_from_logits, sampling_logits
+from easytrain.algorithms.losses import entropy_from_logits, gather_log_probs, sampling_logits
 from easytrain.distributed.batch import Batch
 
 MODEL_INPUTS = ("input_ids", "attention_mask", "position_ids", "pixel_values", "image_grid_thw", "mm_token_type_ids")
@@ -35,7 +35,7 @@ def response_log_probs(model: nn.Module, batch: Batch, temperature: float, devic
     length = responses.shape[1]
     logits = model(**model_inputs(batch, device), logits_to_keep=length + 1, use_cache=False).logits[:, :-1]
     scaled = sampling_logits(logits, temperature, suppressed_tokens(model.config))
-    log_probs = torch.log_softmax(scaled, dim=-1).gather(-1, responses.unsqueeze(-1)).squeeze(-1)
+    log_probs = gather_log_probs(scaled, responses)
     entropy = entropy_from_logits(scaled) if with_entropy else None
     return log_probs, entropy
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from easytrain.data.collate import rope_positions
+from easytrain.data.collate import rope_positions, text_positions
 from easytrain.distributed.batch import Batch
 
 
@@ -28,7 +28,7 @@ def assemble(prompts: Batch, generated: Batch, n: int, merge_size: int = 2) -> B
         tensors["position_ids"] = rope_positions(input_ids, types, rows.tensors.get("image_grid_thw"),
                                                  attention_mask, merge_size)
     else:
-        tensors["position_ids"] = (attention_mask.cumsum(-1) - 1).clamp(min=0) * attention_mask
+        tensors["position_ids"] = text_positions(attention_mask)
     for key in ("pixel_values", "image_grid_thw"):
         if key in rows:
             tensors[key] = rows[key]
