@@ -29,7 +29,7 @@ sys.path.insert(0, str(ROOT))
 PHASE_METHODS = {
     "generate": [("rollout", "generate")], "ref": [("ref", "compute_ref_log_probs")],
     "old_log_probs": [("actor", "compute_log_probs")], "update": [("actor", "update")],
-    "sync": [("actor", "full_state_dict"), ("rollout", "update_weights")],
+    "sync": [("actor", "push_weights")],  # includes the rollout ranks loading each bucket
 }
 
 

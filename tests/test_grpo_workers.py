@@ -110,8 +110,8 @@ def test_the_update_changes_the_weights_and_syncs_to_the_rollout(setup: dict[str
     roles.actor.call("update", _train_batch(setup), 0.01)
     after = roles.actor.call("full_state_dict")
     assert any(not torch.equal(before[k], after[k]) for k in before)
-    loaded = roles.transport.sync(roles.actor, roles.rollout)
-    assert loaded == len(after)
+    synced = roles.transport.sync(roles.actor, roles.rollout)
+    assert synced["sync/tensors"] == len(after)
     rollout = roles.rollout.call("generate", setup["prompts"], 1)
     recomputed = roles.actor.call("compute_log_probs", rollout)["old_log_probs"]
     mask = rollout["response_mask"].bool()

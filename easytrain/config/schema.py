@@ -201,6 +201,18 @@ class RefConfig(RoleConfig):
 
 
 @dataclass
+class ValSamplingConfig:
+    n: int = bounded(1, low=1)
+    """Responses per validation prompt (scores are averaged over them)."""
+    temperature: float = bounded(0.0, low=0.0)
+    """Validation temperature; 0 = greedy."""
+    top_p: float = bounded(1.0, low=0.0, high=1.0, low_open=True)
+    """Validation nucleus sampling mass."""
+    top_k: int = bounded(-1, low=-1)
+    """Validation top-k; -1 = off."""
+
+
+@dataclass
 class RolloutConfig(RoleConfig):
     engine: str = choice("hf", "hf", "vllm")
     """Generation engine: hf (transformers generate, any device) or vllm."""
@@ -216,6 +228,24 @@ class RolloutConfig(RoleConfig):
     """Fraction of each GPU's memory vLLM may reserve (weights + KV cache)."""
     tensor_parallel_size: int = bounded(1, low=1)
     """GPUs one vLLM engine spans."""
+    stop_tokens: list[str] = field(default_factory=list)
+    """Extra tokens that end a response like EOS (each must be one token of the vocabulary), e.g. ["</answer>"]."""
+    max_model_len: Optional[int] = None
+    """vLLM: longest prompt + response an engine serves; null = data.max_prompt_length + data.max_response_length."""
+    max_num_batched_tokens: int = bounded(8192, low=1)
+    """vLLM: tokens one engine step schedules (prefill chunking)."""
+    max_num_seqs: int = bounded(256, low=1)
+    """vLLM: sequences decoded at once per engine."""
+    enforce_eager: bool = False
+    """vLLM: no CUDA graphs (less memory, slower decode); always on for CPU."""
+    sleep_level: int = bounded(2, low=0, high=2)
+    """vLLM on GPU with colocated roles: free the engine's memory between rollouts (1 = offload weights to
+    host and drop the KV cache, 2 = drop both; the next weight sync refills them), 0 = never sleep."""
+    sync_bucket_mb: float = bounded(256.0, low=0.0, low_open=True)
+    """Weight sync streams the actor's weights in buckets of about this size, bounding the extra memory
+    the gather holds (a tensor larger than the bucket travels alone)."""
+    val_override: ValSamplingConfig = field(default_factory=lambda: ValSamplingConfig())
+    """Sampling used for validation instead of the training settings above."""
 
 
 @dataclass

@@ -10,6 +10,8 @@ heads for sequence parallelism, text-only models) run when a
 
 from __future__ import annotations
 
+import importlib.util
+
 import dataclasses
 import os
 from dataclasses import dataclass
@@ -236,6 +238,15 @@ def _check_rollout(cfg: Config) -> None:
     if r.engine == "vllm" and cfg.trainer.device == "cpu" and cfg.model.dtype != "float32":
         raise ConfigError("model.dtype", cfg.model.dtype, "vLLM on CPU runs only in float32",
                           "set model.dtype=float32 or worker.rollout.engine=hf")
+    needed = cfg.data.max_prompt_length + cfg.data.max_response_length
+    if r.max_model_len is not None and r.max_model_len < needed:
+        raise ConfigError("worker.rollout.max_model_len", r.max_model_len,
+                          f"shorter than data.max_prompt_length + data.max_response_length = {needed}",
+                          f"set it to at least {needed} or null")
+    if r.engine == "vllm" and importlib.util.find_spec("vllm") is None:
+        raise ConfigError("worker.rollout.engine", "vllm", "vLLM is not installed in this environment",
+                          "bash scripts/install.sh cpu (or gpu), i.e. pip install -e .[cpu] / .[gpu]; "
+                          "or set worker.rollout.engine=hf")
 
 
 def _check_model(cfg: Config) -> None:
@@ -319,6 +330,12 @@ def _check_against_shape(cfg: Config, shape: ModelShape) -> None:
         raise ConfigError("data.image_key", cfg.data.image_key,
                           f"model.path={cfg.model.path} is a text-only model ({shape.family}) and cannot take images",
                           "set data.image_key=null (the synthetic task then uses its text-only variant)")
+    if cfg.worker.rollout.engine == "vllm" and cfg.trainer.device == "cpu" and shape.is_vision:
+        raise ConfigError("worker.rollout.engine", "vllm",
+                          f"vLLM's {shape.family} support imports torchvision, which does not run beside the CPU "
+                          "torch: on CPU vLLM serves text models only",
+                          "use worker.rollout.engine=hf for vision-language models on CPU "
+                          "(or a text model: +exp=tiny_vllm)")
     total = cfg.data.max_prompt_length + cfg.data.max_response_length
     if total > shape.max_position_embeddings:
         raise ConfigError("data.max_response_length", cfg.data.max_response_length,

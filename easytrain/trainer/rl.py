@@ -24,7 +24,7 @@ from easytrain.trainer.data import RLData
 from easytrain.trainer.metrics import MetricsLogger, PhaseTimer
 from easytrain.trainer.roles import Roles, build_roles
 from easytrain.trainer.sampling import informative_count, keep_informative
-from easytrain.trainer.stats import reduce_update_metrics, response_metrics, reward_metrics
+from easytrain.trainer.stats import log_prob_agreement, reduce_update_metrics, response_metrics, reward_metrics
 
 logger = logging.getLogger(__name__)
 
@@ -74,8 +74,9 @@ class RLTrainer:
         with timer("update"):
             update = self.roles.actor.call("update", self.for_update(batch), self.kl.coef)
         with timer("sync"):
-            self.roles.transport.sync(self.roles.actor, self.roles.rollout)
-        metrics = {**reward_metrics(scores), **response_metrics(batch), **reduce_update_metrics(update), **sampling}
+            synced = self.roles.transport.sync(self.roles.actor, self.roles.rollout)
+        metrics = {**reward_metrics(scores), **response_metrics(batch), **reduce_update_metrics(update), **sampling,
+                   **synced, **log_prob_agreement(batch)}
         self.kl.update(metrics.get("actor/kl_loss", 0.0), len(batch))
         metrics["actor/kl_coef"] = self.kl.coef
         metrics.update(timer.times)
@@ -105,6 +106,8 @@ class RLTrainer:
                            validate: bool = False) -> tuple[Batch, dict[str, torch.Tensor]]:
         with timer("generate"):
             batch = self.roles.rollout.call("generate", prompts, self.step, validate)
+            if self.roles.rollout_sleeps and not validate:  # hand the device to the training roles
+                self.roles.rollout.call("sleep")
         texts = self.data.decode(batch)
         pending = self.roles.rewards.submit(texts, batch.meta["answers"])
         reference = self.roles.reference

