@@ -1,0 +1,143 @@
+"""Real vLLM (the CPU build) behind the rollout interface: the same greedy tokens as the HF engine for the
+same weights, before and after a bucketed sync from a 2-rank FSDP actor; n samples, stop tokens, max_tokens
+and seeds behave; log-probs follow the actor's convention."""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Iterator
+
+import pytest
+import ray
+import torch
+
+from easytrain.config import load
+from easytrain.distributed.batch import Batch
+from easytrain.distributed.group import WorkerGroup
+from easytrain.distributed.resources import ResourcePool
+from easytrain.trainer.data import RLData
+from easytrain.trainer.roles import build_roles
+from easytrain.workers.rollout.engine import SamplingParams
+from easytrain.workers.rollout.worker import RolloutWorker
+from easytrain.workers.weight_sync import BucketedTransport
+
+pytest.importorskip("vllm")
+pytestmark = pytest.mark.slow
+
+OVERRIDES = ["+exp=tiny_vllm", "data.synthetic_size=32", "data.synthetic_val_size=8", "data.rollout_batch_size=4",
+             "worker.rollout.n=2", "worker.actor.global_batch_size=4", "data.max_response_length=8",
+             "worker.actor.micro_batch_size_per_device_for_update=2", "worker.actor.optim.lr=1e-2"]
+
+
+def _masked(batch: Batch) -> torch.Tensor:
+    return batch["responses"] * batch["response_mask"].long()
+
+
+@ray.remote(num_cpus=0)
+class EngineHost:
+    """A vLLM engine in its own process (never in the test process: vLLM pins its threads)."""
+
+    def __init__(self, config: Any) -> None:
+        from easytrain.models.hf import load_tokenizer, model_folder
+        from easytrain.workers.rollout.engine import EngineSpec
+        from easytrain.workers.rollout.vllm_engine import VLLMEngine
+        from easytrain.workers.rollout.worker import stop_token_ids
+
+        folder = model_folder(config.model)
+        tokenizer = load_tokenizer(config.model, folder)
+        self.spec = EngineSpec(folder, stop_token_ids(tokenizer, []), tokenizer.pad_token_id, torch.device("cpu"))
+        self.engine = VLLMEngine.build(config, self.spec)
+
+    def generate(self, prompts: Batch, params: SamplingParams, extra_stop: list[int] = ()) -> Batch:
+        self.engine.spec = dataclasses.replace(self.spec, stop_ids=self.spec.stop_ids + list(extra_stop))
+        return self.engine.generate(prompts, params)
+
+    def stop_ids(self) -> list[int]:
+        return self.spec.stop_ids
+
+
+@pytest.fixture(scope="module")
+def setup(ray_clusters: Any, tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Any]]:
+    ray_clusters.local()
+    tmp = tmp_path_factory.mktemp("vllm")
+    config = load([f"trainer.output_dir={tmp}", *OVERRIDES])
+    hf_config = load([f"trainer.output_dir={tmp}", *OVERRIDES, "worker.rollout.engine=hf"])
+    data = RLData(config)
+    roles = build_roles(config, total_optimizer_steps=10)  # 2-rank FSDP actor, 2 vLLM rollout ranks
+    pool = ResourcePool("hf-rollout", 1, 1, "cpu")
+    hf = WorkerGroup(RolloutWorker, "rollout-hf", pool, num_cpus=1, num_gpus=0, init_args=(hf_config,))
+    hf.call("setup")
+    yield {"config": config, "data": data, "roles": roles, "hf": hf, "prompts": next(data.train_batches())}
+    hf.shutdown()
+    pool.release()
+    roles.shutdown()
+
+
+def test_vllm_greedy_equals_hf_before_and_after_a_sync_from_fsdp(setup: dict[str, Any]) -> None:
+    roles, hf, prompts = setup["roles"], setup["hf"], setup["prompts"]
+    assert roles.actor.world_size == 2 and roles.rollout.world_size == 2
+    before = roles.rollout.call("generate", prompts, 0, True)  # validation sampling: greedy, one response
+    assert torch.equal(_masked(before), _masked(hf.call("generate", prompts, 0, True)))
+
+    sampled = roles.rollout.call("generate", prompts, 0)
+    advantages = torch.linspace(-1, 1, len(sampled))[:, None] * sampled["response_mask"]
+    batch = sampled.union(Batch({"advantages": advantages}))
+    per_step = setup["config"].worker.actor.global_batch_size * setup["config"].worker.rollout.n
+    roles.actor.call("update", batch.interleave_for_ranks(per_step, 2), 0.0)
+    synced = BucketedTransport(bucket_mb=0.1).sync(roles.actor, roles.rollout)  # many small buckets
+    assert synced["sync/buckets"] > 3
+    BucketedTransport(bucket_mb=256).sync(roles.actor, hf)
+
+    after = roles.rollout.call("generate", prompts, 1, True)
+    assert torch.equal(_masked(after), _masked(hf.call("generate", prompts, 1, True)))
+    assert not torch.equal(_masked(after), _masked(before))  # the sync took effect
+    # and the engine's log-probs are the actor's, for the new weights
+    recomputed = roles.actor.call("compute_log_probs", after)["old_log_probs"]
+    mask = after["response_mask"].bool()
+    assert (recomputed - after["rollout_log_probs"]).abs()[mask].max() < 1e-4
+
+
+def test_sampled_log_probs_follow_the_actor_convention_at_temperature(setup: dict[str, Any]) -> None:
+    """vLLM's processed log-probs are of logits / T, as the actor computes them."""
+    roles, prompts = setup["roles"], setup["prompts"]
+    rollout = roles.rollout.call("generate", prompts, 3)  # temperature 1 from the preset
+    recomputed = roles.actor.call("compute_log_probs", rollout)["old_log_probs"]
+    mask = rollout["response_mask"].bool()
+    assert (recomputed - rollout["rollout_log_probs"]).abs()[mask].max() < 1e-4
+
+
+@pytest.fixture(scope="module")
+def host(setup: dict[str, Any]) -> Iterator[Any]:
+    actor = EngineHost.remote(setup["config"])
+    yield actor
+    ray.kill(actor)
+
+
+def test_n_samples_max_tokens_seeds_and_stop_tokens(setup: dict[str, Any], host: Any) -> None:
+    prompts = setup["prompts"]
+    n, length = 4, 6
+    sampled = ray.get(host.generate.remote(prompts, SamplingParams(n, 1.0, 1.0, -1, length, seed=7)))
+    assert len(sampled) == n * len(prompts) and sampled["responses"].shape[1] <= length
+    groups = _masked(sampled).view(len(prompts), n, -1)
+    assert any(len({tuple(row.tolist()) for row in group}) > 1 for group in groups)  # n distinct draws
+    again = ray.get(host.generate.remote(prompts, SamplingParams(n, 1.0, 1.0, -1, length, seed=7)))
+    assert torch.equal(_masked(again), _masked(sampled))  # the seed fixes the draws
+
+    greedy = ray.get(host.generate.remote(prompts, SamplingParams(1, 0.0, 1.0, -1, length)))
+    first = greedy["responses"][0]
+    assert int(greedy["response_mask"][0].sum()) == length  # no stop token: max_tokens ends it
+    stop = int(first[2])
+    stopped = ray.get(host.generate.remote(prompts, SamplingParams(1, 0.0, 1.0, -1, length), [stop]))
+    ends = int((first == stop).nonzero()[0])  # the first time the stop token appears
+    assert int(stopped["response_mask"][0].sum()) == ends + 1  # the stop token is part of the response
+    assert int(stopped["responses"][0, ends]) == stop
+    assert torch.equal(stopped["responses"][0, :ends + 1], first[:ends + 1])
+
+
+def test_top_k_one_is_greedy(setup: dict[str, Any], host: Any) -> None:
+    prompts = setup["prompts"]
+    greedy = ray.get(host.generate.remote(prompts, SamplingParams(1, 0.0, 1.0, -1, 6)))
+    top1 = ray.get(host.generate.remote(prompts, SamplingParams(2, 1.0, 1.0, 1, 6, seed=3)))
+    for i in range(len(prompts)):
+        for j in range(2):
+            assert torch.equal(_masked(top1)[2 * i + j], _masked(greedy)[i])
