@@ -8,6 +8,11 @@ import subprocess
 import sys
 
 import pytest
+import torch
+
+from easytrain.distributed.batch import Batch
+from easytrain.distributed.group import Dispatch, WorkerGroup, dispatch
+from easytrain.distributed.resources import ResourcePool
 
 
 def test_local_ray_runs_tasks(ray_local: None) -> None:
@@ -61,3 +66,34 @@ def test_init_ray_joins_the_cluster_at_ray_address(ray_two_nodes) -> None:
     out = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr
     assert json.loads(out.stdout.strip().splitlines()[-1]) == 2
+
+
+class Echo:
+    """A minimal worker: reports which rank handled which samples."""
+
+    def __init__(self, *, role: str, rank: int, world_size: int) -> None:
+        self.rank = rank
+
+    @dispatch(Dispatch.SCATTER)
+    def handle(self, batch: Batch) -> Batch:
+        ids = batch["ids"].repeat_interleave(2)  # two results per sample, like n responses per prompt
+        return Batch({"ids": ids, "rank": torch.full_like(ids, self.rank)})
+
+
+@pytest.mark.parametrize("block", [1, 2, 4])
+def test_blocks_of_ranks_share_a_chunk_and_the_leader_answers(ray_local: None, block: int) -> None:
+    """Tensor-parallel engines: every rank of a block gets the same prompts, the block leader's result is
+    kept, and uneven batches are padded and unpadded per block."""
+    pool = ResourcePool(f"echo{block}", 1, 4, "cpu", cpus_per_worker=0.25)
+    group = WorkerGroup(Echo, "echo", pool, num_cpus=0.25, num_gpus=0, block_size=block)
+    try:
+        for n in (8, 5):
+            out = group.call("handle", Batch({"ids": torch.arange(n)}))
+            assert out["ids"].tolist() == torch.arange(n).repeat_interleave(2).tolist()
+            leaders = sorted(set(out["rank"].tolist()))
+            assert leaders == list(range(0, 4, block))[:len(leaders)] and all(r % block == 0 for r in leaders)
+        with pytest.raises(ValueError, match="do not tile"):
+            WorkerGroup(Echo, "echo", pool, num_cpus=0.25, num_gpus=0, block_size=3)
+    finally:
+        group.shutdown()
+        pool.release()

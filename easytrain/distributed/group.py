@@ -70,8 +70,13 @@ def free_port() -> int:
 
 class WorkerGroup:
     def __init__(self, worker_cls: type, role: str, pool: ResourcePool, *, num_cpus: float, num_gpus: float,
-                 init_args: tuple[Any, ...] = (), env: Optional[dict[str, str]] = None) -> None:
+                 init_args: tuple[Any, ...] = (), env: Optional[dict[str, str]] = None, block_size: int = 1) -> None:
+        """``block_size`` consecutive ranks act as one data-parallel member (a tensor-parallel vLLM engine):
+        SCATTER gives each rank of a block the same chunk and keeps the block leader's result."""
         self.role, self.pool, self.worker_cls = role, pool, worker_cls
+        if pool.world_size % block_size:
+            raise ValueError(f"{role}: blocks of {block_size} ranks do not tile {pool.world_size} workers")
+        self.block_size = block_size
         remote_cls = ray.remote(worker_cls)
         self.workers = []
         for placement in pool.placements:
@@ -92,6 +97,16 @@ class WorkerGroup:
         port = self._get([self.workers[0].free_port.remote()], "free_port")[0]
         self._get([w.init_process_group.remote(address, port) for w in self.workers], "init_process_group")
 
+    def init_blocks(self) -> None:
+        """Each block of ``block_size`` ranks rendezvouses at its leader: the torch.distributed environment
+        (RANK within the block, WORLD_SIZE, MASTER_ADDR/PORT) that vLLM's external launcher reads."""
+        b = self.block_size
+        for leader in range(0, self.world_size, b):
+            address = self._get([self.workers[leader].node_ip.remote()], "node_ip")[0]
+            port = self._get([self.workers[leader].free_port.remote()], "free_port")[0]
+            self._get([self.workers[leader + i].set_block_env.remote(address, port, i, b) for i in range(b)],
+                      "set_block_env")
+
     def _mode(self, method: str) -> Dispatch:
         fn = getattr(self.worker_cls, method, None)
         if fn is None:
@@ -111,22 +126,25 @@ class WorkerGroup:
         batch, rest = args[0], args[1:]
         if not isinstance(batch, Batch):
             raise TypeError(f"{self.role}.{method} scatters a Batch, got {type(batch).__name__}")
-        n = len(batch)
-        pad = (-n) % self.world_size
+        n, members = len(batch), self.world_size // self.block_size
+        pad = (-n) % members
         if pad:  # repeat leading samples; their results are dropped in collect
             batch = batch.select(list(range(n)) + [i % n for i in range(pad)])
-        chunks = batch.split(self.world_size)
-        refs = [getattr(w, method).remote(chunk, *rest, **kwargs) for w, chunk in zip(self.workers, chunks)]
+        chunks = batch.split(members)
+        refs = [getattr(w, method).remote(chunks[rank // self.block_size], *rest, **kwargs)
+                for rank, w in enumerate(self.workers)]
         real, start = [], 0
         for chunk in chunks:  # how many samples of each chunk are real (padding sits at the end)
             real.append(max(0, min(len(chunk), n - start)))
             start += len(chunk)
-        return Pending(method, mode, refs, [len(c) for c in chunks], real)
+        return Pending(method, mode, refs, [len(c) for c in chunks], real, self.block_size)
 
     def collect(self, pending: "Pending") -> Any:
         results = self._get(pending.refs, pending.method)
         if pending.mode is Dispatch.RANK0:
             return results[0]
+        if pending.mode is Dispatch.SCATTER:
+            results = results[::pending.block_size]  # one result per block: its leader's
         if pending.mode is Dispatch.SCATTER and all(isinstance(r, Batch) for r in results):
             kept = []
             for result, size, real in zip(results, pending.chunk_sizes, pending.real_sizes):
@@ -162,6 +180,6 @@ class Pending:
     """Calls started on every rank of a group, not yet collected."""
 
     def __init__(self, method: str, mode: Dispatch, refs: list[Any], chunk_sizes: Optional[list[int]] = None,
-                 real_sizes: Optional[list[int]] = None) -> None:
-        self.method, self.mode, self.refs = method, mode, refs
+                 real_sizes: Optional[list[int]] = None, block_size: int = 1) -> None:
+        self.method, self.mode, self.refs, self.block_size = method, mode, refs, block_size
         self.chunk_sizes, self.real_sizes = chunk_sizes or [], real_sizes or []

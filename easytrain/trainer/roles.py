@@ -69,8 +69,11 @@ def build_roles(config: Config, total_optimizer_steps: int) -> Roles:
     env = {"TOKENIZERS_PARALLELISM": "false"}
     actor = WorkerGroup(ActorWorker, "actor", pools["actor"], num_cpus=cpus, num_gpus=gpus, init_args=(config,),
                         env=env)
+    tp = config.worker.rollout.tensor_parallel_size
     rollout = WorkerGroup(RolloutWorker, "rollout", pools["rollout"], num_cpus=cpus, num_gpus=gpus,
-                          init_args=(config,), env=env)
+                          init_args=(config,), env=env, block_size=tp)
+    if tp > 1:
+        rollout.init_blocks()
     ref = (WorkerGroup(ReferenceWorker, "ref", pools["ref"], num_cpus=cpus, num_gpus=gpus, init_args=(config,),
                        env=env) if with_ref else None)
     training = [g for g in (actor, ref) if g is not None]

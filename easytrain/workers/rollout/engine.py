@@ -42,7 +42,8 @@ class EngineSpec:
     """EOS, <|endoftext|> and worker.rollout.stop_tokens: a response ends with (and includes) one of them."""
     pad_id: int
     device: torch.device
-    rank: int = 0
+    member: int = 0
+    """Which data-parallel engine this is (engines seed differently)."""
 
 
 class RolloutEngine(abc.ABC):

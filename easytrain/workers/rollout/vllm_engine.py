@@ -63,7 +63,7 @@ def engine_kwargs(config: Any, spec: EngineSpec, vision: bool) -> dict[str, Any]
     r, d, on_gpu = config.worker.rollout, config.data, spec.device.type == "cuda"
     kwargs: dict[str, Any] = dict(
         model=str(spec.folder), tokenizer=str(spec.folder), dtype=config.model.dtype,
-        seed=config.trainer.seed + spec.rank, tensor_parallel_size=r.tensor_parallel_size,
+        seed=config.trainer.seed + spec.member, tensor_parallel_size=r.tensor_parallel_size,
         max_model_len=r.max_model_len or d.max_prompt_length + d.max_response_length,
         max_num_batched_tokens=r.max_num_batched_tokens, max_num_seqs=r.max_num_seqs,
         enforce_eager=r.enforce_eager or not on_gpu, logprobs_mode="processed_logprobs",

@@ -45,6 +45,19 @@ class RolloutWorker(WorkerBase):
         self.sync_meter = AliveBytes()
         self.freed_bytes = 0
 
+    @property
+    def member(self) -> int:
+        """Which data-parallel engine this rank serves (a tensor-parallel engine spans consecutive ranks)."""
+        return self.rank // self.config.worker.rollout.tensor_parallel_size
+
+    def set_block_env(self, address: str, port: int, block_rank: int, block_size: int) -> None:
+        """torch.distributed environment of this rank's tensor-parallel block (vLLM's external launcher).
+        Ray shows each worker only its own GPU, so the local device is always cuda:0."""
+        import os
+
+        os.environ.update({"RANK": str(block_rank), "LOCAL_RANK": "0", "WORLD_SIZE": str(block_size),
+                           "MASTER_ADDR": address, "MASTER_PORT": str(port)})
+
     @dispatch(Dispatch.BROADCAST)
     def setup(self) -> dict[str, Any]:
         from transformers import AutoConfig
@@ -52,7 +65,7 @@ class RolloutWorker(WorkerBase):
         tokenizer = load_tokenizer(self.config.model, self.folder)
         r = self.config.worker.rollout
         spec = EngineSpec(self.folder, stop_token_ids(tokenizer, r.stop_tokens), tokenizer.pad_token_id,
-                          self.device, self.rank)
+                          self.device, self.member)
         self.engine = engine_class(r.engine).build(self.config, spec)
         vision = getattr(AutoConfig.from_pretrained(self.folder), "vision_config", None)
         self.merge_size = int(getattr(vision, "spatial_merge_size", 2))
@@ -60,7 +73,7 @@ class RolloutWorker(WorkerBase):
 
     def sampling(self, validate: bool, step: int) -> SamplingParams:
         r, length = self.config.worker.rollout, self.config.data.max_response_length
-        seed = self.config.trainer.seed * 1_000_003 + step * 1009 + self.rank
+        seed = self.config.trainer.seed * 1_000_003 + step * 1009 + self.member  # one seed per engine
         s = r.val_override if validate else r
         return SamplingParams(s.n, s.temperature, s.top_p, s.top_k, length, seed)
 

@@ -1,0 +1,201 @@
+"""Rollout engines side by side (HF generate vs vLLM), and weight-sync bandwidth against memcpy.
+
+    .venv/bin/python bench/rollout.py            # -> bench/results/rollout.json
+
+Generation: the same tiny Qwen2 text model (sizes tiny and small from the
+tiny-model factory) and the same batch (16 prompts of the synthetic text task
+x 4 samples, up to 32 new tokens, temperature 1, log-probs returned), each
+engine in its own Ray worker with one CPU, run alternately ``--repeats``
+times. Tokens/s = generated tokens / the worker's time inside ``generate``
+(the engines' own speed; the Ray call around it is the same for both).
+
+Weight sync: a randomly initialised Qwen2 of ~100M parameters (built here,
+fp32) on a 2-rank FSDP2 actor streams its weights into a vLLM rollout worker
+through the bucketed transport (gather -> object store -> vLLM layer-wise
+reload). Bandwidth = model bytes / sync wall time; it is set against this
+machine's memcpy bandwidth (a 512 MB tensor copy) measured in the same run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import shutil
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+BATCH = ["data.synthetic_size=64", "data.rollout_batch_size=16", "worker.rollout.n=4",
+         "data.max_response_length=32", "worker.actor.global_batch_size=16",
+         "worker.actor.micro_batch_size_per_device_for_update=8", "data.max_prompt_length=128"]
+
+
+def memcpy_gb_per_s(megabytes: int = 512, repeats: int = 5) -> float:
+    import torch
+
+    src = torch.ones(megabytes * 2**20 // 4, dtype=torch.float32)
+    dst = torch.empty_like(src)
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        dst.copy_(src)
+        times.append(time.perf_counter() - start)
+    return src.numel() * 4 / statistics.median(times) / 1e9
+
+
+def build_sync_model(base: Path, out: Path, hidden: int, layers: int) -> Path:
+    """A random Qwen2 with the tiny tokenizer, large enough that a sync moves real bytes."""
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    shutil.copytree(base, out, dirs_exist_ok=True)
+    config = AutoConfig.from_pretrained(base)
+    config.hidden_size, config.num_hidden_layers = hidden, layers
+    config.intermediate_size = hidden * 3
+    config.num_attention_heads, config.num_key_value_heads, config.head_dim = hidden // 64, hidden // 256, 64
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    model.save_pretrained(out)
+    return out
+
+
+def generation(size: str, repeats: int, out_dir: str) -> dict[str, Any]:
+    from easytrain.config import load
+    from easytrain.distributed.group import WorkerGroup
+    from easytrain.distributed.resources import ResourcePool
+    from easytrain.trainer.data import RLData
+    from easytrain.workers.rollout.worker import RolloutWorker
+
+    results: dict[str, Any] = {}
+    groups, pools = {}, []
+    for engine in ("hf", "vllm"):
+        config = load([f"trainer.output_dir={out_dir}", "+exp=tiny_vllm", f"model.tiny_size={size}", *BATCH,
+                       f"worker.rollout.engine={engine}"])
+        pool = ResourcePool(f"bench-{engine}", 1, 1, "cpu")
+        pools.append(pool)
+        groups[engine] = WorkerGroup(RolloutWorker, f"rollout-{engine}", pool, num_cpus=1, num_gpus=0,
+                                     init_args=(config,))
+        groups[engine].call("setup")
+    prompts = next(RLData(config).train_batches())
+    for group in groups.values():
+        group.call("generate", prompts, 0)  # warm-up (vLLM compiles its sampler on first use)
+    runs: dict[str, list[dict[str, float]]] = {e: [] for e in groups}
+    for step in range(repeats):
+        for engine, group in groups.items():
+            group.call("busy_times")
+            start = time.perf_counter()
+            out = group.call("generate", prompts, step + 1)
+            wall = time.perf_counter() - start
+            busy = group.call("busy_times")[0]["generate"]
+            tokens = float(out["response_mask"].sum())
+            runs[engine].append({"tokens": tokens, "worker_s": busy, "wall_s": wall})
+    for engine, records in runs.items():
+        results[engine] = {
+            "median_worker_s": round(statistics.median(r["worker_s"] for r in records), 4),
+            "median_tokens_per_s": round(statistics.median(r["tokens"] / r["worker_s"] for r in records), 1),
+            "median_wall_tokens_per_s": round(statistics.median(r["tokens"] / r["wall_s"] for r in records), 1),
+            "runs": records}
+    results["vllm_over_hf"] = round(results["vllm"]["median_tokens_per_s"] / results["hf"]["median_tokens_per_s"], 2)
+    for group in groups.values():
+        group.shutdown()
+    for pool in pools:
+        pool.release()
+    return results
+
+
+def weight_sync(hidden: int, layers: int, bucket_mb: float, repeats: int, out_dir: str) -> dict[str, Any]:
+    from easytrain.config import load
+    from easytrain.distributed.group import WorkerGroup
+    from easytrain.distributed.resources import ResourcePool
+    from easytrain.models.tiny import build_tiny
+    from easytrain.workers.actor import ActorWorker
+    from easytrain.workers.rollout.worker import RolloutWorker
+    from easytrain.workers.weight_sync import BucketedTransport
+
+    folder = build_sync_model(build_tiny("qwen2", "tiny"), Path(out_dir) / "sync-model", hidden, layers)
+    config = load([f"trainer.output_dir={out_dir}", "+exp=tiny_vllm", f"model.path={folder}", *BATCH,
+                   "data.max_prompt_length=64", "data.max_response_length=8"])
+    actor_pool, rollout_pool = ResourcePool("bench-actor", 1, 2, "cpu"), ResourcePool("bench-rollout", 1, 1, "cpu")
+    actor = WorkerGroup(ActorWorker, "actor", actor_pool, num_cpus=1, num_gpus=0, init_args=(config,))
+    rollout = WorkerGroup(RolloutWorker, "rollout", rollout_pool, num_cpus=1, num_gpus=0, init_args=(config,))
+    actor.init_process_group()
+    sizes = actor.call("setup", 1)
+    rollout.call("setup")
+    transport = BucketedTransport(bucket_mb)
+    records = []
+    for _ in range(repeats + 1):
+        start = time.perf_counter()
+        synced = transport.sync(actor, rollout)
+        synced["wall_s"] = time.perf_counter() - start
+        records.append(synced)
+    records = records[1:]  # the first sync pays one-off set-up
+    model_bytes = records[0]["sync/model_mb"] * 2**20
+    median_s = statistics.median(r["wall_s"] for r in records)
+    for group in (actor, rollout):
+        group.shutdown()
+    for pool in (actor_pool, rollout_pool):
+        pool.release()
+    return {"parameters": sizes[0]["total"], "model_mb": round(model_bytes / 2**20, 1), "bucket_mb": bucket_mb,
+            "buckets": records[0]["sync/buckets"], "median_sync_s": round(median_s, 3),
+            "gb_per_s": round(model_bytes / median_s / 1e9, 3),
+            "gathered_peak_mb": round(max(r["sync/gathered_peak_mb"] for r in records), 1),
+            "received_peak_mb": round(max(r["sync/received_peak_mb"] for r in records), 1), "runs": records}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--sync-hidden", type=int, default=1024)
+    parser.add_argument("--sync-layers", type=int, default=8)
+    parser.add_argument("--bucket-mb", type=float, default=64.0)
+    args = parser.parse_args()
+
+    import ray
+    import torch
+    import transformers
+    import vllm
+
+    from easytrain.config.schema import RayConfig
+    from easytrain.distributed.cluster import init_ray
+
+    out_dir = tempfile.mkdtemp(prefix="easytrain-rollout-bench-")
+    init_ray(RayConfig())
+    summary: dict[str, Any] = {
+        "benchmark": "rollout", "command": f"python bench/rollout.py --repeats {args.repeats} "
+                                           f"--sync-hidden {args.sync_hidden} --sync-layers {args.sync_layers} "
+                                           f"--bucket-mb {args.bucket_mb}",
+        "measured": time.strftime("%Y-%m-%d %H:%M:%S %Z"),
+        "machine": {"cpus": os.cpu_count(), "platform": platform.platform()},
+        "versions": {"torch": torch.__version__, "transformers": transformers.__version__, "ray": ray.__version__,
+                     "vllm": vllm.__version__},
+        "settings": {"prompts": 16, "n": 4, "max_new_tokens": 32, "temperature": 1.0, "dtype": "float32",
+                     "workers_per_engine": 1},
+        "generation": {size: generation(size, args.repeats, out_dir) for size in ("tiny", "small")},
+        "memcpy_gb_per_s": round(memcpy_gb_per_s(), 2),
+        "weight_sync": weight_sync(args.sync_hidden, args.sync_layers, args.bucket_mb, args.repeats, out_dir),
+    }
+    sync = summary["weight_sync"]
+    sync["fraction_of_memcpy"] = round(sync["gb_per_s"] / summary["memcpy_gb_per_s"], 3)
+    ray.shutdown()
+    path = ROOT / "bench" / "results" / "rollout.json"
+    path.write_text(json.dumps(summary, indent=2) + "\n")
+    for size, result in summary["generation"].items():
+        print(f"generation ({size} qwen2): HF {result['hf']['median_tokens_per_s']} tok/s, "
+              f"vLLM {result['vllm']['median_tokens_per_s']} tok/s ({result['vllm_over_hf']}x)")
+    print(f"weight sync: {sync['model_mb']} MB ({sync['parameters']} parameters) in {sync['median_sync_s']} s = "
+          f"{sync['gb_per_s']} GB/s; memcpy {summary['memcpy_gb_per_s']} GB/s -> "
+          f"{100 * sync['fraction_of_memcpy']:.1f}% of memcpy; gathered peak {sync['gathered_peak_mb']} MB "
+          f"with {sync['bucket_mb']} MB buckets")
+    print(f"wrote {path}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,134 @@
+"""Weight-sync building blocks (bucket plans, the alive-bytes meter, engine output padding) and the bound the
+bucketed sync puts on gathered memory, measured on the small model."""
+
+from __future__ import annotations
+
+import gc
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from easytrain.config import ConfigError, load
+from easytrain.workers.rollout.engine import pad_responses
+from easytrain.workers.weight_sync import AliveBytes, module_of, plan_buckets, to_hf_names
+
+
+def test_buckets_respect_the_size_and_keep_modules_whole() -> None:
+    sizes = {"embed.weight": 40, "layers.0.q.weight": 30, "layers.0.q.bias": 5, "layers.0.k.weight": 30,
+             "layers.1.q.weight": 90, "norm.weight": 4}
+    buckets = plan_buckets(sizes, 64)
+    assert [n for b in buckets for n in b] == list(sizes)  # every name once, in order
+    for bucket in buckets:
+        modules = {module_of(n) for n in bucket}
+        assert sum(sizes[n] for n in bucket) <= 64 or len(modules) == 1  # only an oversized module goes alone
+    assert ["layers.0.q.weight", "layers.0.q.bias"] in [b[:2] for b in buckets] or \
+        any({"layers.0.q.weight", "layers.0.q.bias"} <= set(b) for b in buckets)
+    assert ["layers.1.q.weight"] in buckets  # 90 bytes > 64: alone
+    assert len(plan_buckets(sizes, 10**9)) == 1
+
+
+def test_lora_parts_travel_with_their_base_weight() -> None:
+    prefix = "base_model.model.model.layers.0.self_attn.q_proj"
+    names = [f"{prefix}.base_layer.weight", f"{prefix}.base_layer.bias", f"{prefix}.lora_A.default.weight",
+             f"{prefix}.lora_B.default.weight", "base_model.model.lm_head.weight"]
+    assert len({module_of(n) for n in names[:4]}) == 1
+    buckets = plan_buckets({n: 8 for n in names}, 8)  # each tensor alone would fill a bucket
+    assert buckets[0] == names[:4] and buckets[1] == names[4:]
+    a, b = torch.randn(2, 4), torch.randn(4, 2)
+    bucket = {names[0]: torch.zeros(4, 4), names[1]: torch.zeros(4), names[2]: a, names[3]: b}
+    merged = to_hf_names(bucket, lora_scale=2.0)
+    assert set(merged) == {"model.layers.0.self_attn.q_proj.weight", "model.layers.0.self_attn.q_proj.bias"}
+    assert torch.allclose(merged["model.layers.0.self_attn.q_proj.weight"], 2.0 * b @ a)
+
+
+def test_alive_bytes_counts_what_the_garbage_collector_has_not_freed() -> None:
+    meter = AliveBytes()
+    kept = [torch.zeros(1000)]
+    meter.track(kept)
+    for _ in range(3):
+        transient = [torch.zeros(250), torch.zeros(250)]
+        meter.track(transient)
+        del transient
+        gc.collect()
+    assert meter.alive == 4000 and meter.peak == 6000
+    meter.reset()
+    assert meter.peak == 4000  # the reset peak starts from what is still alive
+    del kept
+    gc.collect()
+    assert meter.alive == 0
+
+
+def test_engine_output_is_right_padded_and_masked_through_the_stop_token() -> None:
+    out = pad_responses([[5, 6, 2, 9], [7], []], [[-1.0, -2.0, -3.0, -4.0], [-0.5], []], pad_id=0, stop_ids=[2])
+    assert out["responses"].tolist() == [[5, 6, 2, 9], [7, 0, 0, 0], [0, 0, 0, 0]]
+    assert out["response_mask"].tolist() == [[1, 1, 1, 0], [1, 0, 0, 0], [0, 0, 0, 0]]
+    assert out["rollout_log_probs"].tolist() == [[-1.0, -2.0, -3.0, 0.0], [-0.5, 0, 0, 0], [0, 0, 0, 0]]
+
+
+@pytest.mark.parametrize("overrides, key", [
+    (["worker.rollout.max_model_len=16"], "worker.rollout.max_model_len"),
+    (["+exp=tiny_vllm", "model.dtype=bfloat16"], "model.dtype"),
+    (["worker.rollout.sleep_level=3"], "worker.rollout.sleep_level"),
+    (["worker.rollout.val_override.n=0"], "worker.rollout.val_override.n"),
+])
+def test_bad_rollout_settings_name_their_key(overrides: list[str], key: str) -> None:
+    with pytest.raises(ConfigError) as err:
+        load(overrides)
+    assert str(err.value).startswith(f"{key}=")
+
+
+def test_vllm_on_cpu_refuses_vision_language_models() -> None:
+    from easytrain.config.loader import compose
+    from easytrain.main import resolve
+
+    with pytest.raises(ConfigError) as err:  # vLLM's Qwen-VL code needs torchvision, absent beside the CPU torch
+        resolve(compose(["worker.rollout.engine=vllm"]))
+    assert str(err.value).startswith("worker.rollout.engine='vllm': vLLM's qwen2_5_vl support imports torchvision")
+    assert resolve(compose(["+exp=tiny_vllm"])).worker.rollout.engine == "vllm"
+
+
+def test_stop_tokens_must_be_single_tokens(tiny_model: Any) -> None:
+    from transformers import AutoTokenizer
+
+    from easytrain.workers.rollout.worker import stop_token_ids
+
+    tokenizer = AutoTokenizer.from_pretrained(tiny_model("qwen2"))
+    ids = stop_token_ids(tokenizer, ["<|im_end|>", "<|endoftext|>"])
+    assert tokenizer.eos_token_id in ids and len(ids) == len(set(ids))
+    with pytest.raises(ValueError, match="worker.rollout.stop_tokens"):
+        stop_token_ids(tokenizer, ["two words"])
+
+
+@pytest.mark.slow
+def test_bucketed_sync_bounds_gathered_memory_by_the_bucket(ray_local: None, tmp_path: Path) -> None:
+    """Small Qwen2.5-VL (~4M parameters, ~16 MB fp32) on a 2-rank FSDP actor into an HF rollout worker:
+    the bytes of gathered tensors alive at once stay within one bucket (or the largest module, which
+    travels alone), on the gathering ranks and on the receiving one; one big bucket holds the whole model."""
+    from easytrain.trainer.roles import build_roles
+    from easytrain.workers.weight_sync import BucketedTransport
+
+    from grpo_helpers import make_config
+
+    config = make_config(str(tmp_path), "model.tiny_size=small", "algorithm.kl_coef=0")
+    roles = build_roles(config, total_optimizer_steps=1)
+    try:
+        whole = BucketedTransport(bucket_mb=1024).sync(roles.actor, roles.rollout)
+        sizes = roles.actor.call("full_state_dict")
+        model_mb = sum(t.numel() * t.element_size() for t in sizes.values()) / 2**20
+        largest_module_mb = max(sum(t.numel() * t.element_size() for n, t in sizes.items()
+                                    if module_of(n) == m) for m in {module_of(n) for n in sizes}) / 2**20
+        assert whole["sync/buckets"] == 1
+        assert whole["sync/gathered_peak_mb"] == pytest.approx(model_mb, rel=0.01)
+        bucket_mb = 1.0
+        assert largest_module_mb < 4 * bucket_mb
+        small = BucketedTransport(bucket_mb=bucket_mb).sync(roles.actor, roles.rollout)
+        bound = max(bucket_mb, largest_module_mb)
+        assert small["sync/buckets"] >= model_mb / bound
+        assert small["sync/gathered_peak_mb"] <= bound + 1e-6, (small, bound)
+        assert small["sync/received_peak_mb"] <= bound + 1e-6, (small, bound)
+        assert small["sync/gathered_peak_mb"] < whole["sync/gathered_peak_mb"] / 4
+        assert small["sync/tensors"] == whole["sync/tensors"]
+    finally:
+        roles.shutdown()
