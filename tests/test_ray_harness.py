@@ -80,7 +80,16 @@ class Echo:
         return Batch({"ids": ids, "rank": torch.full_like(ids, self.rank)})
 
 
+@pytest.fixture
+def echo_importable() -> None:
+    """Ray workers cannot import test modules; ship this one by value."""
+    from ray import cloudpickle
+
+    cloudpickle.register_pickle_by_value(sys.modules[__name__])
+
+
 @pytest.mark.parametrize("block", [1, 2, 4])
+@pytest.mark.usefixtures("echo_importable")
 def test_blocks_of_ranks_share_a_chunk_and_the_leader_answers(ray_local: None, block: int) -> None:
     """Tensor-parallel engines: every rank of a block gets the same prompts, the block leader's result is
     kept, and uneven batches are padded and unpadded per block."""
