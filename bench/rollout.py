@@ -11,8 +11,8 @@ times. Tokens/s = generated tokens / the worker's time inside ``generate``
 
 Weight sync: a randomly initialised Qwen2 of ~100M parameters (built here,
 fp32) on a 2-rank FSDP2 actor streams its weights into a vLLM rollout worker
-through the bucketed transport (gather -> object store -> vLLM layer-wise
-reload). Bandwidth = model bytes / sync wall time; it is set against this
+through the bucketed transport (each rank's shards -> object store -> joined
+in the rollout worker -> vLLM layer-wise reload). Bandwidth = model bytes / sync wall time; it is set against this
 machine's memcpy bandwidth (a 512 MB tensor copy) measured in the same run.
 """
 
@@ -59,6 +59,8 @@ def build_sync_model(base: Path, out: Path, hidden: int, layers: int) -> Path:
     shutil.copytree(base, out, dirs_exist_ok=True)
     config = AutoConfig.from_pretrained(base)
     config.hidden_size, config.num_hidden_layers = hidden, layers
+    if getattr(config, "layer_types", None):
+        config.layer_types = [config.layer_types[0]] * layers
     config.intermediate_size = hidden * 3
     config.num_attention_heads, config.num_key_value_heads, config.head_dim = hidden // 64, hidden // 256, 64
     torch.manual_seed(0)
@@ -146,8 +148,10 @@ def weight_sync(hidden: int, layers: int, bucket_mb: float, repeats: int, out_di
     return {"parameters": sizes[0]["total"], "model_mb": round(model_bytes / 2**20, 1), "bucket_mb": bucket_mb,
             "buckets": records[0]["sync/buckets"], "median_sync_s": round(median_s, 3),
             "gb_per_s": round(model_bytes / median_s / 1e9, 3),
-            "gathered_peak_mb": round(max(r["sync/gathered_peak_mb"] for r in records), 1),
-            "received_peak_mb": round(max(r["sync/received_peak_mb"] for r in records), 1), "runs": records}
+            "assembled_peak_mb": round(max(r["sync/assembled_peak_mb"] for r in records), 1),
+            "median_split_s": {part: round(statistics.median(r[f"sync/{part}_s"] for r in records), 3)
+                               for part in ("put", "wait")},
+            "runs": records}
 
 
 def main() -> None:
@@ -156,6 +160,8 @@ def main() -> None:
     parser.add_argument("--sync-hidden", type=int, default=1024)
     parser.add_argument("--sync-layers", type=int, default=8)
     parser.add_argument("--bucket-mb", type=float, default=64.0)
+    parser.add_argument("--only", choices=["generation", "sync"], default=None,
+                        help="re-measure one part and keep the other from the existing results file")
     args = parser.parse_args()
 
     import ray
@@ -167,7 +173,9 @@ def main() -> None:
     from easytrain.distributed.cluster import init_ray
 
     out_dir = tempfile.mkdtemp(prefix="easytrain-rollout-bench-")
-    init_ray(RayConfig())
+    path = ROOT / "bench" / "results" / "rollout.json"
+    previous = json.loads(path.read_text()) if args.only and path.exists() else {}
+    init_ray(RayConfig(num_cpus=8))  # logical CPUs: actor, rollout and engine workers coexist on 2 cores
     summary: dict[str, Any] = {
         "benchmark": "rollout", "command": f"python bench/rollout.py --repeats {args.repeats} "
                                            f"--sync-hidden {args.sync_hidden} --sync-layers {args.sync_layers} "
@@ -178,21 +186,29 @@ def main() -> None:
                      "vllm": vllm.__version__},
         "settings": {"prompts": 16, "n": 4, "max_new_tokens": 32, "temperature": 1.0, "dtype": "float32",
                      "workers_per_engine": 1},
-        "generation": {size: generation(size, args.repeats, out_dir) for size in ("tiny", "small")},
-        "memcpy_gb_per_s": round(memcpy_gb_per_s(), 2),
-        "weight_sync": weight_sync(args.sync_hidden, args.sync_layers, args.bucket_mb, args.repeats, out_dir),
     }
+    if args.only == "sync":
+        summary["generation"] = previous["generation"]
+        summary["generation_measured"] = previous["measured"]
+    else:
+        summary["generation"] = {size: generation(size, args.repeats, out_dir) for size in ("tiny", "small")}
+    summary["memcpy_gb_per_s"] = round(memcpy_gb_per_s(), 2)
+    if args.only == "generation":
+        summary["weight_sync"] = previous["weight_sync"]
+        summary["weight_sync_measured"] = previous["measured"]
+    else:
+        summary["weight_sync"] = weight_sync(args.sync_hidden, args.sync_layers, args.bucket_mb, args.repeats,
+                                             out_dir)
     sync = summary["weight_sync"]
     sync["fraction_of_memcpy"] = round(sync["gb_per_s"] / summary["memcpy_gb_per_s"], 3)
     ray.shutdown()
-    path = ROOT / "bench" / "results" / "rollout.json"
     path.write_text(json.dumps(summary, indent=2) + "\n")
     for size, result in summary["generation"].items():
         print(f"generation ({size} qwen2): HF {result['hf']['median_tokens_per_s']} tok/s, "
               f"vLLM {result['vllm']['median_tokens_per_s']} tok/s ({result['vllm_over_hf']}x)")
     print(f"weight sync: {sync['model_mb']} MB ({sync['parameters']} parameters) in {sync['median_sync_s']} s = "
           f"{sync['gb_per_s']} GB/s; memcpy {summary['memcpy_gb_per_s']} GB/s -> "
-          f"{100 * sync['fraction_of_memcpy']:.1f}% of memcpy; gathered peak {sync['gathered_peak_mb']} MB "
+          f"{100 * sync['fraction_of_memcpy']:.1f}% of memcpy; assembled peak {sync['assembled_peak_mb']} MB "
           f"with {sync['bucket_mb']} MB buckets")
     print(f"wrote {path}")
 

@@ -141,3 +141,37 @@ def test_top_k_one_is_greedy(setup: dict[str, Any], host: Any) -> None:
     for i in range(len(prompts)):
         for j in range(2):
             assert torch.equal(_masked(top1)[2 * i + j], _masked(greedy)[i])
+
+
+def test_a_lora_actor_syncs_merged_weights_into_vllm(setup: dict[str, Any]) -> None:
+    """LoRA adapters are merged bucket by bucket (each adapter travels with its base weight) and vLLM then
+    samples from exactly the merged model."""
+    from easytrain.workers.actor import ActorWorker
+
+    config = load([f"trainer.output_dir={setup['config'].trainer.output_dir}", *OVERRIDES, "model.lora.rank=4",
+                   "model.lora.alpha=8", "model.lora.target_modules=[all-linear]"])
+    roles, prompts = setup["roles"], setup["prompts"]
+    pool = ResourcePool("lora-actor", 1, 2, "cpu", cpus_per_worker=0.5)
+    lora = WorkerGroup(ActorWorker, "actor-lora", pool, num_cpus=0.5, num_gpus=0, init_args=(config,))
+    try:
+        lora.init_process_group()
+        sizes = lora.call("setup", 10)[0]
+        assert 0 < sizes["trainable"] < sizes["total"]
+        sampled = roles.rollout.call("generate", prompts, 5)
+        advantages = torch.linspace(-1, 1, len(sampled))[:, None] * sampled["response_mask"]
+        per_step = config.worker.actor.global_batch_size * config.worker.rollout.n
+        for _ in range(2):  # LoRA B starts at zero: after two steps the adapters change the model
+            lora.call("update", sampled.union(Batch({"advantages": advantages})).interleave_for_ranks(per_step, 2),
+                      0.0)
+        synced = BucketedTransport(bucket_mb=0.05).sync(lora, roles.rollout)
+        assert synced["sync/buckets"] > 3
+        after = roles.rollout.call("generate", prompts, 6)
+        recomputed = lora.call("compute_log_probs", after)["old_log_probs"]
+        mask = after["response_mask"].bool()
+        assert (recomputed - after["rollout_log_probs"]).abs()[mask].max() < 1e-4
+        base = roles.actor.call("compute_log_probs", after)["old_log_probs"]  # the non-LoRA actor differs
+        assert (base - after["rollout_log_probs"]).abs()[mask].max() > 1e-3
+    finally:
+        lora.shutdown()
+        pool.release()
+        roles.transport.sync(roles.actor, roles.rollout)  # leave the engines on the plain actor's weights

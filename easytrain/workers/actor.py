@@ -18,7 +18,7 @@ from easytrain.distributed.batch import Batch
 from easytrain.distributed.group import Dispatch, dispatch
 from easytrain.workers.base import WorkerBase, build_sharded_model
 from easytrain.workers.forward import batch_log_probs, micro_batches, response_log_probs
-from easytrain.workers.weight_sync import AliveBytes, push_weights, to_hf_names
+from easytrain.workers.weight_sync import push_weights, to_hf_names
 
 logger = logging.getLogger(__name__)
 
@@ -42,7 +42,6 @@ class ActorWorker(WorkerBase):
         self.model: Any = None
         self.optimizer: Optional[torch.optim.Optimizer] = None
         self.scheduler: Any = None
-        self.sync_meter = AliveBytes()
 
     @dispatch(Dispatch.BROADCAST)
     def setup(self, total_optimizer_steps: int) -> dict[str, int]:
@@ -158,7 +157,7 @@ class ActorWorker(WorkerBase):
     @dispatch(Dispatch.RANK0)
     def push_weights(self, targets: list[Any], bucket_bytes: int) -> dict[str, float]:
         """Stream the current weights to the rollout workers in buckets (see weight_sync)."""
-        return push_weights(self.model, self.rank, targets, bucket_bytes, self.lora_scale, self.sync_meter)
+        return push_weights(self.model, self.rank, targets, bucket_bytes, self.lora_scale)
 
     @property
     def lora_scale(self) -> float:

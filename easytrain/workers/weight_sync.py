@@ -1,17 +1,23 @@
 """Moving the actor's weights into the rollout engines, in place, in buckets, without disk.
 
-The actor's ranks gather their FSDP shards one bucket at a time (every rank
-takes part in each all-gather); rank 0 renames the bucket to HF names (PEFT
-prefixes stripped, LoRA merged), puts it in Ray's object store and has every
-rollout rank load it, while the ranks gather the next one. So at most one
-gathered bucket is alive in an actor process and at most two in the object
-store, whatever the model's size: the extra memory a sync takes is bounded by
-``worker.rollout.sync_bucket_mb``, not by the model. The driver makes one
-call; the buckets flow from the actor to the rollout workers directly.
+The weights travel one bucket at a time (``worker.rollout.sync_bucket_mb``;
+a module never splits, so LoRA adapters travel with their base weights).
+Each actor rank puts its own FSDP shards of a bucket in Ray's object store
+and hands the reference to every rollout rank; a rollout rank gathers the
+full tensors from the parts (shards join along dim 0, read in place from
+shared memory), renames them to HF names (PEFT prefixes stripped, LoRA
+merged) and loads them into its engine, while the actor ranks put the next
+bucket. No collective runs on the actor side: the object store does the
+gather, at shared-memory speed within a node. At most two buckets are in
+flight, so the extra memory a sync takes is bounded by the bucket, not by
+the model. The driver makes one call; the buckets flow from the actor ranks
+to the rollout workers directly.
 
-:class:`AliveBytes` measures that bound: it counts the bytes of gathered
-tensors still alive (released by the garbage collector, not by bookkeeping)
-and their peak.
+Tensors cross as numpy byte arrays (:func:`to_wire`): Ray stores numpy
+buffers as they are and readers map them without copying.
+:class:`AliveBytes` measures the bound at the receiver: the bytes of
+assembled tensors still alive (released by the garbage collector, not by
+bookkeeping) and their peak.
 """
 
 from __future__ import annotations
@@ -79,6 +85,35 @@ def plan_buckets(sizes: Mapping[str, int], bucket_bytes: int) -> list[list[str]]
     return buckets
 
 
+Wire = tuple[Any, str, tuple[int, ...]]
+"""A tensor on its way through the object store: its bytes as a numpy uint8 array, dtype, shape."""
+
+
+def to_wire(bucket: dict[str, torch.Tensor]) -> dict[str, Wire]:
+    """Tensors as numpy byte arrays: Ray stores numpy buffers as they are and readers map them without a
+    copy (pickled torch tensors are copied on both sides); bytes also carry dtypes numpy lacks (bf16)."""
+    out: dict[str, Wire] = {}
+    for name, tensor in bucket.items():
+        flat = tensor.detach().contiguous().view(-1)
+        out[name] = (flat.view(torch.uint8).numpy(), str(tensor.dtype).removeprefix("torch."), tuple(tensor.shape))
+    return out
+
+
+def from_wire(bucket: dict[str, Wire]) -> dict[str, torch.Tensor]:
+    """Read-only tensors over the object store's memory (the engines copy from them)."""
+    import warnings
+
+    out = {}
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="The given NumPy array is not writable")
+        for name, (data, dtype, shape) in bucket.items():
+            if data.size == 0:  # an empty shard (FSDP gives the last ranks nothing when rows run out)
+                out[name] = torch.empty(shape, dtype=getattr(torch, dtype))
+                continue
+            out[name] = torch.from_numpy(data).view(getattr(torch, dtype)).view(shape)
+    return out
+
+
 class AliveBytes:
     """Bytes of tracked tensors not yet garbage collected, and the peak since :meth:`reset`."""
 
@@ -104,12 +139,62 @@ class AliveBytes:
             self.alive -= size
 
 
-def push_weights(model: torch.nn.Module, rank: int, targets: list[Any], bucket_bytes: int,
-                 lora_scale: float, meter: AliveBytes) -> dict[str, float]:
-    """Stream ``model``'s full weights to the rollout workers ``targets`` (Ray actor handles), bucket by
-    bucket. Every actor rank calls this (the gathers are collectives); only rank 0 sends."""
-    import ray
+def shard_layout(state: dict[str, torch.Tensor], rank: int) -> tuple[bool, int, int]:
+    """(sends, part, parts) for this rank: whether its local shards are needed (one replica of each shard
+    is), which dim-0 part of every sharded tensor it holds, and how many parts there are."""
     from torch.distributed.tensor import DTensor
+
+    for tensor in state.values():
+        if isinstance(tensor, DTensor):
+            mesh, coords = tensor.device_mesh, tensor.device_mesh.get_coordinate()
+            assert coords is not None, "this rank is not in the model's device mesh"
+            sends, part, parts = True, 0, 1
+            for dim, placement in enumerate(tensor.placements):
+                if placement.is_shard():
+                    if getattr(placement, "dim", 0) != 0:
+                        raise ValueError(f"weight sync expects FSDP's dim-0 shards, got {tensor.placements}")
+                    part, parts = coords[dim], mesh.size(dim)
+                elif coords[dim] != 0:
+                    sends = False  # a replica (HSDP): the replica with coordinate 0 sends
+            return sends, part, parts
+    return rank == 0, 0, 1
+
+
+def local_part(state: dict[str, torch.Tensor], names: list[str], part: int) -> dict[str, torch.Tensor]:
+    """This rank's piece of a bucket on CPU: its shard of every sharded tensor (possibly empty), and the
+    unsharded tensors when it holds part 0."""
+    from torch.distributed.tensor import DTensor
+
+    out = {}
+    for name in names:
+        tensor = state[name].detach()
+        if isinstance(tensor, DTensor):
+            out[name] = tensor.to_local().cpu()
+        elif part == 0:
+            out[name] = tensor.cpu()
+    return out
+
+
+def join_parts(parts: list[dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
+    """Full tensors from the parts of a bucket (part 0 names every tensor; shards join along dim 0)."""
+    out = {}
+    for name in parts[0]:
+        pieces = [p[name] for p in parts if name in p]
+        out[name] = pieces[0] if len(pieces) == 1 else torch.cat(pieces)
+    return out
+
+
+def push_weights(model: torch.nn.Module, rank: int, targets: list[Any], bucket_bytes: int,
+                 lora_scale: float) -> dict[str, float]:
+    """Stream ``model``'s weights to the rollout workers ``targets`` (Ray actor handles), bucket by bucket.
+
+    Every actor rank calls this. Each rank that holds a needed shard puts its part of the bucket in the
+    object store and hands the reference to every target; a target assembles the full tensors once all
+    parts of a bucket are in and loads them. A rank moves to bucket k+1 only after bucket k-1 is loaded
+    (a barrier keeps the ranks in step), so at most two buckets are in flight.
+    """
+    import ray
+    import torch.distributed as dist
 
     start = time.perf_counter()
     state: dict[str, torch.Tensor] = {}
@@ -118,39 +203,41 @@ def push_weights(model: torch.nn.Module, rank: int, targets: list[Any], bucket_b
         if id(tensor) not in seen:  # tied weights are sent once (under their first name)
             seen.add(id(tensor))
             state[name] = tensor
-    sizes = {name: t.numel() * t.element_size() for name, t in state.items()}
+    sizes = {name: t.numel() * t.element_size() for name, t in state.items()}  # a DTensor's numel is global
     buckets = plan_buckets(sizes, bucket_bytes)
-    meter.reset()
+    sends, part, parts = shard_layout(state, rank)
+    grouped = dist.is_initialized() and dist.get_world_size() > 1
     if rank == 0:
-        ray.get([t.begin_weight_update.remote() for t in targets])
-    in_flight: list[Any] = []
-    loaded = 0
-    for names in buckets:
-        full: dict[str, torch.Tensor] = {}
-        for name in names:
-            local = state[name].detach()
-            gathered = local.full_tensor() if isinstance(local, DTensor) else local
-            gathered = gathered.cpu()
-            if gathered is not local:
-                meter.track([gathered])
-            full[name] = gathered
-        if rank == 0:
-            ref = ray.put(to_hf_names(full, lora_scale))
-            del full
-            loaded += sum(ray.get(in_flight))  # the previous bucket is in: at most two in the object store
-            in_flight = [t.load_weight_bucket.remote(ref) for t in targets]
+        ray.get([t.begin_weight_update.remote(lora_scale) for t in targets])
+    if grouped:
+        dist.barrier()  # no part may reach a target before its update has begun
+    times = {"put": 0.0, "wait": 0.0}
+    previous: list[Any] = []
+    for index, names in enumerate(buckets):
+        current: list[Any] = []
+        if sends:
+            mark = time.perf_counter()
+            ref = ray.put(to_wire(local_part(state, names, part)))
+            times["put"] += time.perf_counter() - mark
+            current = [t.receive_part.remote(index, part, parts, ref) for t in targets]
             del ref
-        else:
-            del full
-    received = [0.0]
+        mark = time.perf_counter()
+        ray.get(previous)
+        if grouped:
+            dist.barrier()  # every rank's bucket k-1 is loaded: at most two buckets in the object store
+        times["wait"] += time.perf_counter() - mark
+        previous = current
+    ray.get(previous)
+    if grouped:
+        dist.barrier()
+    out = {"sync/buckets": float(len(buckets)), "sync/model_mb": sum(sizes.values()) / 2**20,
+           **{f"sync/{k}_s": v for k, v in times.items()}}
     if rank == 0:
-        loaded += sum(ray.get(in_flight))
-        received = [r["received_peak_mb"] for r in ray.get([t.finish_weight_update.remote() for t in targets])]
-    seconds = time.perf_counter() - start
-    total = sum(sizes.values())  # a DTensor's numel is the full tensor's
-    return {"sync/tensors": float(loaded / max(1, len(targets))), "sync/buckets": float(len(buckets)),
-            "sync/gathered_peak_mb": meter.peak / 2**20, "sync/received_peak_mb": max(received),
-            "sync/model_mb": total / 2**20, "sync/seconds": seconds}
+        done = ray.get([t.finish_weight_update.remote() for t in targets])
+        out["sync/tensors"] = float(min(d["loaded"] for d in done))
+        out["sync/assembled_peak_mb"] = max(d["assembled_peak_mb"] for d in done)
+    out["sync/seconds"] = time.perf_counter() - start
+    return out
 
 
 class WeightTransport(abc.ABC):

@@ -19,7 +19,7 @@ from easytrain.models.hf import load_tokenizer
 from easytrain.workers.base import WorkerBase
 from easytrain.workers.rollout.engine import EngineSpec, RolloutEngine, SamplingParams, engine_class
 from easytrain.workers.sequences import assemble
-from easytrain.workers.weight_sync import AliveBytes
+from easytrain.workers.weight_sync import AliveBytes, Wire, from_wire, join_parts, to_hf_names
 
 logger = logging.getLogger(__name__)
 
@@ -43,6 +43,8 @@ class RolloutWorker(WorkerBase):
         super().__init__(config, role=role, rank=rank, world_size=world_size)
         self.engine: Optional[RolloutEngine] = None
         self.sync_meter = AliveBytes()
+        self._parts: dict[int, dict[int, dict[str, torch.Tensor]]] = {}
+        self._lora_scale, self._loaded = 1.0, 0
         self.freed_bytes = 0
 
     @property
@@ -93,22 +95,32 @@ class RolloutWorker(WorkerBase):
 
     # ------------------------------------------------------------------ weights (called by the actor's rank 0)
 
-    def begin_weight_update(self) -> None:
+    def begin_weight_update(self, lora_scale: float = 1.0) -> None:
         assert self.engine is not None, "setup() first"
         self.sync_meter.reset()
+        self._parts: dict[int, dict[int, dict[str, torch.Tensor]]] = {}
+        self._lora_scale, self._loaded = lora_scale, 0
         self.engine.begin_weight_update()
 
-    def load_weight_bucket(self, bucket: dict[str, torch.Tensor]) -> int:
+    def receive_part(self, index: int, part: int, parts: int, wire: dict[str, Wire]) -> None:
+        """One actor rank's part of bucket ``index``; the part that completes the bucket loads it."""
         assert self.engine is not None, "setup() first"
-        self.sync_meter.track(bucket.values())
-        loaded = self.engine.load_weights(bucket.items())
-        del bucket
-        return loaded
+        arrived = self._parts.setdefault(index, {})
+        arrived[part] = from_wire(wire)
+        if len(arrived) < parts:
+            return
+        del self._parts[index], wire
+        bucket = join_parts([arrived.pop(p) for p in range(parts)])
+        if parts > 1:
+            self.sync_meter.track(bucket.values())  # the joined copies (a single part is read in place)
+        self._loaded += self.engine.load_weights(to_hf_names(bucket, self._lora_scale).items())
 
     def finish_weight_update(self) -> dict[str, float]:
         assert self.engine is not None, "setup() first"
+        if self._parts:
+            raise RuntimeError(f"weight update finished with buckets {sorted(self._parts)} incomplete")
         self.engine.finish_weight_update()
-        return {"received_peak_mb": self.sync_meter.peak / 2**20}
+        return {"loaded": float(self._loaded), "assembled_peak_mb": self.sync_meter.peak / 2**20}
 
     @dispatch(Dispatch.BROADCAST)
     def update_weights(self, state: dict[str, torch.Tensor]) -> int:
