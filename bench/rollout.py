@@ -189,13 +189,13 @@ def main() -> None:
     }
     if args.only == "sync":
         summary["generation"] = previous["generation"]
-        summary["generation_measured"] = previous["measured"]
+        summary["generation_measured"] = previous.get("generation_measured", previous["measured"])
     else:
         summary["generation"] = {size: generation(size, args.repeats, out_dir) for size in ("tiny", "small")}
     summary["memcpy_gb_per_s"] = round(memcpy_gb_per_s(), 2)
     if args.only == "generation":
         summary["weight_sync"] = previous["weight_sync"]
-        summary["weight_sync_measured"] = previous["measured"]
+        summary["weight_sync_measured"] = previous.get("weight_sync_measured", previous["measured"])
     else:
         summary["weight_sync"] = weight_sync(args.sync_hidden, args.sync_layers, args.bucket_mb, args.repeats,
                                              out_dir)

@@ -21,11 +21,12 @@ def reward_metrics(scores: dict[str, torch.Tensor]) -> dict[str, float]:
     return out
 
 
-def response_metrics(batch: Batch) -> dict[str, float]:
+def response_metrics(batch: Batch, max_length: int) -> dict[str, float]:
+    """Response lengths; clip_ratio is the share cut off at data.max_response_length."""
     lengths = batch["response_mask"].sum(-1)
     width = batch["responses"].shape[1]
     return {"response_length/mean": float(lengths.mean()), "response_length/max": float(lengths.max()),
-            "response_length/clip_ratio": float((lengths >= width).float().mean()),
+            "response_length/clip_ratio": float((lengths >= max_length).float().mean()),
             "prompt_length/mean": float(batch["attention_mask"][:, : -width].sum(-1).float().mean())}
 
 

@@ -125,7 +125,6 @@ class VLLMEngine(RolloutEngine):
         self.sleep_level = sleep_level
         self.can_sleep = sleep_level > 0
         self.asleep: set[str] = set()
-        self._said_no_sleep = False
 
     @classmethod
     def build(cls, config: Any, spec: EngineSpec) -> "VLLMEngine":
@@ -142,6 +141,10 @@ class VLLMEngine(RolloutEngine):
         llm = LLM(**engine_kwargs(config, spec, vision))
         logging.getLogger("vllm.model_executor.model_loader.reload.layerwise").addFilter(_QuietUnloadedRotary())
         sleeps = spec.device.type == "cuda" and config.trainer.colocate
+        if not sleeps or config.worker.rollout.sleep_level == 0:
+            logger.info("vLLM sleep mode is off here (it needs a GPU, colocated roles and "
+                        "worker.rollout.sleep_level > 0): the engine keeps its weights and KV cache between "
+                        "rollouts, and sleep/wake do nothing")
         return cls(llm, spec, suppressed_tokens(hf_config), int(text.vocab_size),
                    config.worker.rollout.sleep_level if sleeps else 0)
 
@@ -201,11 +204,7 @@ class VLLMEngine(RolloutEngine):
     # ------------------------------------------------------------------ memory
 
     def sleep(self) -> int:
-        if self.sleep_level == 0:
-            if not self._said_no_sleep:
-                logger.info("vLLM sleep mode is off here (it needs a GPU and colocated roles): the engine keeps "
-                            "its weights and KV cache between rollouts")
-                self._said_no_sleep = True
+        if self.sleep_level == 0:  # said once when the engine was built
             return 0
         free_before = torch.cuda.mem_get_info()[0]
         self.llm.sleep(level=self.sleep_level)
