@@ -85,6 +85,11 @@ def test_engine_output_is_right_padded_and_masked_through_the_stop_token() -> No
     (["+exp=tiny_vllm", "model.dtype=bfloat16"], "model.dtype"),
     (["worker.rollout.sleep_level=3"], "worker.rollout.sleep_level"),
     (["worker.rollout.val_override.n=0"], "worker.rollout.val_override.n"),
+    (["worker.rollout.temperature=0"], "worker.rollout.n"),  # greedy: n identical responses
+    (["worker.rollout.val_override.n=4"], "worker.rollout.val_override.n"),  # validation is greedy by default
+    (["+exp=tiny_vllm", "worker.rollout.top_p=0.9", "algorithm.use_kl_loss=false", "algorithm.kl_coef=0.01",
+      "worker.actor.reuse_log_probs_on_policy=true"],
+     "worker.actor.reuse_log_probs_on_policy"),  # vLLM's truncated log-probs would enter the reward's KL
 ])
 def test_bad_rollout_settings_name_their_key(overrides: list[str], key: str) -> None:
     with pytest.raises(ConfigError) as err:
@@ -144,6 +149,7 @@ def test_bucketed_sync_bounds_gathered_memory_by_the_bucket(ray_local: None, tmp
         largest_module_mb = max(sum(t.numel() * t.element_size() for n, t in sizes.items()
                                     if module_of(n) == m) for m in {module_of(n) for n in sizes}) / 2**20
         assert whole["sync/buckets"] == 1
+        assert whole["sync/model_mb"] == pytest.approx(model_mb)
         assert whole["sync/assembled_peak_mb"] == pytest.approx(model_mb, rel=0.01)
         bucket_mb = 1.0
         assert largest_module_mb < 4 * bucket_mb
@@ -153,5 +159,24 @@ def test_bucketed_sync_bounds_gathered_memory_by_the_bucket(ray_local: None, tmp
         assert small["sync/assembled_peak_mb"] <= bound + 1e-6, (small, bound)
         assert small["sync/assembled_peak_mb"] < whole["sync/assembled_peak_mb"] / 4
         assert small["sync/tensors"] == whole["sync/tensors"]
+
+        # a load that fails on the rollout side fails the sync on every actor rank, at once
+        from easytrain.distributed.group import WorkerError, WorkerGroup
+        from easytrain.distributed.resources import ResourcePool
+        from easytrain.workers.actor import ActorWorker
+
+        other = make_config(str(tmp_path), "model.tiny_size=tiny", "algorithm.kl_coef=0")  # other shapes
+        pool = ResourcePool("mismatched", 1, 2, "cpu", cpus_per_worker=0.5)
+        wrong = WorkerGroup(ActorWorker, "actor-tiny", pool, num_cpus=0.5, num_gpus=0, init_args=(other,))
+        try:
+            wrong.init_process_group()
+            wrong.call("setup", 1)
+            with pytest.raises(WorkerError, match="push_weights"):
+                BucketedTransport(bucket_mb=bucket_mb).sync(wrong, roles.rollout)
+        finally:
+            wrong.shutdown()
+            pool.release()
+        again = BucketedTransport(bucket_mb=bucket_mb).sync(roles.actor, roles.rollout)  # and it recovers
+        assert again["sync/tensors"] == whole["sync/tensors"]
     finally:
         roles.shutdown()

@@ -239,11 +239,12 @@ class RolloutConfig(RoleConfig):
     enforce_eager: bool = False
     """vLLM: no CUDA graphs (less memory, slower decode); always on for CPU."""
     sleep_level: int = bounded(2, low=0, high=2)
-    """vLLM on GPU with colocated roles: free the engine's memory between rollouts (1 = offload weights to
-    host and drop the KV cache, 2 = drop both; the next weight sync refills them), 0 = never sleep."""
+    """vLLM on GPU with colocated roles: free the engine's memory between rollouts (2 = drop weights and
+    KV cache, the next weight sync refills them; 1 = offload weights to host and drop the KV cache, which
+    copies the old weights back only for the sync to overwrite them), 0 = never sleep."""
     sync_bucket_mb: float = bounded(256.0, low=0.0, low_open=True)
     """Weight sync streams the actor's weights in buckets of about this size, bounding the extra memory
-    the gather holds (a tensor larger than the bucket travels alone)."""
+    the sync holds (a module larger than the bucket travels alone)."""
     val_override: ValSamplingConfig = field(default_factory=lambda: ValSamplingConfig())
     """Sampling used for validation instead of the training settings above."""
 

@@ -238,6 +238,19 @@ def _check_rollout(cfg: Config) -> None:
     if r.engine == "vllm" and cfg.trainer.device == "cpu" and cfg.model.dtype != "float32":
         raise ConfigError("model.dtype", cfg.model.dtype, "vLLM on CPU runs only in float32",
                           "set model.dtype=float32 or worker.rollout.engine=hf")
+    for key, sampling in (("worker.rollout", r), ("worker.rollout.val_override", r.val_override)):
+        if sampling.temperature == 0 and sampling.n > 1:
+            raise ConfigError(f"{key}.n", sampling.n,
+                              f"{key}.temperature=0 is greedy: every one of the n responses would be the same",
+                              f"set {key}.n=1 or a temperature > 0")
+    truncated = r.top_p < 1 or r.top_k > 0
+    a = cfg.algorithm
+    if (r.engine == "vllm" and truncated and not a.use_kl_loss and a.kl_coef > 0
+            and cfg.worker.actor.reuse_log_probs_on_policy):
+        raise ConfigError("worker.actor.reuse_log_probs_on_policy", True,
+                          "with top_p/top_k vLLM reports log-probs of the truncated distribution, and the KL in "
+                          "the reward (algorithm.use_kl_loss=false) needs the actor's",
+                          "set worker.actor.reuse_log_probs_on_policy=false (the actor recomputes them)")
     needed = cfg.data.max_prompt_length + cfg.data.max_response_length
     if r.max_model_len is not None and r.max_model_len < needed:
         raise ConfigError("worker.rollout.max_model_len", r.max_model_len,

@@ -66,6 +66,9 @@ class RLTrainer:
     def train_step(self, prompts: Iterator[Batch]) -> dict[str, float]:
         timer, start = PhaseTimer(), time.perf_counter()
         batch, scores, sampling = self.rollout(prompts, timer)
+        if self.roles.rollout_sleeps:  # hand the device to the training roles until the next sync
+            with timer("sleep"):
+                self.roles.rollout.call("sleep")
         with timer("old_log_probs"):
             if not (self.on_policy and self.config.worker.actor.reuse_log_probs_on_policy):
                 batch = batch.union(self.roles.actor.call("compute_log_probs", batch))
@@ -106,8 +109,6 @@ class RLTrainer:
                            validate: bool = False) -> tuple[Batch, dict[str, torch.Tensor]]:
         with timer("generate"):
             batch = self.roles.rollout.call("generate", prompts, self.step, validate)
-            if self.roles.rollout_sleeps and not validate:  # hand the device to the training roles
-                self.roles.rollout.call("sleep")
         texts = self.data.decode(batch)
         pending = self.roles.rewards.submit(texts, batch.meta["answers"])
         reference = self.roles.reference
@@ -125,8 +126,9 @@ class RLTrainer:
         a, n = self.config.algorithm, self.config.worker.rollout.n
         rewards = scores["overall"].to(torch.float32)
         mask = batch["response_mask"]
-        if not a.use_kl_loss and "ref_log_probs" in batch:  # KL in the reward
-            kl = kl_penalty(batch["rollout_log_probs"], batch["ref_log_probs"], a.kl_penalty)
+        if not a.use_kl_loss and "ref_log_probs" in batch:  # KL in the reward, of the actor's log-probs
+            policy = batch["old_log_probs"] if "old_log_probs" in batch else batch["rollout_log_probs"]
+            kl = kl_penalty(policy, batch["ref_log_probs"], a.kl_penalty)
             rewards = rewards - self.kl.coef * (kl * mask).sum(-1)
         groups = torch.arange(len(batch)) // n
         advantages = compute_advantages(a.adv_estimator, rewards, groups, a.norm_adv_by_std)

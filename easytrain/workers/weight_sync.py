@@ -27,7 +27,7 @@ import re
 import threading
 import time
 import weakref
-from typing import Any, Iterable, Mapping
+from typing import Any, Iterable, Mapping, Optional
 
 import torch
 
@@ -191,26 +191,38 @@ def push_weights(model: torch.nn.Module, rank: int, targets: list[Any], bucket_b
     Every actor rank calls this. Each rank that holds a needed shard puts its part of the bucket in the
     object store and hands the reference to every target; a target assembles the full tensors once all
     parts of a bucket are in and loads them. A rank moves to bucket k+1 only after bucket k-1 is loaded
-    (a barrier keeps the ranks in step), so at most two buckets are in flight.
+    (the ranks agree after each bucket), so at most two buckets wait in the object store; vLLM itself may
+    hold a layer's earlier tensors until the rest of the layer arrives.
     """
     import ray
     import torch.distributed as dist
 
     start = time.perf_counter()
-    state: dict[str, torch.Tensor] = {}
-    seen: set[int] = set()
-    for name, tensor in model.state_dict().items():
-        if id(tensor) not in seen:  # tied weights are sent once (under their first name)
-            seen.add(id(tensor))
-            state[name] = tensor
+    # Tied weights go under every name they have: vLLM's layer-wise reload rebuilds each layer from the
+    # tensors it is given, so a tied lm_head sent only as embed_tokens would keep its old values.
+    state: dict[str, torch.Tensor] = dict(model.state_dict())
     sizes = {name: t.numel() * t.element_size() for name, t in state.items()}  # a DTensor's numel is global
     buckets = plan_buckets(sizes, bucket_bytes)
     sends, part, parts = shard_layout(state, rank)
     grouped = dist.is_initialized() and dist.get_world_size() > 1
-    if rank == 0:
-        ray.get([t.begin_weight_update.remote(lora_scale) for t in targets])
-    if grouped:
-        dist.barrier()  # no part may reach a target before its update has begun
+
+    def in_step(calls: list[Any]) -> None:
+        """Wait for ``calls``, then for every rank (the barrier); a failure anywhere fails every rank
+        at once rather than leaving the others in a barrier until the process-group timeout."""
+        error: Optional[BaseException] = None
+        try:
+            ray.get(calls)
+        except Exception as err:  # noqa: BLE001 - re-raised below, after the ranks agree
+            error = err
+        failed = torch.tensor([0 if error is None else 1])
+        if grouped:
+            dist.all_reduce(failed, op=dist.ReduceOp.MAX)
+        if error is not None:
+            raise error
+        if int(failed):
+            raise RuntimeError("weight sync failed on another actor rank (its error names the cause)")
+
+    in_step([t.begin_weight_update.remote(lora_scale) for t in targets] if rank == 0 else [])
     times = {"put": 0.0, "wait": 0.0}
     previous: list[Any] = []
     for index, names in enumerate(buckets):
@@ -222,14 +234,10 @@ def push_weights(model: torch.nn.Module, rank: int, targets: list[Any], bucket_b
             current = [t.receive_part.remote(index, part, parts, ref) for t in targets]
             del ref
         mark = time.perf_counter()
-        ray.get(previous)
-        if grouped:
-            dist.barrier()  # every rank's bucket k-1 is loaded: at most two buckets in the object store
+        in_step(previous)  # every rank's bucket k-1 is loaded: at most two buckets in the object store
         times["wait"] += time.perf_counter() - mark
         previous = current
-    ray.get(previous)
-    if grouped:
-        dist.barrier()
+    in_step(previous)
     out = {"sync/buckets": float(len(buckets)), "sync/model_mb": sum(sizes.values()) / 2**20,
            **{f"sync/{k}_s": v for k, v in times.items()}}
     if rank == 0:

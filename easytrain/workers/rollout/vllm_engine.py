@@ -13,9 +13,10 @@ after its logits processors and temperature, with the vision placeholders
 masked through ``allowed_token_ids``: the actor's convention
 (:func:`easytrain.algorithms.losses.sampling_logits`) exactly when top-p and
 top-k are off. With them on, vLLM reports the truncated distribution it
-sampled from; the update never uses these values as old log-probs (it either
-recomputes them or, on-policy, takes the detached current ones), so only the
-``rollout/log_prob_diff`` metric sees the difference.
+sampled from. The update never uses these values as old log-probs (it either
+recomputes them or, on-policy, takes the detached current ones); a KL term in
+the reward uses the actor's old log-probs when they are computed, and
+validation refuses top-p/top-k with vLLM when it would have to use these.
 
 Weights are loaded in place with vLLM's layer-wise reload (the machinery
 behind its ``reload_weights``), one bucket at a time: a layer is repacked for
@@ -101,9 +102,8 @@ def _finish_reload(worker: Any) -> None:
 
     runner = worker.model_runner
     finalize_layerwise_reload(_model(worker), runner.model_config)
-    for reset in ("reset_lora_state", "reset_encoder_cache", "reset_mm_cache"):
-        if hasattr(runner, reset):
-            getattr(runner, reset)()
+    if hasattr(runner, "reset_lora_state"):
+        runner.reset_lora_state()
 
 
 class _QuietUnloadedRotary(logging.Filter):
@@ -167,7 +167,8 @@ class VLLMEngine(RolloutEngine):
         return VLLMSampling(
             n=params.n, temperature=params.temperature, top_p=params.top_p, top_k=max(params.top_k, 0),
             max_tokens=params.max_new_tokens, stop_token_ids=list(self.spec.stop_ids), logprobs=0,
-            seed=params.seed + prompt_index, allowed_token_ids=self.allowed, detokenize=False)
+            # vLLM seeds a request's j-th sample with seed + j: space prompts n apart so no two samples share one
+            seed=params.seed + prompt_index * params.n, allowed_token_ids=self.allowed, detokenize=False)
 
     def generate(self, prompts: Batch, params: SamplingParams) -> Batch:
         if "weights" in self.asleep and self.sleep_level == 2:
@@ -199,7 +200,11 @@ class VLLMEngine(RolloutEngine):
 
     def finish_weight_update(self) -> None:
         self.llm.collective_rpc(_finish_reload)
-        self.llm.reset_prefix_cache()  # cached prefixes were computed with the old weights
+        # everything cached was computed with the old weights: prefixes' KV, image embeddings (the engine
+        # resets the scheduler's encoder-cache bookkeeping and the workers' caches together)
+        self.llm.reset_prefix_cache()
+        self.llm.llm_engine.reset_encoder_cache()
+        self.llm.reset_mm_cache()
 
     # ------------------------------------------------------------------ memory
 

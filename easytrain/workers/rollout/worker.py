@@ -1,8 +1,8 @@
 """The rollout worker: hosts one engine, generates for its share of prompts, takes new weights.
 
-Weights arrive in buckets pushed by the actor's rank 0 (see
+Weights arrive in buckets, each in parts pushed by the actor ranks (see
 :mod:`easytrain.workers.weight_sync`), through the plain methods
-``begin_weight_update`` / ``load_weight_bucket`` / ``finish_weight_update``.
+``begin_weight_update`` / ``receive_part`` / ``finish_weight_update``.
 """
 
 from __future__ import annotations
@@ -22,6 +22,14 @@ from easytrain.workers.sequences import assemble
 from easytrain.workers.weight_sync import AliveBytes, Wire, from_wire, join_parts, to_hf_names
 
 logger = logging.getLogger(__name__)
+
+
+def stable_seed(*parts: Any) -> int:
+    """A 31-bit seed mixing ``parts``: nearby (step, engine, call) never give overlapping seed ranges."""
+    import hashlib
+
+    digest = hashlib.blake2b(repr(parts).encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "little") % (2**31 - 2**20)  # room for seed + i * n + j
 
 
 def stop_token_ids(tokenizer: Any, stop_tokens: list[str]) -> list[int]:
@@ -46,6 +54,7 @@ class RolloutWorker(WorkerBase):
         self._parts: dict[int, dict[int, dict[str, torch.Tensor]]] = {}
         self._lora_scale, self._loaded = 1.0, 0
         self.freed_bytes = 0
+        self._calls = 0
 
     @property
     def member(self) -> int:
@@ -75,7 +84,8 @@ class RolloutWorker(WorkerBase):
 
     def sampling(self, validate: bool, step: int) -> SamplingParams:
         r, length = self.config.worker.rollout, self.config.data.max_response_length
-        seed = self.config.trainer.seed * 1_000_003 + step * 1009 + self.member  # one seed per engine
+        self._calls += 1  # several rounds in one step (dynamic sampling) draw differently
+        seed = stable_seed(self.config.trainer.seed, step, self.member, self._calls, validate)
         s = r.val_override if validate else r
         return SamplingParams(s.n, s.temperature, s.top_p, s.top_k, length, seed)
 
@@ -93,7 +103,7 @@ class RolloutWorker(WorkerBase):
         self.freed_bytes = self.engine.sleep()
         return self.freed_bytes
 
-    # ------------------------------------------------------------------ weights (called by the actor's rank 0)
+    # ------------------------------------------------------------------ weights (called by the actor ranks)
 
     def begin_weight_update(self, lora_scale: float = 1.0) -> None:
         assert self.engine is not None, "setup() first"
