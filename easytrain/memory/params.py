@@ -1,0 +1,63 @@
+"""Parameter counts by component, from a model's HF config alone.
+
+The model is built from its transformers class on torch's meta device:
+names and shapes are the real ones, nothing is allocated and no weights are
+read, so a 72B model is counted in seconds on a laptop. Components are the
+ones the planner prices separately: the vision tower, the projector (the
+merger that maps vision features into the language model), the token
+embeddings, the language model's blocks and norms, and the LM head (zero
+when tied to the embeddings: a tied weight is one tensor).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+COMPONENTS = ("vision_tower", "projector", "embeddings", "language_model", "lm_head")
+
+
+@dataclass(frozen=True)
+class ParamCounts:
+    vision_tower: int
+    projector: int
+    embeddings: int
+    language_model: int
+    lm_head: int
+
+    @property
+    def total(self) -> int:
+        return self.vision_tower + self.projector + self.embeddings + self.language_model + self.lm_head
+
+    def as_dict(self) -> dict[str, int]:
+        return {name: getattr(self, name) for name in COMPONENTS}
+
+
+def component_of(name: str) -> str:
+    """Which component a parameter name (HF naming, Qwen2 / Qwen2-VL / Qwen2.5-VL) belongs to."""
+    if ".visual.merger." in f".{name}" or name.startswith("visual.merger."):
+        return "projector"
+    if ".visual." in f".{name}":
+        return "vision_tower"
+    if "embed_tokens" in name:
+        return "embeddings"
+    if name.startswith("lm_head"):
+        return "lm_head"
+    return "language_model"
+
+
+def count_parameters(hf_config: dict[str, Any]) -> ParamCounts:
+    """Exact parameter counts of the model ``hf_config`` (a ``config.json`` dict) describes."""
+    import torch
+    from transformers import AutoConfig
+
+    from easytrain.models.tiny import model_class_for
+
+    settings = {k: v for k, v in hf_config.items() if k != "model_type" and v is not None}  # unset ids
+    config = AutoConfig.for_model(hf_config["model_type"], **settings)
+    with torch.device("meta"):
+        model = model_class_for(hf_config["model_type"])._from_config(config)
+    counts = dict.fromkeys(COMPONENTS, 0)
+    for name, parameter in model.named_parameters():  # a tied weight appears once
+        counts[component_of(name)] += parameter.numel()
+    return ParamCounts(**counts)
