@@ -37,3 +37,40 @@ def test_qwen25_vl_7b_counts_its_published_size() -> None:
     counts = count_parameters(config)
     assert counts.embeddings == counts.lm_head == 152064 * 3584
     assert round(counts.total / 1e9, 2) == 8.29
+
+
+@pytest.mark.parametrize("extra", [[], ["model.freeze_vision_tower=true"], ["model.freeze_aligner=true"],
+                                   ["model.lora.rank=4", "model.lora.target_modules=[all-linear]"],
+                                   ["model.lora.rank=8", "model.lora.target_modules=[q_proj,v_proj]"]])
+def test_trainable_counts_follow_the_actors_own_set_up(tiny_model: Any, extra: list[str]) -> None:
+    """The meta model goes through the same freeze_parts/apply_lora as the actor's real one."""
+    from easytrain.config import load
+    from easytrain.memory.params import trainable_parameters
+    from easytrain.workers.base import apply_lora, freeze_parts
+
+    config = load(["model.tiny_size=small", *extra]).model
+    model = model_class_for("qwen2_5_vl").from_pretrained(tiny_model("qwen2_5_vl", "small"))
+    freeze_parts(model, config.freeze_vision_tower, config.freeze_aligner, config.freeze_llm)
+    if config.lora.rank:
+        model = apply_lora(model, config.lora)
+    real = (sum(p.numel() for p in model.parameters() if p.requires_grad), sum(p.numel() for p in model.parameters()))
+    assert trainable_parameters(tiny_hf_config("qwen2_5_vl", "small"), config) == real
+
+
+def test_state_bytes_of_a_7b_model_under_fsdp_8() -> None:
+    """Hand-computed: 8,292,166,656 parameters (Qwen2.5-VL-7B), fp32 master weights sharded over 8 GPUs
+    = 1,036,520,832 each x 4 bytes; fp32 gradients the same; AdamW's two fp32 moments twice that."""
+    from easytrain.memory.states import role_states, shard_degree
+
+    n = 8_292_166_656
+    actor = role_states(n, n, shard_degree(-1, 8), trains=True, offload_params=False)
+    assert (actor.params, actor.grads, actor.optimizer) == (4_146_083_328, 4_146_083_328, 8_292_166_656)
+    assert actor.device == 16_584_333_312 and actor.host == 0
+    offloaded = role_states(n, n, 8, trains=True, offload_params=True)
+    assert offloaded.device == 0 and offloaded.host == 16_584_333_312
+    reference = role_states(n, n, 8, trains=False, offload_params=False)
+    assert reference.device == 4_146_083_328 and reference.grads == reference.optimizer == 0
+    frozen_vision = role_states(n, n - 631_975_680, 8, trains=True, offload_params=False)  # tower frozen
+    assert frozen_vision.grads == 3_830_095_488 and frozen_vision.optimizer == 7_660_190_976
+    hybrid = role_states(n, n, shard_degree(4, 8), trains=False, offload_params=False)  # 2 replicas of 4 shards
+    assert hybrid.params == 8_292_166_656

@@ -46,8 +46,8 @@ def component_of(name: str) -> str:
     return "language_model"
 
 
-def count_parameters(hf_config: dict[str, Any]) -> ParamCounts:
-    """Exact parameter counts of the model ``hf_config`` (a ``config.json`` dict) describes."""
+def meta_model(hf_config: dict[str, Any]) -> Any:
+    """The model ``hf_config`` (a ``config.json`` dict) describes, on the meta device."""
     import torch
     from transformers import AutoConfig
 
@@ -56,8 +56,28 @@ def count_parameters(hf_config: dict[str, Any]) -> ParamCounts:
     settings = {k: v for k, v in hf_config.items() if k != "model_type" and v is not None}  # unset ids
     config = AutoConfig.for_model(hf_config["model_type"], **settings)
     with torch.device("meta"):
-        model = model_class_for(hf_config["model_type"])._from_config(config)
+        return model_class_for(hf_config["model_type"])._from_config(config)
+
+
+def count_parameters(hf_config: dict[str, Any]) -> ParamCounts:
+    """Exact parameter counts of the model ``hf_config`` describes."""
     counts = dict.fromkeys(COMPONENTS, 0)
-    for name, parameter in model.named_parameters():  # a tied weight appears once
+    for name, parameter in meta_model(hf_config).named_parameters():  # a tied weight appears once
         counts[component_of(name)] += parameter.numel()
     return ParamCounts(**counts)
+
+
+def trainable_parameters(hf_config: dict[str, Any], model_cfg: Any) -> tuple[int, int]:
+    """(trainable, total) parameters once the actor's own set-up has run on the meta model: the frozen
+    parts of ``model.freeze_*`` and, with ``model.lora.rank > 0``, the LoRA adapters (total includes them)."""
+    import torch
+
+    from easytrain.workers.base import apply_lora, freeze_parts
+
+    model = meta_model(hf_config)
+    freeze_parts(model, model_cfg.freeze_vision_tower, model_cfg.freeze_aligner, model_cfg.freeze_llm)
+    if model_cfg.lora.rank > 0:
+        with torch.device("meta"):
+            model = apply_lora(model, model_cfg.lora)
+    parameters = list(model.parameters())
+    return sum(p.numel() for p in parameters if p.requires_grad), sum(p.numel() for p in parameters)
