@@ -23,20 +23,41 @@ def test_counts_equal_the_real_models_by_component(tiny_model: Any, family: str,
     assert (counted.vision_tower > 0) == (family != "qwen2") and counted.lm_head == 0  # tiny models tie
 
 
+PUBLISHED_BILLIONS = {  # the parameter counts the model cards publish
+    "Qwen/Qwen2.5-VL-3B-Instruct": "3.75", "Qwen/Qwen2.5-VL-7B-Instruct": "8.29",
+    "Qwen/Qwen2.5-VL-32B-Instruct": "33.5", "Qwen/Qwen2.5-VL-72B-Instruct": "73.4",
+    "Qwen/Qwen2-VL-7B-Instruct": "8.29", "Qwen/Qwen2.5-7B-Instruct": "7.62",
+    "Qwen/Qwen2.5-1.5B-Instruct": "1.54", "Qwen/Qwen2.5-0.5B-Instruct": "0.49",
+}
+
+
 @pytest.mark.slow
-def test_qwen25_vl_7b_counts_its_published_size() -> None:
-    """Qwen2.5-VL-7B-Instruct (text and vision settings of its public config.json): 8.29B parameters as
-    published; the embeddings and the untied LM head are vocab x hidden each."""
-    config = {"model_type": "qwen2_5_vl", "tie_word_embeddings": False,
-              "text_config": {"vocab_size": 152064, "hidden_size": 3584, "intermediate_size": 18944,
-                              "num_hidden_layers": 28, "num_attention_heads": 28, "num_key_value_heads": 4,
-                              "max_position_embeddings": 128000},
-              "vision_config": {"depth": 32, "hidden_size": 1280, "intermediate_size": 3420, "num_heads": 16,
-                                "out_hidden_size": 3584, "patch_size": 14, "spatial_merge_size": 2,
-                                "temporal_patch_size": 2, "window_size": 112, "fullatt_block_indexes": [7, 15, 23, 31]}}
-    counts = count_parameters(config)
-    assert counts.embeddings == counts.lm_head == 152064 * 3584
-    assert round(counts.total / 1e9, 2) == 8.29
+def test_known_model_shapes_count_their_published_sizes() -> None:
+    """conf/model/ holds the shape settings of the public configs; built on the meta device they have
+    the published parameter counts (to the published precision), so the settings are the real ones."""
+    from easytrain.memory.params import count_parameters
+    from easytrain.models.shapes import known_hf_configs
+
+    known = known_hf_configs()
+    assert set(known) == set(PUBLISHED_BILLIONS)
+    for hub_id, published in PUBLISHED_BILLIONS.items():
+        total = count_parameters(known[hub_id]).total / 1e9
+        decimals = len(published.split(".")[1])
+        assert f"{total:.{decimals}f}" == published, (hub_id, total)
+    seven = count_parameters(known["Qwen/Qwen2.5-VL-7B-Instruct"])
+    assert seven.embeddings == seven.lm_head == 152064 * 3584  # untied head: vocab x hidden each
+    assert seven.total == 8_292_166_656
+
+
+def test_hf_config_for_reads_tiny_local_and_known_models(tiny_model: Any) -> None:
+    from easytrain.config import load
+    from easytrain.models.shapes import hf_config_for
+
+    assert hf_config_for(load([]).model)["model_type"] == "qwen2_5_vl"  # the tiny preset
+    local = hf_config_for(load([f"model.path={tiny_model('qwen2')}"]).model)
+    assert local is not None and local["model_type"] == "qwen2"
+    known = hf_config_for(load(["+exp=qwen25vl_7b"]).model)
+    assert known is not None and known["text_config"]["hidden_size"] == 3584
 
 
 @pytest.mark.parametrize("extra", [[], ["model.freeze_vision_tower=true"], ["model.freeze_aligner=true"],

@@ -68,3 +68,32 @@ def resolve_shape(model: ModelConfig) -> Optional[ModelShape]:
         return ModelShape(family, heads, kv, hidden, layers, vocab, positions, family in VISION_FAMILIES)
     logger.warning("model.path=%s: shape unknown offline; head-dependent checks run when the model loads", path)
     return None
+
+
+MODEL_CONF_DIR = Path(__file__).resolve().parents[2] / "conf" / "model"
+"""Full HF configs (shape settings) of public checkpoints, one YAML file each, keyed by ``hub_id``."""
+
+
+def known_hf_configs() -> dict[str, dict[str, Any]]:
+    """hub id -> the shape settings of its public ``config.json`` (from ``conf/model/``)."""
+    import yaml
+
+    out = {}
+    for path in sorted(MODEL_CONF_DIR.glob("*.yaml")):
+        entry = yaml.safe_load(path.read_text())
+        out[entry["hub_id"]] = entry["hf_config"]
+    return out
+
+
+def hf_config_for(model: ModelConfig) -> Optional[dict[str, Any]]:
+    """The HF config dict of ``model.path`` without downloading: tiny specs, a local folder's config.json,
+    or ``conf/model/``; None when unknown offline."""
+    path = model.path
+    if path.startswith("tiny:"):
+        from easytrain.models.tiny import tiny_hf_config
+
+        return tiny_hf_config(path[5:], model.tiny_size)
+    config_file = Path(path).expanduser() / "config.json"
+    if config_file.is_file():
+        return dict(json.loads(config_file.read_text()))
+    return known_hf_configs().get(path)
