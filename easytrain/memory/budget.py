@@ -1,0 +1,101 @@
+"""Exact arithmetic of the planner's sequence-dependent terms: tokens per sequence, the logits peak,
+and the vLLM engine's memory (weights, KV cache and how many sequences it holds at once).
+
+Pure functions of the composed config and the model's HF config; the planner composes them per role
+and phase. Sizes are bytes.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from easytrain.memory.states import DTYPE_BYTES, FP32
+
+PATCH = 14
+"""Qwen2-VL / Qwen2.5-VL vision patch side (pixels)."""
+
+
+def text_settings(hf_config: dict[str, Any]) -> dict[str, Any]:
+    """The language model's settings (flat configs, or nested under ``text_config``)."""
+    merged = dict(hf_config)
+    merged.update(hf_config.get("text_config") or {})
+    return merged
+
+
+def image_tokens(max_pixels: int, merge: int = 2) -> int:
+    """Language-model tokens of one image at ``data.max_pixels``: a 14x14 patch per 196 pixels, merged
+    ``merge`` x ``merge`` into one token."""
+    return max_pixels // (PATCH * PATCH * merge * merge)
+
+
+@dataclass(frozen=True)
+class SequenceShape:
+    prompt_text: int
+    """Prompt tokens besides image tokens (``data.max_prompt_length`` bounds the whole prompt)."""
+    images: int
+    image_tokens: int
+    response: int
+
+    @property
+    def prompt(self) -> int:
+        return self.prompt_text + self.images * self.image_tokens
+
+    @property
+    def total(self) -> int:
+        return self.prompt + self.response
+
+
+def sequence_shape(config: Any, hf_config: dict[str, Any]) -> SequenceShape:
+    """The longest sequence the data settings allow: the prompt budget holds the image tokens."""
+    d = config.data
+    vision = hf_config.get("vision_config") if d.image_key else None
+    merge = int((vision or {}).get("spatial_merge_size", 2))
+    per_image = image_tokens(d.max_pixels, merge) if vision else 0
+    images = d.limit_images if vision else 0
+    text = max(0, d.max_prompt_length - images * per_image)
+    return SequenceShape(text, images, per_image, d.max_response_length)
+
+
+def logits_peak(sequences: int, positions: int, vocab: int) -> int:
+    """The log-prob pass's peak: fp32 logits of ``positions`` per sequence and their log-softmax, both
+    alive at once (the actor keeps only the response positions' logits)."""
+    return 2 * sequences * positions * vocab * FP32
+
+
+def kv_bytes_per_token(hf_config: dict[str, Any], dtype: str, tensor_parallel: int = 1) -> int:
+    """KV-cache bytes one token takes on one GPU: keys and values of every layer, KV heads split over
+    the tensor-parallel ranks (replicated when there are fewer heads than ranks)."""
+    t = text_settings(hf_config)
+    heads, kv = int(t["num_attention_heads"]), int(t.get("num_key_value_heads") or t["num_attention_heads"])
+    head_dim = int(t.get("head_dim") or int(t["hidden_size"]) // heads)
+    kv_per_rank = max(1, kv // tensor_parallel)
+    return 2 * int(t["num_hidden_layers"]) * kv_per_rank * head_dim * DTYPE_BYTES[dtype]
+
+
+@dataclass(frozen=True)
+class EngineBudget:
+    reserved: int
+    """What vLLM takes of the GPU: ``gpu_memory_utilization`` x total."""
+    weights: int
+    """The engine's weights on one GPU (its tensor-parallel share, in ``model.dtype``)."""
+    kv_cache: int
+    """What is left of the reservation for the KV cache (0 if the weights do not fit)."""
+    kv_per_token: int
+    sequence_tokens: int
+
+    @property
+    def max_sequences(self) -> int:
+        """Sequences of full length the KV cache holds at once."""
+        return self.kv_cache // (self.kv_per_token * self.sequence_tokens) if self.sequence_tokens else 0
+
+
+def engine_budget(gpu_bytes: int, utilization: float, total_params: int, hf_config: dict[str, Any], dtype: str,
+                  tensor_parallel: int, sequence_tokens: int, activation_reserve: int = 0) -> EngineBudget:
+    """vLLM's split of its reservation: weights, then (minus ``activation_reserve``, vLLM's profiled
+    forward peak) the KV cache."""
+    reserved = int(gpu_bytes * utilization)
+    weights = -(-total_params // tensor_parallel) * DTYPE_BYTES[dtype]
+    kv = max(0, reserved - weights - activation_reserve)
+    return EngineBudget(reserved, weights, kv, kv_bytes_per_token(hf_config, dtype, tensor_parallel),
+                        sequence_tokens)

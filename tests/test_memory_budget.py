@@ -1,0 +1,50 @@
+"""The planner's sequence-dependent arithmetic, pinned by hand-computed cases."""
+
+from __future__ import annotations
+
+from easytrain.config import load
+from easytrain.memory.budget import engine_budget, image_tokens, kv_bytes_per_token, logits_peak, sequence_shape
+from easytrain.models.shapes import known_hf_configs
+from easytrain.models.tiny import tiny_hf_config
+
+QWEN25VL_7B = "Qwen/Qwen2.5-VL-7B-Instruct"
+
+
+def test_image_tokens_at_max_pixels() -> None:
+    assert image_tokens(1_003_520) == 1280  # 1003520 px / (14*14 px per patch) / (2*2 patches per token)
+    assert image_tokens(12_544) == 16
+    assert image_tokens(4_194_304) == 5349  # floor: a 2048x2048 budget
+
+
+def test_sequence_shape_puts_image_tokens_inside_the_prompt_budget() -> None:
+    config = load(["+exp=tiny"])  # the tiny preset: 256 prompt tokens, 1 image at 12544 px, 1 response token
+    shape = sequence_shape(config, tiny_hf_config("qwen2_5_vl"))
+    assert (shape.prompt_text, shape.images, shape.image_tokens, shape.response) == (240, 1, 16, 1)
+    assert shape.total == 257
+    text = sequence_shape(load(["+exp=tiny_vllm"]), tiny_hf_config("qwen2"))
+    assert (text.images, text.prompt, text.total) == (0, 128, 129)
+
+
+def test_logits_peak() -> None:
+    # 8 sequences x 1025 positions x 152064 vocab x 4 bytes, logits and log-softmax
+    assert logits_peak(8, 1025, 152_064) == 9_975_398_400
+
+
+def test_kv_cache_per_token() -> None:
+    seven = known_hf_configs()[QWEN25VL_7B]
+    assert kv_bytes_per_token(seven, "bfloat16") == 57_344  # 2 (K,V) x 28 layers x 4 KV heads x 128 x 2 bytes
+    assert kv_bytes_per_token(seven, "bfloat16", tensor_parallel=2) == 28_672
+    assert kv_bytes_per_token(seven, "bfloat16", tensor_parallel=8) == 14_336  # 4 KV heads over 8: replicated
+    seventy_two = known_hf_configs()["Qwen/Qwen2.5-VL-72B-Instruct"]
+    assert kv_bytes_per_token(seventy_two, "bfloat16", tensor_parallel=4) == 81_920  # 2 x 80 x 2 x 128 x 2
+
+
+def test_vllm_budget_on_an_80_gb_gpu() -> None:
+    """7B, TP 2, 0.6 of 80 GiB: 51,539,607,552 reserved; bf16 weights 4,146,083,328 params x 2 bytes per GPU;
+    the rest is KV cache: 43,247,440,896 bytes / (28,672 bytes x 4096 tokens) = 368 full sequences."""
+    budget = engine_budget(80 * 2**30, 0.6, 8_292_166_656, known_hf_configs()[QWEN25VL_7B], "bfloat16",
+                           tensor_parallel=2, sequence_tokens=4096)
+    assert (budget.reserved, budget.weights, budget.kv_cache) == (51_539_607_552, 8_292_166_656, 43_247_440_896)
+    assert budget.max_sequences == 368
+    starved = engine_budget(16 * 2**30, 0.3, 8_292_166_656, known_hf_configs()[QWEN25VL_7B], "bfloat16", 1, 4096)
+    assert starved.kv_cache == 0 and starved.max_sequences == 0  # 5.2 GB reserved < 16.6 GB of weights
