@@ -26,7 +26,8 @@ def test_counts_equal_the_real_models_by_component(tiny_model: Any, family: str,
 PUBLISHED_BILLIONS = {  # the parameter counts the model cards publish
     "Qwen/Qwen2.5-VL-3B-Instruct": "3.75", "Qwen/Qwen2.5-VL-7B-Instruct": "8.29",
     "Qwen/Qwen2.5-VL-32B-Instruct": "33.5", "Qwen/Qwen2.5-VL-72B-Instruct": "73.4",
-    "Qwen/Qwen2-VL-7B-Instruct": "8.29", "Qwen/Qwen2.5-7B-Instruct": "7.62",
+    "Qwen/Qwen2-VL-2B-Instruct": "2.21", "Qwen/Qwen2-VL-7B-Instruct": "8.29", "Qwen/Qwen2-VL-72B-Instruct": "73.4",
+    "Qwen/Qwen2.5-7B-Instruct": "7.62",
     "Qwen/Qwen2.5-1.5B-Instruct": "1.54", "Qwen/Qwen2.5-0.5B-Instruct": "0.49",
 }
 

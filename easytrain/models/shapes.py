@@ -2,8 +2,9 @@
 
 Validation (and later the memory planner) needs the attention-head layout
 and sizes of a model before anything is loaded. They come from, in order: the
-tiny-model specs, a local folder's ``config.json``, or the table of public
-checkpoints below (values from their published ``config.json``).
+tiny-model specs, a local folder's ``config.json``, or ``conf/model/`` (the
+shape settings of public checkpoints' published ``config.json``, one file
+each, checked against their published parameter counts in the tests).
 """
 
 from __future__ import annotations
@@ -19,21 +20,6 @@ from easytrain.config.validate import ModelShape
 logger = logging.getLogger(__name__)
 
 VISION_FAMILIES = ("qwen2_5_vl", "qwen2_vl")
-
-# Public checkpoints: (family, heads, kv heads, hidden, layers, vocab, max positions).
-_KNOWN: dict[str, tuple[str, int, int, int, int, int, int]] = {
-    "Qwen/Qwen2.5-VL-3B-Instruct": ("qwen2_5_vl", 16, 2, 2048, 36, 151936, 128000),
-    "Qwen/Qwen2.5-VL-7B-Instruct": ("qwen2_5_vl", 28, 4, 3584, 28, 152064, 128000),
-    "Qwen/Qwen2.5-VL-32B-Instruct": ("qwen2_5_vl", 40, 8, 5120, 64, 152064, 128000),
-    "Qwen/Qwen2.5-VL-72B-Instruct": ("qwen2_5_vl", 64, 8, 8192, 80, 152064, 128000),
-    "Qwen/Qwen2-VL-2B-Instruct": ("qwen2_vl", 12, 2, 1536, 28, 151936, 32768),
-    "Qwen/Qwen2-VL-7B-Instruct": ("qwen2_vl", 28, 4, 3584, 28, 152064, 32768),
-    "Qwen/Qwen2-VL-72B-Instruct": ("qwen2_vl", 64, 8, 8192, 80, 152064, 32768),
-    "Qwen/Qwen2.5-0.5B-Instruct": ("qwen2", 14, 2, 896, 24, 151936, 32768),
-    "Qwen/Qwen2.5-1.5B-Instruct": ("qwen2", 12, 2, 1536, 28, 151936, 32768),
-    "Qwen/Qwen2.5-7B-Instruct": ("qwen2", 28, 4, 3584, 28, 152064, 32768),
-}
-
 
 def shape_from_hf_config(hf: dict[str, Any]) -> ModelShape:
     """Read a ModelShape from a ``config.json`` dict (flat or with ``text_config``)."""
@@ -63,9 +49,9 @@ def resolve_shape(model: ModelConfig) -> Optional[ModelShape]:
     config_file = Path(path).expanduser() / "config.json"
     if config_file.is_file():
         return shape_from_hf_config(json.loads(config_file.read_text()))
-    if path in _KNOWN:
-        family, heads, kv, hidden, layers, vocab, positions = _KNOWN[path]
-        return ModelShape(family, heads, kv, hidden, layers, vocab, positions, family in VISION_FAMILIES)
+    known = known_hf_configs().get(path)
+    if known is not None:
+        return shape_from_hf_config(known)
     logger.warning("model.path=%s: shape unknown offline; head-dependent checks run when the model loads", path)
     return None
 
