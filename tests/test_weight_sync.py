@@ -180,3 +180,20 @@ def test_bucketed_sync_bounds_gathered_memory_by_the_bucket(ray_local: None, tmp
         assert again["sync/tensors"] == whole["sync/tensors"]
     finally:
         roles.shutdown()
+
+
+def test_validation_uses_val_override_and_tensor_parallel_ranks_share_seeds() -> None:
+    from easytrain.workers.rollout.worker import RolloutWorker
+
+    config = load(["worker.rollout.n=4", "worker.rollout.temperature=0.7", "worker.rollout.val_override.n=2",
+                   "worker.rollout.val_override.temperature=0.5", "worker.rollout.val_override.top_p=0.9"])
+    worker = RolloutWorker(config, role="rollout", rank=0, world_size=1)
+    train, val = worker.sampling(False, 3), worker.sampling(True, 3)
+    assert (train.n, train.temperature, train.top_p) == (4, 0.7, 1.0)
+    assert (val.n, val.temperature, val.top_p) == (2, 0.5, 0.9)
+    assert worker.sampling(False, 3).seed != train.seed  # a second round in one step draws differently
+
+    tp = load(["+exp=tiny_vllm", "worker.rollout.tensor_parallel_size=2"])
+    ranks = [RolloutWorker(tp, role="rollout", rank=r, world_size=2) for r in (0, 1)]
+    assert ranks[0].member == ranks[1].member == 0  # one engine spans both ranks...
+    assert ranks[0].sampling(False, 5).seed == ranks[1].sampling(False, 5).seed  # ...and samples identically

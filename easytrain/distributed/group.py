@@ -93,17 +93,21 @@ class WorkerGroup:
 
     def init_process_group(self) -> None:
         """One torch.distributed world for the role (``cpu:gloo,cuda:nccl``), rendezvous at rank 0."""
-        address = self._get([self.workers[0].node_ip.remote()], "node_ip")[0]
-        port = self._get([self.workers[0].free_port.remote()], "free_port")[0]
+        address, port = self._rendezvous(0)
         self._get([w.init_process_group.remote(address, port) for w in self.workers], "init_process_group")
+
+    def _rendezvous(self, rank: int) -> tuple[str, int]:
+        """Address and a free port on ``rank``'s node, for a process group that meets there."""
+        address = self._get([self.workers[rank].node_ip.remote()], "node_ip")[0]
+        port = self._get([self.workers[rank].free_port.remote()], "free_port")[0]
+        return address, port
 
     def init_blocks(self) -> None:
         """Each block of ``block_size`` ranks rendezvouses at its leader: the torch.distributed environment
         (RANK within the block, WORLD_SIZE, MASTER_ADDR/PORT) that vLLM's external launcher reads."""
         b = self.block_size
         for leader in range(0, self.world_size, b):
-            address = self._get([self.workers[leader].node_ip.remote()], "node_ip")[0]
-            port = self._get([self.workers[leader].free_port.remote()], "free_port")[0]
+            address, port = self._rendezvous(leader)
             self._get([self.workers[leader + i].set_block_env.remote(address, port, i, b) for i in range(b)],
                       "set_block_env")
 

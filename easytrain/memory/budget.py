@@ -10,17 +10,11 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+from easytrain.memory.params import hf_config_object
 from easytrain.memory.states import DTYPE_BYTES, FP32
 
 PATCH = 14
 """Qwen2-VL / Qwen2.5-VL vision patch side (pixels)."""
-
-
-def text_settings(hf_config: dict[str, Any]) -> dict[str, Any]:
-    """The language model's settings (flat configs, or nested under ``text_config``)."""
-    merged = dict(hf_config)
-    merged.update(hf_config.get("text_config") or {})
-    return merged
 
 
 def image_tokens(max_pixels: int, merge: int = 2) -> int:
@@ -49,10 +43,9 @@ class SequenceShape:
 def sequence_shape(config: Any, hf_config: dict[str, Any]) -> SequenceShape:
     """The longest sequence the data settings allow: the prompt budget holds the image tokens."""
     d = config.data
-    vision = hf_config.get("vision_config") if d.image_key else None
-    merge = int((vision or {}).get("spatial_merge_size", 2))
-    per_image = image_tokens(d.max_pixels, merge) if vision else 0
-    images = d.limit_images if vision else 0
+    vision = getattr(hf_config_object(hf_config), "vision_config", None) if d.image_key else None
+    per_image = image_tokens(d.max_pixels, vision.spatial_merge_size) if vision is not None else 0
+    images = d.limit_images if vision is not None else 0
     text = max(0, d.max_prompt_length - images * per_image)
     return SequenceShape(text, images, per_image, d.max_response_length)
 
@@ -66,11 +59,10 @@ def logits_peak(sequences: int, positions: int, vocab: int) -> int:
 def kv_bytes_per_token(hf_config: dict[str, Any], dtype: str, tensor_parallel: int = 1) -> int:
     """KV-cache bytes one token takes on one GPU: keys and values of every layer, KV heads split over
     the tensor-parallel ranks (replicated when there are fewer heads than ranks)."""
-    t = text_settings(hf_config)
-    heads, kv = int(t["num_attention_heads"]), int(t.get("num_key_value_heads") or t["num_attention_heads"])
-    head_dim = int(t.get("head_dim") or int(t["hidden_size"]) // heads)
-    kv_per_rank = max(1, kv // tensor_parallel)
-    return 2 * int(t["num_hidden_layers"]) * kv_per_rank * head_dim * DTYPE_BYTES[dtype]
+    text = hf_config_object(hf_config).get_text_config()
+    head_dim = getattr(text, "head_dim", None) or text.hidden_size // text.num_attention_heads  # Qwen2's rule
+    kv_per_rank = max(1, text.num_key_value_heads // tensor_parallel)
+    return 2 * text.num_hidden_layers * kv_per_rank * head_dim * DTYPE_BYTES[dtype]
 
 
 @dataclass(frozen=True)

@@ -46,15 +46,22 @@ def component_of(name: str) -> str:
     return "language_model"
 
 
-def meta_model(hf_config: dict[str, Any]) -> Any:
-    """The model ``hf_config`` (a ``config.json`` dict) describes, on the meta device."""
-    import torch
+def hf_config_object(hf_config: dict[str, Any]) -> Any:
+    """The transformers config a ``config.json`` dict describes: settings it leaves out take the model
+    class's own defaults, i.e. what the model would really use."""
     from transformers import AutoConfig
+
+    settings = {k: v for k, v in hf_config.items() if k != "model_type" and v is not None}  # unset ids
+    return AutoConfig.for_model(hf_config["model_type"], **settings)
+
+
+def meta_model(hf_config: dict[str, Any]) -> Any:
+    """The model ``hf_config`` describes, on the meta device."""
+    import torch
 
     from easytrain.models.tiny import model_class_for
 
-    settings = {k: v for k, v in hf_config.items() if k != "model_type" and v is not None}  # unset ids
-    config = AutoConfig.for_model(hf_config["model_type"], **settings)
+    config = hf_config_object(hf_config)
     with torch.device("meta"):
         return model_class_for(hf_config["model_type"])._from_config(config)
 

@@ -78,8 +78,8 @@ class RLTrainer:
             update = self.roles.actor.call("update", self.for_update(batch), self.kl.coef)
         with timer("sync"):
             synced = self.roles.transport.sync(self.roles.actor, self.roles.rollout)
-        metrics = {**reward_metrics(scores), **response_metrics(batch, self.config.data.max_response_length), **reduce_update_metrics(update), **sampling,
-                   **synced, **log_prob_agreement(batch)}
+        metrics = {**reward_metrics(scores), **response_metrics(batch, self.config.data.max_response_length),
+                   **reduce_update_metrics(update), **sampling, **synced, **log_prob_agreement(batch)}
         self.kl.update(metrics.get("actor/kl_loss", 0.0), len(batch))
         metrics["actor/kl_coef"] = self.kl.coef
         metrics.update(timer.times)

@@ -86,7 +86,8 @@ def build_roles(config: Config, total_optimizer_steps: int) -> Roles:
     logger.info("actor: %s parameters (%s trainable) on %d rank(s); rollout engine %s; reference %s",
                 sizes[0][0]["total"], sizes[0][0]["trainable"], actor.world_size, sizes[1][0]["engine"],
                 "on" if ref else "off")
-    return Roles(actor, ref, rollout, RewardPool(config.reward), BucketedTransport(config.worker.rollout.sync_bucket_mb),
+    transport = BucketedTransport(config.worker.rollout.sync_bucket_mb)
+    return Roles(actor, ref, rollout, RewardPool(config.reward), transport,
                  list({id(p): p for p in pools.values()}.values()),
                  lora_reference=config.model.lora.rank > 0 and config.algorithm.kl_coef > 0,
                  rollout_sleeps=bool(sizes[1][0]["can_sleep"]))

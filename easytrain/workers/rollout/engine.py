@@ -68,15 +68,10 @@ class RolloutEngine(abc.ABC):
     def finish_weight_update(self) -> None:
         """Every bucket has arrived: finish processing (vLLM repacks layers that are still partial)."""
 
-    def update_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> int:
-        """A whole weight update in one bucket."""
-        self.begin_weight_update()
-        loaded = self.load_weights(weights)
-        self.finish_weight_update()
-        return loaded
-
-    can_sleep = False
-    """Whether :meth:`sleep` can free anything here (vLLM on GPU with colocated roles)."""
+    @property
+    def can_sleep(self) -> bool:
+        """Whether :meth:`sleep` can free anything here (vLLM on GPU with colocated roles)."""
+        return False
 
     def sleep(self) -> int:
         """Free the engine's device memory between rollouts; returns the bytes freed (0 where it cannot)."""

@@ -123,7 +123,6 @@ class VLLMEngine(RolloutEngine):
             banned = set(suppressed)
             self.allowed = [t for t in range(vocab_size) if t not in banned]
         self.sleep_level = sleep_level
-        self.can_sleep = sleep_level > 0
         self.asleep: set[str] = set()
 
     @classmethod
@@ -147,6 +146,10 @@ class VLLMEngine(RolloutEngine):
                         "rollouts, and sleep/wake do nothing")
         return cls(llm, spec, suppressed_tokens(hf_config), int(text.vocab_size),
                    config.worker.rollout.sleep_level if sleeps else 0)
+
+    @property
+    def can_sleep(self) -> bool:
+        return self.sleep_level > 0
 
     # ------------------------------------------------------------------ generation
 

@@ -133,12 +133,6 @@ class RolloutWorker(WorkerBase):
         return {"loaded": float(self._loaded), "assembled_peak_mb": self.sync_meter.peak / 2**20}
 
     @dispatch(Dispatch.BROADCAST)
-    def update_weights(self, state: dict[str, torch.Tensor]) -> int:
-        """All weights in one call (tests, tools); training syncs through the bucketed path."""
-        assert self.engine is not None, "setup() first"
-        return self.engine.update_weights(state.items())
-
-    @dispatch(Dispatch.BROADCAST)
     def memory(self) -> dict[str, float]:
         reading = super().memory()
         reading["sleep_freed_gb"] = self.freed_bytes / 2**30
