@@ -2,6 +2,8 @@
 
     easytrain config [overrides...]     print the composed, validated config (exit 2 if it cannot work)
     easytrain run [overrides...]        same as python -m easytrain.main [overrides...]
+    easytrain plan [--fit] [--format table|json] [overrides...]
+                                        memory per role and phase, per GPU and node; what to change
 
 Overrides are Hydra's: ``+exp=qwen25vl_7b worker.rollout.n=8``.
 """
@@ -32,6 +34,15 @@ def _run(overrides: Sequence[str]) -> int:
     return 0
 
 
+def _plan(args: argparse.Namespace) -> int:
+    from easytrain.config import to_config
+    from easytrain.memory.report import plan_command
+
+    config = to_config(compose(with_default_preset(args.overrides)))  # the plan itself reports what does not fit
+    sys.stdout.write(plan_command(config, args.format, args.fit) + "\n")
+    return 0
+
+
 COMMANDS = {"config": _config, "run": _run}
 
 
@@ -40,8 +51,14 @@ def build_parser() -> argparse.ArgumentParser:
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = parser.add_subparsers(dest="command", required=True)
     for name, help_text in (("config", "print the composed and validated config"),
-                            ("run", "run training (python -m easytrain.main)")):
+                            ("run", "run training (python -m easytrain.main)"),
+                            ("plan", "memory per role and phase, per GPU and node, checked against capacity")):
         p = sub.add_parser(name, help=help_text)
+        if name == "plan":
+            p.add_argument("--fit", action="store_true",
+                           help="search micro batches, offload, checkpointing and gpu_memory_utilization for the "
+                                "cheapest setting that fits")
+            p.add_argument("--format", choices=("table", "json"), default="table")
         p.add_argument("overrides", nargs=argparse.REMAINDER, help="Hydra overrides, e.g. +exp=tiny")
     return parser
 
@@ -49,7 +66,7 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: Optional[Sequence[str]] = None) -> None:
     args = build_parser().parse_args(argv)
     try:
-        code = COMMANDS[args.command](args.overrides)
+        code = _plan(args) if args.command == "plan" else COMMANDS[args.command](args.overrides)
     except ConfigError as err:
         sys.stderr.write(f"easytrain {args.command}: config error: {err}\n")
         code = 2

@@ -45,12 +45,14 @@ def fail(err: ConfigError, prog: str = "easytrain") -> None:
 def run(config: Config) -> dict[str, float]:
     """Start or join Ray and run the trainer for ``trainer.task``; returns the final validation metrics."""
     from easytrain.distributed.cluster import init_ray
+    from easytrain.memory.report import check_before_launch
     from easytrain.trainer.rl import RLTrainer
 
     if config.trainer.task == "sft":
         raise ConfigError("trainer.task", "sft", "the SFT trainer is not part of this build yet",
                           "use trainer.task=rl")
     logger.info("run folder: %s", config.trainer.output_dir)
+    check_before_launch(config)
     init_ray(config.ray)
     trainer = RLTrainer(config)
     try:
@@ -62,12 +64,16 @@ def run(config: Config) -> dict[str, float]:
 @hydra.main(config_path=str(CONF_DIR), config_name="config", version_base="1.3")
 def _hydra_main(cfg: DictConfig) -> None:
     from easytrain.data.sources import DataError
+    from easytrain.memory.report import PlanDoesNotFit
 
     try:
         config = resolve(cfg)
         run(config)
     except ConfigError as err:
         fail(err)
+    except PlanDoesNotFit as err:
+        sys.stderr.write(f"easytrain: {err}\n")
+        sys.exit(EXIT_CONFIG_ERROR)
     except DataError as err:
         sys.stderr.write(f"easytrain: data error: {err}\n")
         sys.exit(EXIT_CONFIG_ERROR)

@@ -21,6 +21,9 @@ def test_sequence_shape_puts_image_tokens_inside_the_prompt_budget() -> None:
     shape = sequence_shape(config, tiny_hf_config("qwen2_5_vl"))
     assert (shape.prompt_text, shape.images, shape.image_tokens, shape.response) == (240, 1, 16, 1)
     assert shape.total == 257
+    big = sequence_shape(load(["+exp=tiny", "data.max_pixels=4194304", "data.limit_images=2"]),
+                         tiny_hf_config("qwen2_5_vl"))  # 5349 tokens per image do not fit: 128 each
+    assert (big.prompt_text, big.images, big.image_tokens, big.total) == (0, 2, 128, 257)
     text = sequence_shape(load(["+exp=tiny_vllm"]), tiny_hf_config("qwen2"))
     assert (text.images, text.prompt, text.total) == (0, 128, 129)
 

@@ -339,6 +339,13 @@ class TrainerConfig:
     """Project name for loggers."""
     experiment_name: str = "tiny"
     """Run name for loggers."""
+    memory_check: str = choice("auto", "auto", "error", "warn", "off")
+    """Before any worker starts, check the memory plan (`easytrain plan`): error stops a run that does not
+    fit, warn logs it, off skips it; auto = error on cuda, warn on cpu."""
+    gpu_memory_gb: Optional[float] = None
+    """Memory of one GPU the plan checks against (e.g. 80 for H100-80GB); null = read from this machine."""
+    node_memory_gb: Optional[float] = None
+    """RAM of one node the plan checks against; null = this machine's."""
 
 
 # ----------------------------------------------------------------------------- memory watchdog

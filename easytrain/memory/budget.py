@@ -41,12 +41,16 @@ class SequenceShape:
 
 
 def sequence_shape(config: Any, hf_config: dict[str, Any]) -> SequenceShape:
-    """The longest sequence the data settings allow: the prompt budget holds the image tokens."""
+    """The longest sequence the data settings allow: the prompt budget holds the image tokens, and a
+    prompt over ``data.max_prompt_length`` is filtered, so images at ``data.max_pixels`` that would
+    overflow it are priced at the share of the budget they can take."""
     d = config.data
     vision = getattr(hf_config_object(hf_config), "vision_config", None) if d.image_key else None
-    per_image = image_tokens(d.max_pixels, vision.spatial_merge_size) if vision is not None else 0
     images = d.limit_images if vision is not None else 0
-    text = max(0, d.max_prompt_length - images * per_image)
+    per_image = image_tokens(d.max_pixels, vision.spatial_merge_size) if vision is not None else 0
+    if images:
+        per_image = min(per_image, d.max_prompt_length // images)
+    text = d.max_prompt_length - images * per_image
     return SequenceShape(text, images, per_image, d.max_response_length)
 
 

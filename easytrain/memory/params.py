@@ -11,7 +11,9 @@ when tied to the embeddings: a tied weight is one tensor).
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass
+from functools import lru_cache
 from typing import Any
 
 COMPONENTS = ("vision_tower", "projector", "embeddings", "language_model", "lm_head")
@@ -68,15 +70,20 @@ def meta_model(hf_config: dict[str, Any]) -> Any:
 
 def count_parameters(hf_config: dict[str, Any]) -> ParamCounts:
     """Exact parameter counts of the model ``hf_config`` describes."""
+    return _count_parameters(json.dumps(hf_config, sort_keys=True))
+
+
+@lru_cache(maxsize=64)
+def _count_parameters(key: str) -> ParamCounts:
     counts = dict.fromkeys(COMPONENTS, 0)
-    for name, parameter in meta_model(hf_config).named_parameters():  # a tied weight appears once
+    for name, parameter in meta_model(json.loads(key)).named_parameters():  # a tied weight appears once
         counts[component_of(name)] += parameter.numel()
     return ParamCounts(**counts)
 
 
-def trainable_parameters(hf_config: dict[str, Any], model_cfg: Any) -> tuple[int, int]:
-    """(trainable, total) parameters once the actor's own set-up has run on the meta model: the frozen
-    parts of ``model.freeze_*`` and, with ``model.lora.rank > 0``, the LoRA adapters (total includes them)."""
+def _actor_model(hf_config: dict[str, Any], model_cfg: Any) -> Any:
+    """The meta model after the actor's own set-up: ``model.freeze_*`` and, with ``model.lora.rank > 0``,
+    the LoRA adapters."""
     import torch
 
     from easytrain.workers.base import apply_lora, freeze_parts
@@ -86,5 +93,35 @@ def trainable_parameters(hf_config: dict[str, Any], model_cfg: Any) -> tuple[int
     if model_cfg.lora.rank > 0:
         with torch.device("meta"):
             model = apply_lora(model, model_cfg.lora)
-    parameters = list(model.parameters())
+    return model
+
+
+def trainable_parameters(hf_config: dict[str, Any], model_cfg: Any) -> tuple[int, int]:
+    """(trainable, total) parameters of the actor's model (total includes LoRA adapters)."""
+    parameters = list(_actor_model(hf_config, model_cfg).parameters())
     return sum(p.numel() for p in parameters if p.requires_grad), sum(p.numel() for p in parameters)
+
+
+def trainable_by_component(hf_config: dict[str, Any], model_cfg: Any) -> dict[str, int]:
+    """Trainable parameters of the actor's model per component (LoRA adapters count where they sit)."""
+    return _trainable_by_component(json.dumps(hf_config, sort_keys=True), _model_key(model_cfg))
+
+
+def _model_key(model_cfg: Any) -> tuple[Any, ...]:
+    lora = model_cfg.lora
+    return (model_cfg.freeze_vision_tower, model_cfg.freeze_aligner, model_cfg.freeze_llm, lora.rank,
+            lora.alpha, tuple(lora.target_modules))
+
+
+@lru_cache(maxsize=64)
+def _trainable_by_component(hf_key: str, model_key: tuple[Any, ...]) -> dict[str, int]:
+    from types import SimpleNamespace
+
+    vision, aligner, llm, rank, alpha, targets = model_key
+    model_cfg = SimpleNamespace(freeze_vision_tower=vision, freeze_aligner=aligner, freeze_llm=llm,
+                                lora=SimpleNamespace(rank=rank, alpha=alpha, dropout=0.0, target_modules=list(targets)))
+    counts = dict.fromkeys(COMPONENTS, 0)
+    for name, parameter in _actor_model(json.loads(hf_key), model_cfg).named_parameters():
+        if parameter.requires_grad:
+            counts[component_of(name.removeprefix("base_model.model."))] += parameter.numel()
+    return counts

@@ -87,6 +87,7 @@ class ActorWorker(WorkerBase):
                 mini = batch.select(range(start, start + per_step))
                 for key, value in self._optimizer_step(mini, kl_coef).items():
                     sums[key] += value
+        self.optimizer.zero_grad(set_to_none=True)  # gradients are not needed until the next update
         return dict(sums)
 
     def steps_per_rollout(self) -> int:

@@ -1,0 +1,150 @@
+"""Activation and logits bytes of one micro batch, counted tensor by tensor from the model's code path.
+
+The counts follow what autograd keeps for the backward pass of transformers'
+Qwen2 / Qwen2-VL / Qwen2.5-VL layers as easytrain runs them (sdpa or flash
+attention, no dropout), per token and layer, in the compute dtype:
+
+- decoder layer: its input and the first norm's output (2h); q, rotate_half(q)
+  and the roped q (3q); k, rotate_half(k), the roped k and v (4kv); the attention
+  output and its re-laid-out copy that o_proj keeps (2q); the residual sum and
+  the second norm's output (2h); the MLP's gate, SiLU, up and product (4i).
+  Qwen-VL's 3-D rope adds its per-layer cos/sin (2 x head_dim). ``eager``
+  attention adds the attention weights (2 x heads x s per token).
+- vision block (per patch, before the 2x2 merge): norms, qkv, rope, attention
+  and MLP the same way (13 hv + 4 iv gated, + 2 iv for Qwen2-VL's plain MLP).
+- gradient checkpointing keeps only each layer's input (h per token and layer)
+  plus one layer recomputed during backward.
+- without gradients (log-prob passes) only one layer's working set is alive.
+
+The logits cost is counted separately: the actor keeps only the response
+positions' logits, then its loss (easytrain.algorithms.losses) makes scaled
+copies, two log-softmaxes, an exp and a mask over them.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from functools import lru_cache
+from typing import Any
+
+from easytrain.memory.states import FP32
+
+PATCH_VALUES = 3 * 2 * 14 * 14
+"""Floats of one vision patch in ``pixel_values`` (RGB x 2 frames x 14 x 14)."""
+
+
+@dataclass(frozen=True)
+class ModelDims:
+    hidden: int
+    layers: int
+    q: int
+    """Query width: heads x head_dim."""
+    kv: int
+    """Key (= value) width: KV heads x head_dim."""
+    heads: int
+    head_dim: int
+    intermediate: int
+    vocab: int
+    mrope: bool
+    vision_hidden: int = 0
+    vision_layers: int = 0
+    vision_intermediate: int = 0
+    vision_gated: bool = True
+    merge: int = 2
+
+
+@lru_cache(maxsize=64)
+def _dims(key: str) -> ModelDims:
+    import json
+
+    from easytrain.memory.params import hf_config_object
+
+    config = hf_config_object(json.loads(key))
+    text = config.get_text_config()
+    head_dim = getattr(text, "head_dim", None) or text.hidden_size // text.num_attention_heads
+    vision = getattr(config, "vision_config", None)
+    dims = dict(hidden=text.hidden_size, layers=text.num_hidden_layers, heads=text.num_attention_heads,
+                q=text.num_attention_heads * head_dim, kv=text.num_key_value_heads * head_dim, head_dim=head_dim,
+                intermediate=text.intermediate_size, vocab=text.vocab_size, mrope=vision is not None)
+    if vision is not None:
+        gated = hasattr(vision, "intermediate_size") and hasattr(vision, "out_hidden_size")  # Qwen2.5-VL
+        width = vision.hidden_size if gated else vision.embed_dim  # Qwen2-VL: hidden_size is the merger's output
+        dims.update(vision_hidden=width, vision_layers=vision.depth,
+                    vision_intermediate=vision.intermediate_size if gated else int(width * vision.mlp_ratio),
+                    vision_gated=gated, merge=vision.spatial_merge_size)
+    return ModelDims(**dims)
+
+
+def model_dims(hf_config: dict[str, Any]) -> ModelDims:
+    import json
+
+    return _dims(json.dumps(hf_config, sort_keys=True))
+
+
+def layer_saved(d: ModelDims) -> int:
+    """Elements one decoder layer keeps per token for backward."""
+    rope = 2 * d.head_dim if d.mrope else 0
+    return 4 * d.hidden + 5 * d.q + 4 * d.kv + 4 * d.intermediate + rope
+
+
+def layer_working(d: ModelDims) -> int:
+    """Elements per token alive at once inside one decoder layer without gradients (the MLP's peak:
+    residual, normed input, gate/up/activation outputs)."""
+    return 2 * d.hidden + 3 * d.intermediate
+
+
+def vision_block_saved(d: ModelDims) -> int:
+    """Elements one vision block keeps per patch for backward."""
+    return 13 * d.vision_hidden + (4 if d.vision_gated else 2) * d.vision_intermediate
+
+
+@dataclass(frozen=True)
+class MicroBatch:
+    sequences: int
+    tokens: int
+    """Positions per sequence (prompt incl. image tokens + response)."""
+    response: int
+    images: int
+    """Images per sequence."""
+    image_tokens: int
+    """Language-model tokens per image (after the 2x2 merge)."""
+
+
+def activation_bytes(d: ModelDims, mb: MicroBatch, dtype_bytes: int, *, grad: bool, checkpointing: bool,
+                     vision_grad: bool, eager: bool = False, ulysses: int = 1) -> int:
+    """Peak activation bytes of one forward (and, with ``grad``, what it keeps for backward) of a micro
+    batch, excluding the logits. ``ulysses`` ranks split every sequence, dividing the per-token terms."""
+    tokens = mb.sequences * mb.tokens
+    patches = mb.sequences * mb.images * mb.image_tokens * d.merge * d.merge
+    attention = 2 * d.heads * mb.tokens if eager else 0  # weights + softmax per token, per layer
+    pixels = patches * PATCH_VALUES * FP32
+    if not grad:
+        text = tokens * (layer_working(d) + 2 * d.hidden + attention)  # + embeddings and the final norm
+        vision = patches * (6 * d.vision_hidden + 3 * d.vision_intermediate) if patches else 0
+        return pixels + (max(text, vision) + tokens * d.hidden) * dtype_bytes // ulysses
+    per_layer = layer_saved(d) + attention
+    if checkpointing:
+        text = tokens * (d.layers * d.hidden + per_layer)
+    else:
+        text = tokens * d.layers * per_layer
+    text += tokens * (4 * d.hidden + 2 * d.intermediate)  # embeddings, final norm, one layer's backward grads
+    vision = 0
+    if patches and vision_grad:
+        block = vision_block_saved(d)
+        vision = patches * ((d.vision_layers * d.vision_hidden + block) if checkpointing
+                            else d.vision_layers * block)
+        vision += patches * 4 * d.vision_hidden  # patch embedding, merger norm and MLP
+    return pixels + (text + vision) * dtype_bytes // ulysses
+
+
+def logits_bytes(sequences: int, positions: int, vocab: int, dtype_bytes: int, *, grad: bool) -> int:
+    """Peak bytes of the logits and the loss over them for ``positions`` per sequence.
+
+    Without gradients: the model's logits plus the fp32 scaled copy and its log-softmax. With gradients
+    (the update, which also computes the entropy): the logits, the scaled copy, two log-softmaxes, exp,
+    the masked copy and its product (fp32) and the isinf mask (1 byte), all alive at the end of forward.
+    """
+    elements = sequences * positions * vocab
+    if not grad:
+        return elements * (dtype_bytes + 2 * FP32)
+    return elements * (dtype_bytes + 6 * FP32 + 1)

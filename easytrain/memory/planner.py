@@ -1,0 +1,398 @@
+"""The memory plan: bytes per GPU and per node for every role in every phase, before anything starts.
+
+``plan(config)`` prices each phase of a step (generation, reference log-probs,
+old log-probs, update, weight sync, validation) from the composed config and
+the model's HF config alone: the role that works in the phase holds its
+states plus its transient peak (gathered FSDP units, activations, logits, KV
+cache), the others hold what they keep between phases. Colocated roles share
+a device over time, so a device's peak is its largest phase, not the sum of
+roles. On CPU the "device" is the node's RAM: each role is a process, and the
+node total adds them up.
+
+Assumptions (listed by ``Plan.assumptions`` too): a worker process costs
+``FRAMEWORK_BYTES`` of host RAM before holding a model (measured by
+bench/planner_accuracy.py as the empty-worker baseline); a GPU process adds
+``CUDA_CONTEXT_BYTES`` of device memory (assumed, typical of CUDA 12); vLLM
+reserves ``gpu_memory_utilization`` x the GPU while awake and, in sleep
+level 2, frees all of it between rollouts.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+from typing import Any, Optional
+
+from easytrain.config.schema import Config
+from easytrain.memory.activations import MicroBatch, activation_bytes, logits_bytes, model_dims
+from easytrain.memory.budget import engine_budget, kv_bytes_per_token, sequence_shape
+from easytrain.memory.params import count_parameters, trainable_by_component
+from easytrain.memory.states import DTYPE_BYTES, FP32, role_states, shard_degree
+
+GB = 10**9
+FRAMEWORK_BYTES = int(0.62 * GB)
+"""Host RAM of an empty worker process (python, torch, transformers, ray imported): measured here."""
+CUDA_CONTEXT_BYTES = int(0.5 * GB)
+"""Device memory of one process's CUDA context and allocator slack (assumed)."""
+DRIVER_BYTES = int(1.0 * GB)
+"""The driver process: framework, data set index, metrics (assumed)."""
+RAY_DEFAULT_THRESHOLD = 0.95
+
+PHASES = ("generation", "ref_log_probs", "old_log_probs", "update", "weight_sync", "validation")
+
+
+@dataclass(frozen=True)
+class Capacity:
+    gpu_bytes: Optional[int]
+    """Memory of one GPU; None on CPU."""
+    node_ram: int
+    ray_threshold: float
+    """Ray's memory monitor kills workers above this fraction of node RAM (RAY_memory_usage_threshold)."""
+    source: str
+
+    @property
+    def host_limit(self) -> int:
+        return int(self.node_ram * self.ray_threshold)
+
+
+def capacity_of(config: Config) -> Capacity:
+    """GPU and node sizes from ``trainer.gpu_memory_gb`` / ``trainer.node_memory_gb``, else this machine."""
+    import psutil
+
+    t = config.trainer
+    threshold = float(os.environ.get("RAY_memory_usage_threshold", RAY_DEFAULT_THRESHOLD))
+    sources = []
+    gpu: Optional[int] = None
+    if t.device == "cuda":
+        if t.gpu_memory_gb:
+            gpu, _ = int(t.gpu_memory_gb * GB), sources.append("GPU from trainer.gpu_memory_gb")
+        else:
+            import torch
+
+            if not torch.cuda.is_available():
+                from easytrain.config import ConfigError
+
+                raise ConfigError("trainer.gpu_memory_gb", None, "the plan needs each GPU's memory and this machine "
+                                  "has no GPU to read it from", "set it, e.g. trainer.gpu_memory_gb=80 for H100-80GB")
+            gpu, _ = torch.cuda.mem_get_info()[1], sources.append("GPU of this machine")
+    if t.node_memory_gb:
+        ram, _ = int(t.node_memory_gb * GB), sources.append("node RAM from trainer.node_memory_gb")
+    else:
+        ram, _ = psutil.virtual_memory().total, sources.append("node RAM of this machine")
+    return Capacity(gpu, ram, threshold, "; ".join(sources))
+
+
+@dataclass
+class Row:
+    """One phase: what each GPU (or, on CPU, each worker process) and each node holds."""
+
+    phase: str
+    role: str
+    device: int
+    """Bytes on the busiest device (CPU: the working process)."""
+    host: int
+    """Bytes of host RAM per node."""
+    parts: dict[str, int] = field(default_factory=dict)
+    """Breakdown of ``device`` by what holds it."""
+    host_parts: dict[str, int] = field(default_factory=dict)
+
+
+@dataclass
+class Plan:
+    rows: list[Row]
+    capacity: Capacity
+    on_gpu: bool
+    notes: list[str]
+
+    @property
+    def device_peak(self) -> int:
+        return max(r.device for r in self.rows)
+
+    @property
+    def host_peak(self) -> int:
+        return max(r.host for r in self.rows)
+
+    @property
+    def device_headroom(self) -> Optional[float]:
+        cap = self.capacity.gpu_bytes
+        return None if not self.on_gpu or not cap else 1 - self.device_peak / cap
+
+    @property
+    def host_headroom(self) -> float:
+        return 1 - self.host_peak / self.capacity.host_limit
+
+    @property
+    def fits(self) -> bool:
+        return (self.device_headroom is None or self.device_headroom >= 0) and self.host_headroom >= 0
+
+    @property
+    def verdict(self) -> str:
+        if not self.fits:
+            return "does not fit"
+        margins = [h for h in (self.device_headroom, self.host_headroom) if h is not None]
+        return "fits, tight (< 10% headroom)" if min(margins) < 0.10 else "fits"
+
+    def row(self, phase: str) -> Row:
+        return next(r for r in self.rows if r.phase == phase)
+
+
+# ----------------------------------------------------------------------------- the run's shape
+
+
+@dataclass(frozen=True)
+class Shape:
+    """What the plan needs from the config and model, computed once."""
+
+    world: int
+    per_node: int
+    total_params: int
+    trainable: dict[str, int]
+    seq_tokens: int
+    response: int
+    images: int
+    image_tokens: int
+    dtype_bytes: int
+    with_ref: bool
+    old_log_probs: bool
+    on_gpu: bool
+
+
+def shape_of(config: Config, hf_config: dict[str, Any]) -> Shape:
+    from easytrain.trainer.roles import needs_reference
+
+    t, a, d = config.trainer, config.worker.actor, config.data
+    seq = sequence_shape(config, hf_config)
+    on_policy = a.ppo_epochs == 1 and d.rollout_batch_size == a.global_batch_size
+    return Shape(world=t.nnodes * t.workers_per_node, per_node=t.workers_per_node,
+                 total_params=count_parameters(hf_config).total,
+                 trainable=trainable_by_component(hf_config, config.model),
+                 seq_tokens=seq.total, response=seq.response, images=seq.images, image_tokens=seq.image_tokens,
+                 dtype_bytes=DTYPE_BYTES[config.model.dtype], with_ref=needs_reference(config),
+                 old_log_probs=not (on_policy and a.reuse_log_probs_on_policy), on_gpu=t.device == "cuda")
+
+
+def _micro(config: Config, s: Shape, size: int, sequences_per_rank: int) -> MicroBatch:
+    return MicroBatch(min(size, max(1, sequences_per_rank)), s.seq_tokens, s.response, s.images, s.image_tokens)
+
+
+def _gathered(config: Config, s: Shape, hf_config: dict[str, Any], degree: int, grad: bool) -> int:
+    """FSDP's transient unsharded parameters: the root unit (embeddings, head, vision patch embedding and
+    merger) for the whole pass plus two blocks (current and prefetched), and with ``grad`` one block's
+    unsharded fp32 gradient before its reduce-scatter. Nothing when FSDP is not applied (1 rank, fp32)."""
+    if degree == 1 and s.dtype_bytes == FP32:
+        return 0
+    dims = model_dims(hf_config)
+    block = (4 * dims.hidden * dims.hidden + 3 * dims.hidden * dims.intermediate)  # attention + MLP weights
+    counts = count_parameters(hf_config)
+    root = counts.embeddings + counts.lm_head + counts.projector
+    out = (root + 2 * block) * s.dtype_bytes
+    return out + (block * FP32 if grad else 0)
+
+
+# ----------------------------------------------------------------------------- per role
+
+
+def actor_states(config: Config, s: Shape) -> Any:
+    a = config.worker.actor
+    return role_states(s.total_params, sum(s.trainable.values()), shard_degree(a.fsdp.shard_size, s.world),
+                       trains=True, offload_params=a.offload.params)
+
+
+def ref_states(config: Config, s: Shape) -> Any:
+    r = config.worker.ref
+    return role_states(s.total_params, 0, shard_degree(r.fsdp.shard_size, s.world), trains=False,
+                       offload_params=r.offload.params)
+
+
+def _vision_grad(s: Shape) -> bool:
+    return s.trainable.get("vision_tower", 0) > 0
+
+
+def forward_peak(config: Config, s: Shape, hf_config: dict[str, Any], *, grad: bool, micro: MicroBatch,
+                 role: str) -> dict[str, int]:
+    """Transient bytes of one forward (+ backward) pass of ``micro`` on one device."""
+    dims = model_dims(hf_config)
+    role_cfg = getattr(config.worker, role)
+    degree = shard_degree(role_cfg.fsdp.shard_size, s.world)
+    eager = config.model.attn_implementation == "eager"
+    acts = activation_bytes(dims, micro, s.dtype_bytes, grad=grad, checkpointing=config.model.gradient_checkpointing,
+                            vision_grad=_vision_grad(s), eager=eager, ulysses=role_cfg.ulysses_size)
+    logits = logits_bytes(micro.sequences, micro.response + 1, dims.vocab, s.dtype_bytes, grad=grad)
+    return {"activations": acts, "logits": logits, "gathered": _gathered(config, s, hf_config, degree, grad)}
+
+
+def rollout_phase(config: Config, s: Shape, hf_config: dict[str, Any], capacity: Capacity,
+                  validate: bool) -> dict[str, int]:
+    """The rollout worker's device bytes while generating."""
+    r, d = config.worker.rollout, config.data
+    tp = r.tensor_parallel_size
+    if r.engine == "vllm" and s.on_gpu:
+        assert capacity.gpu_bytes is not None
+        return {"vllm reservation": int(capacity.gpu_bytes * r.gpu_memory_utilization)}
+    weights = s.total_params * s.dtype_bytes
+    if r.engine == "vllm":  # CPU: weights + the KV space the engine is given (VLLM_CPU_KVCACHE_SPACE=1 GiB)
+        return {"weights": weights, "kv cache": 2**30}
+    n = r.val_override.n if validate else r.n
+    prompts = (d.val_batch_size if validate and d.val_batch_size > 0 else d.rollout_batch_size)
+    rows = -(-prompts * n // (s.world // tp))
+    dims = model_dims(hf_config)
+    kv = rows * s.seq_tokens * kv_bytes_per_token(hf_config, config.model.dtype)
+    logits = 4 * rows * s.response * dims.vocab * s.dtype_bytes  # kept per step, stacked, scaled, log-softmax
+    prefill = activation_bytes(dims, MicroBatch(rows, s.seq_tokens - s.response, 0, s.images, s.image_tokens),
+                               s.dtype_bytes, grad=False, checkpointing=False, vision_grad=False)
+    return {"weights": weights, "kv cache": kv, "logits": logits, "prefill": prefill}
+
+
+def _rollout_idle(config: Config, s: Shape, capacity: Capacity) -> dict[str, int]:
+    """What the rollout worker keeps on its device while the training roles work."""
+    r = config.worker.rollout
+    if r.engine == "vllm" and s.on_gpu:
+        if r.sleep_level > 0 and config.trainer.colocate:
+            return {}
+        assert capacity.gpu_bytes is not None
+        return {"vllm reservation": int(capacity.gpu_bytes * r.gpu_memory_utilization)}
+    return {"rollout weights": s.total_params * s.dtype_bytes}
+
+
+def _sum(parts: dict[str, int]) -> int:
+    return sum(parts.values())
+
+
+# ----------------------------------------------------------------------------- the plan
+
+
+def plan(config: Config, hf_config: Optional[dict[str, Any]] = None, capacity: Optional[Capacity] = None) -> Plan:
+    """The memory plan of ``config`` (its model's HF config is resolved when not given)."""
+    from easytrain.models.shapes import hf_config_for
+
+    hf_config = hf_config if hf_config is not None else hf_config_for(config.model)
+    capacity = capacity or capacity_of(config)
+    s = shape_of(config, hf_config)
+    a, d, r = config.worker.actor, config.data, config.worker.rollout
+    actor, ref = actor_states(config, s), ref_states(config, s)
+    exp_seqs = d.rollout_batch_size * r.n // s.world
+    update_seqs = a.global_batch_size * r.n // s.world
+    exp_micro = _micro(config, s, a.micro_batch_size_per_device_for_experience, exp_seqs)
+    upd_micro = _micro(config, s, a.micro_batch_size_per_device_for_update, update_seqs)
+    accumulates = update_seqs > upd_micro.sequences
+
+    idle = {"actor": {"actor params": actor.params if not actor.offloaded else 0,
+                      "actor optimizer": actor.optimizer if not actor.offloaded else 0},
+            "ref": ({"ref params": ref.device} if s.with_ref else {}),
+            "rollout": _rollout_idle(config, s, capacity)}
+    work: dict[str, tuple[str, dict[str, int]]] = {
+        "generation": ("rollout", rollout_phase(config, s, hf_config, capacity, validate=False)),
+        "validation": ("rollout", rollout_phase(config, s, hf_config, capacity, validate=True)),
+    }
+    if s.with_ref:
+        work["ref_log_probs"] = ("ref", forward_peak(config, s, hf_config, grad=False, micro=exp_micro, role="ref"))
+    if s.old_log_probs:
+        work["old_log_probs"] = ("actor", forward_peak(config, s, hf_config, grad=False, micro=exp_micro,
+                                                       role="actor"))
+    update = forward_peak(config, s, hf_config, grad=True, micro=upd_micro, role="actor")
+    grads = 0 if actor.offloaded else actor.grads
+    # the peak is at the end of forward (activations and logits alive; gradients only when accumulating)
+    # or at the end of backward (every gradient, the activations freed)
+    update["actor grads"] = grads if accumulates or grads > _sum(update) else 0
+    work["update"] = ("actor", update)
+    work["weight_sync"] = ("actor", _sync_device(config, s, hf_config))
+
+    rows = []
+    for phase in PHASES:
+        if phase not in work:
+            continue
+        role, active = work[phase]
+        rows.append(_row(config, s, capacity, phase, role, active, idle, actor, ref))
+    notes = _notes(config, s, hf_config, capacity, exp_micro)
+    return Plan(rows, capacity, s.on_gpu, notes)
+
+
+def _sync_device(config: Config, s: Shape, hf_config: dict[str, Any]) -> dict[str, int]:
+    """The weight sync: each actor rank's shard of a bucket on its way out; the rollout side assembles a
+    bucket (on GPU into the woken engine's weights: vLLM level-2 sleep reloads weights first)."""
+    bucket = int(config.worker.rollout.sync_bucket_mb * 2**20)
+    parts = {"sync bucket": bucket}
+    r = config.worker.rollout
+    if r.engine == "vllm" and s.on_gpu and r.sleep_level > 0 and config.trainer.colocate:
+        parts["rollout weights (woken)"] = -(-s.total_params // r.tensor_parallel_size) * s.dtype_bytes
+    return parts
+
+
+def _row(config: Config, s: Shape, capacity: Capacity, phase: str, role: str, active: dict[str, int],
+         idle: dict[str, dict[str, int]], actor: Any, ref: Any) -> Row:
+    roles = ["actor", "rollout"] + (["ref"] if s.with_ref else [])
+    if config.trainer.colocate and s.on_gpu:  # one device holds every role's idle state plus the active role
+        parts = {k: v for name in roles if name != role for k, v in idle[name].items()}
+        parts.update(_working(role, active, idle))
+        parts["cuda contexts"] = CUDA_CONTEXT_BYTES * len(roles)
+    else:  # one device (CPU: one process) per role
+        parts = _working(role, active, idle)
+        if s.on_gpu:
+            parts["cuda context"] = CUDA_CONTEXT_BYTES
+    host_parts = _host(config, s, phase, role, active, idle, actor, ref, roles)
+    return Row(phase, role, _sum(parts), _sum(host_parts), parts, host_parts)
+
+
+def _working(role: str, active: dict[str, int], idle: dict[str, dict[str, int]]) -> dict[str, int]:
+    """The working role's bytes: its states plus the phase's transients (the rollout's phase bytes
+    already include its weights)."""
+    return dict(active) if role == "rollout" else {**idle[role], **active}
+
+
+def _host(config: Config, s: Shape, phase: str, role: str, active: dict[str, int], idle: dict[str, dict[str, int]],
+          actor: Any, ref: Any, roles: list[str]) -> dict[str, int]:
+    """Host RAM of one node in ``phase``: processes, offloaded states, on CPU every process's memory."""
+    n = s.per_node
+    d = config.data
+    host = {"worker processes": FRAMEWORK_BYTES * n * len(roles),
+            "driver, reward and loader processes": DRIVER_BYTES + FRAMEWORK_BYTES * (config.reward.num_workers
+                                                                                     + d.num_workers)}
+    offloaded = (actor.host if actor.offloaded else 0) + (ref.host if s.with_ref and ref.offloaded else 0)
+    if offloaded:
+        host["offloaded states"] = offloaded * n
+    if phase == "weight_sync":
+        bucket = int(config.worker.rollout.sync_bucket_mb * 2**20)
+        host["sync buckets (object store + assembly)"] = 2 * bucket + n * bucket
+    if not s.on_gpu:  # every process's device bytes are this node's RAM
+        for name in roles:
+            held = _working(role, active, idle) if name == role else idle[name]
+            host[f"{name} workers"] = n * _sum(held)
+    return host
+
+
+def _notes(config: Config, s: Shape, hf_config: dict[str, Any], capacity: Capacity, micro: MicroBatch) -> list[str]:
+    r = config.worker.rollout
+    notes = []
+    if r.engine == "vllm" and s.on_gpu and capacity.gpu_bytes:
+        budget = engine_budget(capacity.gpu_bytes, r.gpu_memory_utilization, s.total_params, hf_config,
+                               config.model.dtype, r.tensor_parallel_size, s.seq_tokens)
+        engines = s.world // r.tensor_parallel_size
+        want = -(-config.data.rollout_batch_size * r.n // engines)
+        notes.append(f"vLLM: {budget.weights / GB:.1f} GB weights per GPU, {budget.kv_cache / GB:.1f} GB KV cache "
+                     f"= {budget.max_sequences} sequences of {s.seq_tokens} tokens at once per engine "
+                     f"({want} requested per engine per step)")
+        if budget.kv_cache == 0:
+            notes.append("vLLM: the weights do not fit in gpu_memory_utilization x GPU: no room for a KV cache")
+    if not s.on_gpu:
+        notes.append("CPU run: roles are processes in node RAM; offload moves nothing")
+    return notes
+
+
+def worker_bytes(config: Config, role: str, phase: str, hf_config: Optional[dict[str, Any]] = None) -> int:
+    """Predicted bytes of one ``role`` worker process in ``phase`` on CPU, above an empty worker process
+    (what bench/planner_accuracy.py measures)."""
+    from easytrain.models.shapes import hf_config_for
+
+    hf_config = hf_config if hf_config is not None else hf_config_for(config.model)
+    s = shape_of(config, hf_config)
+    a, d, r = config.worker.actor, config.data, config.worker.rollout
+    states = actor_states(config, s) if role == "actor" else ref_states(config, s)
+    if phase == "update":
+        seqs = a.global_batch_size * r.n // s.world
+        micro = _micro(config, s, a.micro_batch_size_per_device_for_update, seqs)
+        parts = forward_peak(config, s, hf_config, grad=True, micro=micro, role=role)
+        grads = states.grads if seqs > micro.sequences or states.grads > _sum(parts) else 0
+        return states.params + states.optimizer + grads + _sum(parts)
+    micro = _micro(config, s, a.micro_batch_size_per_device_for_experience, d.rollout_batch_size * r.n // s.world)
+    return states.params + states.optimizer + _sum(forward_peak(config, s, hf_config, grad=False, micro=micro,
+                                                                role=role))

@@ -1,0 +1,126 @@
+"""The plan as a table for people and as JSON for tools (``easytrain plan``), and the launch-time check."""
+
+from __future__ import annotations
+
+import logging
+from typing import Any, Optional
+
+from easytrain.config.schema import Config
+from easytrain.memory.params import count_parameters
+from easytrain.memory.planner import GB, Plan, plan
+from easytrain.memory.suggest import Suggestion, fit, suggestions
+
+logger = logging.getLogger(__name__)
+
+
+def _gb(value: int) -> str:
+    return f"{value / GB:.1f}"
+
+
+def _largest(parts: dict[str, int], count: int = 4) -> str:
+    top = sorted(((v, k) for k, v in parts.items() if v >= GB // 100), reverse=True)[:count]
+    return ", ".join(f"{k} {_gb(v)}" for v, k in top)
+
+
+def render(config: Config, p: Plan, hf_config: dict[str, Any], advice: list[Suggestion],
+           fitted: Optional[dict[str, Any]] = None, searched: bool = False) -> str:
+    """The plan as text: a row per phase, the capacity, the verdict and what to change."""
+    t, c = config.trainer, p.capacity
+    counts = count_parameters(hf_config)
+    unit = "GB/GPU" if p.on_gpu else "GB/worker"
+    where = f"{t.nnodes} node(s) x {t.workers_per_node} {'GPUs' if p.on_gpu else 'CPU workers'}"
+    lines = [f"model {config.model.path}: {counts.total / 1e9:.2f}B parameters; {where}, "
+             f"{'colocated roles' if t.colocate else 'a device pool per role'}",
+             f"checked against: {'GPU ' + _gb(c.gpu_bytes) + ' GB, ' if c.gpu_bytes else ''}node RAM {_gb(c.node_ram)} GB"
+             f" x Ray memory threshold {c.ray_threshold:.2f} = {_gb(c.host_limit)} GB ({c.source})", "",
+             f"{'phase':<14} {'role':<8} {unit:>10} {'GB/node':>9}  largest parts ({'device' if p.on_gpu else 'worker'})"]
+    for r in p.rows:
+        lines.append(f"{r.phase:<14} {r.role:<8} {_gb(r.device):>10} {_gb(r.host):>9}  {_largest(r.parts)}")
+    device_cap = f" of {_gb(c.gpu_bytes)}" if p.on_gpu and c.gpu_bytes else ""
+    lines += [f"{'peak':<23} {_gb(p.device_peak):>10} {_gb(p.host_peak):>9}  "
+              f"(device{device_cap}; host of {_gb(c.host_limit)})", f"verdict: {p.verdict}"]
+    if p.notes:
+        lines += ["", *(f"note: {n}" for n in p.notes)]
+    if advice:
+        lines += ["", "changes, each re-planned (the ones that fit alone first, then cheapest first):"]
+        lines += [f"  {i}. {s.describe(p.on_gpu)}" for i, s in enumerate(advice, 1)]
+    if searched:
+        lines.append("")
+        if fitted is None:
+            lines.append("--fit: no setting of micro batches, offload, checkpointing and gpu_memory_utilization fits")
+        else:
+            lines.append("--fit: " + (" ".join(f"{k}={v}" for k, v in fitted.items()) or "fits as configured"))
+    return "\n".join(lines)
+
+
+def as_json(config: Config, p: Plan, advice: list[Suggestion], fitted: Optional[dict[str, Any]] = None,
+            searched: bool = False) -> dict[str, Any]:
+    c = p.capacity
+    out: dict[str, Any] = {
+        "model": config.model.path, "verdict": p.verdict, "fits": p.fits, "on_gpu": p.on_gpu,
+        "capacity": {"gpu_bytes": c.gpu_bytes, "node_ram_bytes": c.node_ram, "ray_threshold": c.ray_threshold,
+                     "host_limit_bytes": c.host_limit, "source": c.source},
+        "device_peak_bytes": p.device_peak, "host_peak_bytes": p.host_peak,
+        "phases": [{"phase": r.phase, "role": r.role, "device_bytes": r.device, "host_bytes": r.host,
+                    "device_parts": r.parts, "host_parts": r.host_parts} for r in p.rows],
+        "notes": p.notes,
+        "suggestions": [{"overrides": s.overrides, "device_delta_bytes": s.device_delta,
+                         "host_delta_bytes": s.host_delta, "fits": s.fits, "why": s.why} for s in advice],
+    }
+    if searched:
+        out["fit"] = fitted
+    return out
+
+
+class PlanDoesNotFit(RuntimeError):
+    """The run's memory plan does not fit and ``trainer.memory_check`` resolves to error."""
+
+    def __init__(self, table: str) -> None:
+        self.table = table
+        super().__init__(f"the memory plan does not fit:\n{table}\n\napply a change above, run `easytrain plan "
+                         "--fit [overrides]` for a setting that fits, or set trainer.memory_check=warn to run anyway")
+
+
+def check_before_launch(config: Config) -> None:
+    """``trainer.memory_check``: stop (error) or warn when the plan does not fit, before any worker starts."""
+    from easytrain.models.shapes import hf_config_for
+
+    mode = config.trainer.memory_check
+    if mode == "auto":
+        mode = "error" if config.trainer.device == "cuda" else "warn"
+    if mode == "off":
+        return
+    hf_config = hf_config_for(config.model)
+    if hf_config is None:
+        logger.warning("memory check skipped: no config.json for model.path=%s yet", config.model.path)
+        return
+    p = plan(config, hf_config)
+    advice = suggestions(config, p, hf_config)
+    if p.fits and not advice:
+        logger.info("memory plan: %s (device peak %s GB, host peak %s GB per node)", p.verdict,
+                    _gb(p.device_peak), _gb(p.host_peak))
+        return
+    table = render(config, p, hf_config, advice)
+    if p.fits or mode == "warn":
+        logger.warning("memory plan:\n%s", table)
+        return
+    raise PlanDoesNotFit(table)
+
+
+def plan_command(config: Config, fmt: str, search: bool) -> str:
+    import json
+
+    from easytrain.models.shapes import hf_config_for
+
+    hf_config = hf_config_for(config.model)
+    if hf_config is None:
+        from easytrain.config import ConfigError
+
+        raise ConfigError("model.path", config.model.path, "the planner needs the model's config.json",
+                          "use a local model folder, a tiny: model or a preset of conf/model/")
+    p = plan(config, hf_config)
+    advice = suggestions(config, p, hf_config)
+    fitted = fit(config, hf_config, p.capacity) if search else None
+    if fmt == "json":
+        return json.dumps(as_json(config, p, advice, fitted, search), indent=2)
+    return render(config, p, hf_config, advice, fitted, search)

@@ -1,0 +1,162 @@
+"""What to change when the plan does not fit: ranked single changes, and a search for a setting that fits.
+
+Every suggestion is re-planned: its effect is the difference between the two
+plans, never an estimate of its own. ``fit`` searches the knobs that change
+speed but not the training result (micro batch sizes, offload per role,
+gradient checkpointing, vLLM's memory fraction) in this cost order, most
+valued first:
+
+1. a larger update micro batch (fewer, larger backward passes),
+2. the actor not offloaded (offload copies states over PCIe every step),
+3. no recomputation (gradient checkpointing costs ~30% of the update),
+4. a larger experience micro batch (log-prob passes),
+5. the reference not offloaded,
+6. a higher ``gpu_memory_utilization`` (more sequences decoded at once).
+
+The first setting in that order that fits is the answer. Changes that alter
+what is trained (fewer image pixels, a frozen vision tower) are suggested but
+never chosen by the search.
+"""
+
+from __future__ import annotations
+
+import copy
+import itertools
+from dataclasses import dataclass
+from typing import Any, Iterator, Optional
+
+from easytrain.config.schema import Config
+from easytrain.memory.planner import GB, Capacity, Plan, plan
+
+TIGHT = 0.10
+
+
+@dataclass(frozen=True)
+class Suggestion:
+    overrides: dict[str, Any]
+    device_delta: int
+    """Change of the device peak (bytes per GPU, or per worker process on CPU); negative = less."""
+    host_delta: int
+    """Change of the host peak (bytes per node)."""
+    fits: bool
+    """Whether the plan fits after this change alone."""
+    why: str
+
+    def describe(self, on_gpu: bool) -> str:
+        keys = " ".join(f"{k}={_fmt(v)}" for k, v in self.overrides.items())
+        unit = "per GPU" if on_gpu else "per worker"
+        effect = f"{self.device_delta / GB:+.1f} GB {unit}, {self.host_delta / GB:+.1f} GB host per node"
+        return f"{keys}: {effect}{' (fits)' if self.fits else ''} - {self.why}"
+
+
+def _fmt(value: Any) -> str:
+    return str(value).lower() if isinstance(value, bool) else str(value)
+
+
+def get(config: Config, key: str) -> Any:
+    obj: Any = config
+    for part in key.split("."):
+        obj = getattr(obj, part)
+    return obj
+
+
+def with_overrides(config: Config, overrides: dict[str, Any]) -> Config:
+    """A copy of ``config`` with dotted keys set."""
+    out = copy.deepcopy(config)
+    for key, value in overrides.items():
+        *path, last = key.split(".")
+        obj: Any = out
+        for part in path:
+            obj = getattr(obj, part)
+        setattr(obj, last, value)
+    return out
+
+
+def _needs(p: Plan) -> tuple[bool, bool]:
+    """(device, host): which side is over capacity or within TIGHT of it."""
+    device = p.device_headroom is not None and p.device_headroom < TIGHT
+    return device, p.host_headroom < TIGHT
+
+
+def candidates(config: Config, p: Plan) -> Iterator[tuple[dict[str, Any], str]]:
+    """Single changes worth pricing, cheapest first, with what each costs."""
+    a, r, m, d = config.worker.actor, config.worker.rollout, config.model, config.data
+    on_gpu, vllm_gpu = p.on_gpu, p.on_gpu and r.engine == "vllm"
+    device, host = _needs(p)
+    if device or not on_gpu:
+        if vllm_gpu and p.row("generation").device == p.device_peak and r.gpu_memory_utilization > 0.3:
+            yield ({"worker.rollout.gpu_memory_utilization": round(r.gpu_memory_utilization - 0.1, 2)},
+                   "fewer sequences decoded at once")
+        if a.micro_batch_size_per_device_for_experience > 1:
+            yield ({"worker.actor.micro_batch_size_per_device_for_experience":
+                    a.micro_batch_size_per_device_for_experience // 2}, "more, smaller log-prob passes")
+        if a.micro_batch_size_per_device_for_update > 1:
+            yield ({"worker.actor.micro_batch_size_per_device_for_update":
+                    a.micro_batch_size_per_device_for_update // 2}, "more gradient accumulation steps")
+        if not m.gradient_checkpointing:
+            yield {"model.gradient_checkpointing": True}, "recomputes activations: ~30% slower update"
+        if vllm_gpu and r.sleep_level == 0 and config.trainer.colocate:
+            yield {"worker.rollout.sleep_level": 2}, "the engine reloads its weights at each sync"
+        if on_gpu and not config.worker.ref.offload.params:
+            yield {"worker.ref.offload.params": True}, "reference weights copied in for each pass"
+        if on_gpu and not a.offload.params:
+            yield {"worker.actor.offload.params": True}, "actor states stream over PCIe every step: slower update"
+        if d.image_key and d.max_pixels // 4 >= d.min_pixels:
+            yield {"data.max_pixels": d.max_pixels // 4}, "changes the data: images downscaled to 1/4 of the pixels"
+        if not m.freeze_vision_tower:
+            yield {"model.freeze_vision_tower": True}, "changes training: the vision tower stops learning"
+    if host:
+        if on_gpu and a.offload.params:
+            yield {"worker.actor.offload.params": False}, "actor states move back to the GPUs"
+        if on_gpu and config.worker.ref.offload.params:
+            yield {"worker.ref.offload.params": False}, "reference weights move back to the GPUs"
+        if d.num_workers > 0:
+            yield {"data.num_workers": d.num_workers // 2}, "fewer loader processes: slower image preparation"
+        if r.sync_bucket_mb > 16:
+            yield {"worker.rollout.sync_bucket_mb": r.sync_bucket_mb / 4}, "more, smaller weight-sync transfers"
+
+
+def suggestions(config: Config, p: Plan, hf_config: dict[str, Any]) -> list[Suggestion]:
+    """Single changes that reduce the peak that is over (or within 10% of) capacity, each re-planned;
+    those that make the plan fit first, then in cost order."""
+    device, host = _needs(p)
+    if not (device or host):
+        return []
+    out = []
+    for overrides, why in candidates(config, p):
+        q = plan(with_overrides(config, overrides), hf_config, p.capacity)
+        s = Suggestion(overrides, q.device_peak - p.device_peak, q.host_peak - p.host_peak, q.fits, why)
+        helps = (device and s.device_delta < 0) or (host and s.host_delta < 0) or (not p.on_gpu and s.host_delta < 0)
+        if helps:
+            out.append(s)
+    return sorted(out, key=lambda s: not s.fits)  # stable: cost order within each group
+
+
+def _halvings(value: int) -> list[int]:
+    out = [value]
+    while out[-1] > 1:
+        out.append(out[-1] // 2)
+    return out
+
+
+def fit(config: Config, hf_config: dict[str, Any], capacity: Optional[Capacity] = None) -> Optional[dict[str, Any]]:
+    """The overrides of the first setting, in the documented cost order, whose plan fits (empty if the
+    config fits as it is); None when no setting of these knobs fits."""
+    a, r = config.worker.actor, config.worker.rollout
+    on_gpu = config.trainer.device == "cuda"
+    offload = [False, True] if on_gpu else [False]
+    utils = ([round(r.gpu_memory_utilization - 0.1 * i, 2) for i in range(4) if r.gpu_memory_utilization - 0.1 * i >= 0.3]
+             if on_gpu and r.engine == "vllm" else [r.gpu_memory_utilization])
+    knobs = [("worker.actor.micro_batch_size_per_device_for_update", _halvings(a.micro_batch_size_per_device_for_update)),
+             ("worker.actor.offload.params", sorted({a.offload.params, *offload})),
+             ("model.gradient_checkpointing", sorted({config.model.gradient_checkpointing, False, True})),
+             ("worker.actor.micro_batch_size_per_device_for_experience",
+              _halvings(a.micro_batch_size_per_device_for_experience)),
+             ("worker.ref.offload.params", sorted({config.worker.ref.offload.params, *offload})),
+             ("worker.rollout.gpu_memory_utilization", utils)]
+    names = [k for k, _ in knobs]
+    for values in itertools.product(*(v for _, v in knobs)):
+        overrides = {k: v for k, v in zip(names, values) if v != get(config, k)}
+        if plan(with_overrides(config, overrides), hf_config, capacity).fits:
+            return overrides
+    return None
