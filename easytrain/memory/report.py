@@ -8,7 +8,7 @@ from typing import Any, Optional
 from easytrain.config.schema import Config
 from easytrain.memory.params import count_parameters
 from easytrain.memory.planner import GB, Plan, plan
-from easytrain.memory.suggest import Suggestion, fit, suggestions
+from easytrain.memory.suggest import Suggestion, fit, override_value, suggestions, with_overrides
 
 logger = logging.getLogger(__name__)
 
@@ -48,8 +48,12 @@ def render(config: Config, p: Plan, hf_config: dict[str, Any], advice: list[Sugg
         lines.append("")
         if fitted is None:
             lines.append("--fit: no setting of micro batches, offload, checkpointing and gpu_memory_utilization fits")
+        elif not fitted:
+            lines.append("--fit: fits as configured")
         else:
-            lines.append("--fit: " + (" ".join(f"{k}={v}" for k, v in fitted.items()) or "fits as configured"))
+            q = plan(with_overrides(config, fitted), hf_config, p.capacity)
+            lines.append(f"--fit (device peak {_gb(q.device_peak)} GB, host {_gb(q.host_peak)} GB per node): "
+                         + " ".join(f"{k}={override_value(v)}" for k, v in fitted.items()))
     return "\n".join(lines)
 
 
@@ -107,7 +111,7 @@ def check_before_launch(config: Config) -> None:
     raise PlanDoesNotFit(table)
 
 
-def plan_command(config: Config, fmt: str, search: bool) -> str:
+def plan_command(config: Config, output: str, search: bool) -> str:
     import json
 
     from easytrain.models.shapes import hf_config_for
@@ -121,6 +125,6 @@ def plan_command(config: Config, fmt: str, search: bool) -> str:
     p = plan(config, hf_config)
     advice = suggestions(config, p, hf_config)
     fitted = fit(config, hf_config, p.capacity) if search else None
-    if fmt == "json":
+    if output == "json":
         return json.dumps(as_json(config, p, advice, fitted, search), indent=2)
     return render(config, p, hf_config, advice, fitted, search)

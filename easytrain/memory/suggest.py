@@ -43,13 +43,13 @@ class Suggestion:
     why: str
 
     def describe(self, on_gpu: bool) -> str:
-        keys = " ".join(f"{k}={_fmt(v)}" for k, v in self.overrides.items())
+        keys = " ".join(f"{k}={override_value(v)}" for k, v in self.overrides.items())
         unit = "per GPU" if on_gpu else "per worker"
         effect = f"{self.device_delta / GB:+.1f} GB {unit}, {self.host_delta / GB:+.1f} GB host per node"
         return f"{keys}: {effect}{' (fits)' if self.fits else ''} - {self.why}"
 
 
-def _fmt(value: Any) -> str:
+def override_value(value: Any) -> str:
     return str(value).lower() if isinstance(value, bool) else str(value)
 
 
@@ -132,6 +132,12 @@ def suggestions(config: Config, p: Plan, hf_config: dict[str, Any]) -> list[Sugg
     return sorted(out, key=lambda s: not s.fits)  # stable: cost order within each group
 
 
+def _roomy(p: Plan) -> bool:
+    """Fits with at least TIGHT headroom: the plan is an estimate, so --fit keeps a margin."""
+    device, host = _needs(p)
+    return p.fits and not device and not host
+
+
 def _halvings(value: int) -> list[int]:
     out = [value]
     while out[-1] > 1:
@@ -140,8 +146,8 @@ def _halvings(value: int) -> list[int]:
 
 
 def fit(config: Config, hf_config: dict[str, Any], capacity: Optional[Capacity] = None) -> Optional[dict[str, Any]]:
-    """The overrides of the first setting, in the documented cost order, whose plan fits (empty if the
-    config fits as it is); None when no setting of these knobs fits."""
+    """The overrides of the first setting, in the documented cost order, whose plan fits with 10% headroom
+    (empty if the config does as it is); None when no setting of these knobs fits."""
     a, r = config.worker.actor, config.worker.rollout
     on_gpu = config.trainer.device == "cuda"
     offload = [False, True] if on_gpu else [False]
@@ -157,6 +163,6 @@ def fit(config: Config, hf_config: dict[str, Any], capacity: Optional[Capacity] 
     names = [k for k, _ in knobs]
     for values in itertools.product(*(v for _, v in knobs)):
         overrides = {k: v for k, v in zip(names, values) if v != get(config, k)}
-        if plan(with_overrides(config, overrides), hf_config, capacity).fits:
+        if _roomy(plan(with_overrides(config, overrides), hf_config, capacity)):
             return overrides
     return None
