@@ -157,6 +157,11 @@ def _check_data(cfg: Config) -> None:
                           "give the path of a Jinja template (it receives `content`)")
 
 
+def needs_reference(config: Config) -> bool:
+    """A reference group is needed for a KL term, unless LoRA lets the actor serve it (adapters off)."""
+    return config.algorithm.kl_coef > 0 and config.model.lora.rank == 0
+
+
 def world_size(cfg: Config) -> int:
     """Worker processes of the run: nodes x workers per node."""
     return cfg.trainer.nnodes * cfg.trainer.workers_per_node

@@ -24,6 +24,7 @@ from dataclasses import dataclass, field
 from typing import Any, Optional
 
 from easytrain.config.schema import Config
+from easytrain.config.validate import needs_reference
 from easytrain.memory.activations import MicroBatch, activation_bytes, logits_bytes, model_dims
 from easytrain.memory.budget import engine_budget, kv_bytes_per_token, sequence_shape
 from easytrain.memory.params import count_parameters, trainable_by_component
@@ -158,8 +159,6 @@ class Shape:
 
 
 def shape_of(config: Config, hf_config: dict[str, Any]) -> Shape:
-    from easytrain.trainer.roles import needs_reference
-
     t, a, d = config.trainer, config.worker.actor, config.data
     seq = sequence_shape(config, hf_config)
     on_policy = a.ppo_epochs == 1 and d.rollout_batch_size == a.global_batch_size

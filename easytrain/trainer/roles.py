@@ -7,6 +7,7 @@ from dataclasses import dataclass
 from typing import Optional
 
 from easytrain.config.schema import Config
+from easytrain.config.validate import needs_reference
 from easytrain.distributed.group import WorkerGroup
 from easytrain.distributed.resources import ResourcePool
 from easytrain.workers.actor import ActorWorker
@@ -16,11 +17,6 @@ from easytrain.workers.rollout.worker import RolloutWorker
 from easytrain.workers.weight_sync import BucketedTransport, WeightTransport
 
 logger = logging.getLogger(__name__)
-
-
-def needs_reference(config: Config) -> bool:
-    """A reference group is needed for a KL term, unless LoRA lets the actor serve it (adapters off)."""
-    return config.algorithm.kl_coef > 0 and config.model.lora.rank == 0
 
 
 @dataclass
