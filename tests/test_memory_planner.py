@@ -75,8 +75,10 @@ def test_every_suggestion_reduces_what_it_claims_when_applied_as_overrides() -> 
     for s in advice:
         strings = [f"{k}={override_value(v)}" for k, v in s.overrides.items()]
         q = plan(load(args + strings), hf, p.capacity)  # as a user would apply it
-        assert s.device_delta < 0 and q.device_peak == p.device_peak + s.device_delta, s
-        assert q.host_peak == p.host_peak + s.host_delta
+        assert q.device_peak == p.device_peak + s.device_delta and q.host_peak == p.host_peak + s.host_delta, s
+        for phase, delta in s.phase_deltas.items():
+            assert q.row(phase).device == p.row(phase).device + delta
+        assert s.device_delta < 0 or min(s.phase_deltas.values()) < 0, s
     fitted = fit(config, hf, p.capacity)
     assert fitted, "some setting of the knobs fits a 40 GB GPU"
     q = plan(load(args + [f"{k}={override_value(v)}" for k, v in fitted.items()]), hf, p.capacity)

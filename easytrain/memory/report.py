@@ -69,7 +69,8 @@ def as_json(config: Config, p: Plan, advice: list[Suggestion], fitted: Optional[
                     "device_parts": r.parts, "host_parts": r.host_parts} for r in p.rows],
         "notes": p.notes,
         "suggestions": [{"overrides": s.overrides, "device_delta_bytes": s.device_delta,
-                         "host_delta_bytes": s.host_delta, "fits": s.fits, "why": s.why} for s in advice],
+                         "host_delta_bytes": s.host_delta, "phase_device_delta_bytes": s.phase_deltas,
+                         "fits": s.fits, "why": s.why} for s in advice],
     }
     if searched:
         out["fit"] = fitted

@@ -41,12 +41,15 @@ class Suggestion:
     fits: bool
     """Whether the plan fits after this change alone."""
     why: str
+    phase_deltas: dict[str, int]
+    """Change of each phase that is over (or within 10% of) capacity on the device, where it moved."""
 
     def describe(self, on_gpu: bool) -> str:
         keys = " ".join(f"{k}={override_value(v)}" for k, v in self.overrides.items())
         unit = "per GPU" if on_gpu else "per worker"
-        effect = f"{self.device_delta / GB:+.1f} GB {unit}, {self.host_delta / GB:+.1f} GB host per node"
-        return f"{keys}: {effect}{' (fits)' if self.fits else ''} - {self.why}"
+        effect = f"peak {self.device_delta / GB:+.1f} GB {unit}, {self.host_delta / GB:+.1f} GB host per node"
+        phases = ", ".join(f"{phase} {delta / GB:+.1f} GB" for phase, delta in self.phase_deltas.items())
+        return f"{keys}: {effect}{'; ' + phases if phases else ''}{' (fits)' if self.fits else ''} - {self.why}"
 
 
 def override_value(value: Any) -> str:
@@ -117,16 +120,21 @@ def candidates(config: Config, p: Plan) -> Iterator[tuple[dict[str, Any], str]]:
 
 
 def suggestions(config: Config, p: Plan, hf_config: dict[str, Any]) -> list[Suggestion]:
-    """Single changes that reduce the peak that is over (or within 10% of) capacity, each re-planned;
-    those that make the plan fit first, then in cost order."""
+    """Single changes that reduce the peak that is over (or within 10% of) capacity, or a phase that is,
+    each re-planned; those that make the plan fit first, then in cost order."""
     device, host = _needs(p)
     if not (device or host):
         return []
+    limit = p.capacity.gpu_bytes if p.on_gpu and p.capacity.gpu_bytes else None
+    crowded = [r.phase for r in p.rows if limit and r.device > (1 - TIGHT) * limit]
     out = []
     for overrides, why in candidates(config, p):
         q = plan(with_overrides(config, overrides), hf_config, p.capacity)
-        s = Suggestion(overrides, q.device_peak - p.device_peak, q.host_peak - p.host_peak, q.fits, why)
-        helps = (device and s.device_delta < 0) or (host and s.host_delta < 0) or (not p.on_gpu and s.host_delta < 0)
+        moved = {phase: q.row(phase).device - p.row(phase).device for phase in crowded
+                 if any(r.phase == phase for r in q.rows) and q.row(phase).device != p.row(phase).device}
+        s = Suggestion(overrides, q.device_peak - p.device_peak, q.host_peak - p.host_peak, q.fits, why, moved)
+        helps = ((device and (s.device_delta < 0 or any(v < 0 for v in moved.values())))
+                 or (host and s.host_delta < 0) or (not p.on_gpu and s.host_delta < 0))
         if helps:
             out.append(s)
     return sorted(out, key=lambda s: not s.fits)  # stable: cost order within each group
