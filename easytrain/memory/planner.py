@@ -25,7 +25,7 @@ from typing import Any, Optional
 
 from easytrain.config.schema import Config
 from easytrain.config.validate import needs_reference
-from easytrain.memory.activations import MicroBatch, activation_bytes, logits_bytes, model_dims
+from easytrain.memory.activations import PATCH_VALUES, MicroBatch, activation_bytes, logits_bytes, model_dims
 from easytrain.memory.budget import engine_budget, kv_bytes_per_token, sequence_shape
 from easytrain.memory.params import count_parameters, trainable_by_component
 from easytrain.memory.states import DTYPE_BYTES, FP32, role_states, shard_degree
@@ -349,6 +349,7 @@ def _host(config: Config, s: Shape, phase: str, role: str, active: dict[str, int
     offloaded = (actor.host if actor.offloaded else 0) + (ref.host if s.with_ref and ref.offloaded else 0)
     if offloaded:
         host["offloaded states"] = offloaded * n
+    host["step batch (driver, object store, workers' shares)"] = 3 * batch_bytes(config, s)
     if phase == "weight_sync":
         bucket = int(config.worker.rollout.sync_bucket_mb * 2**20)
         host["sync buckets (object store + assembly)"] = 2 * bucket + n * bucket
@@ -357,6 +358,16 @@ def _host(config: Config, s: Shape, phase: str, role: str, active: dict[str, int
             held = _working(role, active, idle) if name == role else idle[name]
             host[f"{name} workers"] = n * _sum(held)
     return host
+
+
+def batch_bytes(config: Config, s: Shape) -> int:
+    """A step's batch as the driver holds it: per sequence the ids, masks, 3-D positions and token types
+    (int64) over the whole sequence, the per-token response tensors (ids, mask, three log-probs, advantages),
+    and the pixel values of its images (each of a prompt's n samples carries its own copy)."""
+    sequences = config.data.rollout_batch_size * config.worker.rollout.n
+    per_sequence = s.seq_tokens * 8 * 6 + s.response * (8 + 8 + 4 * 4)
+    pixels = s.images * s.image_tokens * 4 * PATCH_VALUES * FP32
+    return sequences * (per_sequence + pixels)
 
 
 def _notes(config: Config, s: Shape, hf_config: dict[str, Any], capacity: Capacity, micro: MicroBatch) -> list[str]:
@@ -372,6 +383,12 @@ def _notes(config: Config, s: Shape, hf_config: dict[str, Any], capacity: Capaci
                      f"({want} requested per engine per step)")
         if budget.kv_cache == 0:
             notes.append("vLLM: the weights do not fit in gpu_memory_utilization x GPU: no room for a KV cache")
+    batch = batch_bytes(config, s)
+    if batch > GB:
+        pixels = config.data.rollout_batch_size * r.n * s.images * s.image_tokens * 4 * PATCH_VALUES * FP32
+        notes.append(f"step batch: {batch / GB:.1f} GB per copy, {pixels / GB:.1f} GB of it pixel values "
+                     f"({s.images} image(s) of {s.image_tokens} tokens per sequence, each of the n={r.n} samples "
+                     "of a prompt carrying its own copy)")
     if not s.on_gpu:
         notes.append("CPU run: roles are processes in node RAM; offload moves nothing")
     return notes

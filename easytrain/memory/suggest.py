@@ -113,6 +113,8 @@ def candidates(config: Config, p: Plan) -> Iterator[tuple[dict[str, Any], str]]:
             yield {"worker.actor.offload.params": False}, "actor states move back to the GPUs"
         if on_gpu and config.worker.ref.offload.params:
             yield {"worker.ref.offload.params": False}, "reference weights move back to the GPUs"
+        if d.image_key and d.max_pixels // 4 >= d.min_pixels:
+            yield {"data.max_pixels": d.max_pixels // 4}, "changes the data: images downscaled to 1/4 of the pixels"
         if d.num_workers > 0:
             yield {"data.num_workers": d.num_workers // 2}, "fewer loader processes: slower image preparation"
         if r.sync_bucket_mb > 16:
@@ -127,8 +129,11 @@ def suggestions(config: Config, p: Plan, hf_config: dict[str, Any]) -> list[Sugg
         return []
     limit = p.capacity.gpu_bytes if p.on_gpu and p.capacity.gpu_bytes else None
     crowded = [r.phase for r in p.rows if limit and r.device > (1 - TIGHT) * limit]
-    out = []
+    out, seen = [], []
     for overrides, why in candidates(config, p):
+        if overrides in seen:
+            continue
+        seen.append(overrides)
         q = plan(with_overrides(config, overrides), hf_config, p.capacity)
         moved = {phase: q.row(phase).device - p.row(phase).device for phase in crowded
                  if any(r.phase == phase for r in q.rows) and q.row(phase).device != p.row(phase).device}
