@@ -54,7 +54,7 @@ ASSUMPTIONS = [
     "easytrain's offload.params is FSDP CPU offload (states stay on host, the update streams them)",
     "vLLM reserves gpu_memory_utilization x 80 GB while generating; sleep level 2 frees it for training phases",
     "per-process CUDA context 0.5 GB (assumed), 3 processes per GPU (actor, ref, rollout)",
-    "host: one empty worker process = 0.62 GB (measured here by bench/planner_accuracy.py); driver 1 GB assumed",
+    "host: one empty worker process = 0.48 GB (measured here by bench/planner_accuracy.py); driver 1 GB assumed",
 ]
 
 

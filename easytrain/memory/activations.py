@@ -4,14 +4,17 @@ The counts follow what autograd keeps for the backward pass of transformers'
 Qwen2 / Qwen2-VL / Qwen2.5-VL layers as easytrain runs them (sdpa or flash
 attention, no dropout), per token and layer, in the compute dtype:
 
-- decoder layer: its input and the first norm's output (2h); q, rotate_half(q)
-  and the roped q (3q); k, rotate_half(k), the roped k and v (4kv); the attention
-  output and its re-laid-out copy that o_proj keeps (2q); the residual sum and
-  the second norm's output (2h); the MLP's gate, SiLU, up and product (4i).
-  Qwen-VL's 3-D rope adds its per-layer cos/sin (2 x head_dim). ``eager``
-  attention adds the attention weights (2 x heads x s per token).
-- vision block (per patch, before the 2x2 merge): norms, qkv, rope, attention
-  and MLP the same way (13 hv + 4 iv gated, + 2 iv for Qwen2-VL's plain MLP).
+- decoder layer: its input and the first norm's output (2h); the roped q, k
+  and v that attention keeps (q + 2kv; the rope's products keep no q or k
+  themselves, autograd saves an input only when the other side needs a
+  gradient, and cos/sin need none); the attention output and its re-laid-out
+  copy that o_proj keeps (2q); the residual sum and the second norm's output
+  (2h); the MLP's gate, SiLU, up and product (4i). Qwen-VL's 3-D rope adds its
+  per-layer cos/sin (2 x head_dim). ``eager`` attention adds the attention
+  weights (2 x heads x s per token).
+- vision block (per patch, before the 2x2 merge): two norms (4 hv), the fused
+  qkv output that v still views (3 hv), roped q and k (2 hv), the attention
+  output and its copy (2 hv), and the MLP (4 iv gated, 2 iv for Qwen2-VL's).
 - gradient checkpointing keeps only each layer's input (h per token and layer)
   plus one layer recomputed during backward.
 - without gradients (log-prob passes) only one layer's working set is alive.
@@ -84,7 +87,7 @@ def model_dims(hf_config: dict[str, Any]) -> ModelDims:
 def layer_saved(d: ModelDims) -> int:
     """Elements one decoder layer keeps per token for backward."""
     rope = 2 * d.head_dim if d.mrope else 0
-    return 4 * d.hidden + 5 * d.q + 4 * d.kv + 4 * d.intermediate + rope
+    return 4 * d.hidden + 3 * d.q + 2 * d.kv + 4 * d.intermediate + rope
 
 
 def layer_working(d: ModelDims) -> int:
@@ -95,7 +98,7 @@ def layer_working(d: ModelDims) -> int:
 
 def vision_block_saved(d: ModelDims) -> int:
     """Elements one vision block keeps per patch for backward."""
-    return 13 * d.vision_hidden + (4 if d.vision_gated else 2) * d.vision_intermediate
+    return 11 * d.vision_hidden + (4 if d.vision_gated else 2) * d.vision_intermediate
 
 
 @dataclass(frozen=True)

@@ -107,21 +107,36 @@ def trainable_by_component(hf_config: dict[str, Any], model_cfg: Any) -> dict[st
     return _trainable_by_component(json.dumps(hf_config, sort_keys=True), _model_key(model_cfg))
 
 
+def largest_trainable(hf_config: dict[str, Any], model_cfg: Any) -> int:
+    """Elements of the actor's largest trainable parameter (what one optimizer temporary holds)."""
+    return _largest_trainable(json.dumps(hf_config, sort_keys=True), _model_key(model_cfg))
+
+
+@lru_cache(maxsize=64)
+def _largest_trainable(hf_key: str, model_key: tuple[Any, ...]) -> int:
+    return max((p.numel() for p in _actor_from_key(hf_key, model_key).parameters() if p.requires_grad), default=0)
+
+
 def _model_key(model_cfg: Any) -> tuple[Any, ...]:
     lora = model_cfg.lora
     return (model_cfg.freeze_vision_tower, model_cfg.freeze_aligner, model_cfg.freeze_llm, lora.rank,
             lora.alpha, tuple(lora.target_modules))
 
 
-@lru_cache(maxsize=64)
-def _trainable_by_component(hf_key: str, model_key: tuple[Any, ...]) -> dict[str, int]:
+@lru_cache(maxsize=8)
+def _actor_from_key(hf_key: str, model_key: tuple[Any, ...]) -> Any:
     from types import SimpleNamespace
 
     vision, aligner, llm, rank, alpha, targets = model_key
     model_cfg = SimpleNamespace(freeze_vision_tower=vision, freeze_aligner=aligner, freeze_llm=llm,
                                 lora=SimpleNamespace(rank=rank, alpha=alpha, dropout=0.0, target_modules=list(targets)))
+    return _actor_model(json.loads(hf_key), model_cfg)
+
+
+@lru_cache(maxsize=64)
+def _trainable_by_component(hf_key: str, model_key: tuple[Any, ...]) -> dict[str, int]:
     counts = dict.fromkeys(COMPONENTS, 0)
-    for name, parameter in _actor_model(json.loads(hf_key), model_cfg).named_parameters():
+    for name, parameter in _actor_from_key(hf_key, model_key).named_parameters():
         if parameter.requires_grad:
             counts[component_of(name.removeprefix("base_model.model."))] += parameter.numel()
     return counts

@@ -27,12 +27,13 @@ from easytrain.config.schema import Config
 from easytrain.config.validate import needs_reference
 from easytrain.memory.activations import PATCH_VALUES, MicroBatch, activation_bytes, logits_bytes, model_dims
 from easytrain.memory.budget import engine_budget, kv_bytes_per_token, sequence_shape
-from easytrain.memory.params import count_parameters, trainable_by_component
+from easytrain.memory.params import count_parameters, largest_trainable, trainable_by_component
 from easytrain.memory.states import DTYPE_BYTES, FP32, role_states, shard_degree
 
 GB = 10**9
-FRAMEWORK_BYTES = int(0.62 * GB)
-"""Host RAM of an empty worker process (python, torch, transformers, ray imported): measured here."""
+FRAMEWORK_BYTES = int(0.48 * GB)
+"""Host RAM of an empty worker process (python, torch, transformers, ray imported, nothing built): 0.48 GB
+measured here (bench/planner_accuracy.py's baseline); a Ray worker adds its core-worker threads."""
 CUDA_CONTEXT_BYTES = int(0.5 * GB)
 """Device memory of one process's CUDA context and allocator slack (assumed)."""
 DRIVER_BYTES = int(1.0 * GB)
@@ -148,6 +149,8 @@ class Shape:
     per_node: int
     total_params: int
     trainable: dict[str, int]
+    largest_trainable: int
+    """Elements of the largest trainable parameter."""
     seq_tokens: int
     response: int
     images: int
@@ -165,6 +168,7 @@ def shape_of(config: Config, hf_config: dict[str, Any]) -> Shape:
     return Shape(world=t.nnodes * t.workers_per_node, per_node=t.workers_per_node,
                  total_params=count_parameters(hf_config).total,
                  trainable=trainable_by_component(hf_config, config.model),
+                 largest_trainable=largest_trainable(hf_config, config.model),
                  seq_tokens=seq.total, response=seq.response, images=seq.images, image_tokens=seq.image_tokens,
                  dtype_bytes=DTYPE_BYTES[config.model.dtype], with_ref=needs_reference(config),
                  old_log_probs=not (on_policy and a.reuse_log_probs_on_policy), on_gpu=t.device == "cuda")
@@ -288,12 +292,8 @@ def plan(config: Config, hf_config: Optional[dict[str, Any]] = None, capacity: O
     if s.old_log_probs:
         work["old_log_probs"] = ("actor", forward_peak(config, s, hf_config, grad=False, micro=exp_micro,
                                                        role="actor"))
-    update = forward_peak(config, s, hf_config, grad=True, micro=upd_micro, role="actor")
-    grads = 0 if actor.offloaded else actor.grads
-    # the peak is at the end of forward (activations and logits alive; gradients only when accumulating)
-    # or at the end of backward (every gradient, the activations freed)
-    update["actor grads"] = grads if accumulates or grads > _sum(update) else 0
-    work["update"] = ("actor", update)
+    work["update"] = ("actor", update_transient(config, s, hf_config, upd_micro, accumulates,
+                                                0 if actor.offloaded else actor.grads, actor.offloaded))
     work["weight_sync"] = ("actor", _sync_device(config, s, hf_config))
 
     rows = []
@@ -304,6 +304,19 @@ def plan(config: Config, hf_config: Optional[dict[str, Any]] = None, capacity: O
         rows.append(_row(config, s, capacity, phase, role, active, idle, actor, ref))
     notes = _notes(config, s, hf_config, capacity, exp_micro)
     return Plan(rows, capacity, s.on_gpu, notes)
+
+
+def update_transient(config: Config, s: Shape, hf_config: dict[str, Any], micro: MicroBatch, accumulates: bool,
+                     grads: int, offloaded: bool) -> dict[str, int]:
+    """The update's peak above the states: the end of a micro batch's forward (activations and logits;
+    gradients too when accumulating) or the optimizer step (every gradient plus AdamW's two temporaries
+    of the largest parameter shard, its sqrt and the denominator), whichever is larger."""
+    passes = forward_peak(config, s, hf_config, grad=True, micro=micro, role="actor")
+    passes["actor grads"] = grads if accumulates else 0
+    degree = shard_degree(config.worker.actor.fsdp.shard_size, s.world)
+    step = {"actor grads": grads,
+            "optimizer temporaries": 0 if offloaded else 2 * -(-s.largest_trainable // degree) * FP32}
+    return passes if _sum(passes) >= _sum(step) else step
 
 
 def _sync_device(config: Config, s: Shape, hf_config: dict[str, Any]) -> dict[str, int]:
@@ -396,19 +409,28 @@ def _notes(config: Config, s: Shape, hf_config: dict[str, Any], capacity: Capaci
 
 def worker_bytes(config: Config, role: str, phase: str, hf_config: Optional[dict[str, Any]] = None) -> int:
     """Predicted bytes of one ``role`` worker process in ``phase`` on CPU, above an empty worker process
-    (what bench/planner_accuracy.py measures)."""
+    (what bench/planner_accuracy.py measures): its states, its share of the step batch and the phase's
+    transients. These are live bytes: glibc's default malloc also keeps freed blocks below its (growing)
+    mmap threshold in RSS, and the runtime's own scratch space is not counted."""
+    return sum(worker_parts(config, role, phase, hf_config).values())
+
+
+def worker_parts(config: Config, role: str, phase: str, hf_config: Optional[dict[str, Any]] = None) -> dict[str, int]:
+    """:func:`worker_bytes` by part."""
     from easytrain.models.shapes import hf_config_for
 
     hf_config = hf_config if hf_config is not None else hf_config_for(config.model)
     s = shape_of(config, hf_config)
     a, d, r = config.worker.actor, config.data, config.worker.rollout
     states = actor_states(config, s) if role == "actor" else ref_states(config, s)
+    parts = {"params": states.params, "optimizer": states.optimizer,
+             "batch share": batch_bytes(config, s) // s.world}
     if phase == "update":
         seqs = a.global_batch_size * r.n // s.world
         micro = _micro(config, s, a.micro_batch_size_per_device_for_update, seqs)
-        parts = forward_peak(config, s, hf_config, grad=True, micro=micro, role=role)
-        grads = states.grads if seqs > micro.sequences or states.grads > _sum(parts) else 0
-        return states.params + states.optimizer + grads + _sum(parts)
-    micro = _micro(config, s, a.micro_batch_size_per_device_for_experience, d.rollout_batch_size * r.n // s.world)
-    return states.params + states.optimizer + _sum(forward_peak(config, s, hf_config, grad=False, micro=micro,
-                                                                role=role))
+        transient = update_transient(config, s, hf_config, micro, seqs > micro.sequences, states.grads, False)
+    else:
+        micro = _micro(config, s, a.micro_batch_size_per_device_for_experience, d.rollout_batch_size * r.n // s.world)
+        transient = forward_peak(config, s, hf_config, grad=False, micro=micro, role=role)
+    parts.update(transient)
+    return parts

@@ -117,10 +117,13 @@ def plan_command(config: Config, output: str, search: bool) -> str:
 
     from easytrain.models.shapes import hf_config_for
 
+    from easytrain.config import ConfigError
+
+    if config.trainer.task != "rl":
+        raise ConfigError("trainer.task", config.trainer.task, "the planner prices the RL phases only; SFT's "
+                          "forward/backward/optimizer phases arrive with the SFT trainer", "plan an rl config")
     hf_config = hf_config_for(config.model)
     if hf_config is None:
-        from easytrain.config import ConfigError
-
         raise ConfigError("model.path", config.model.path, "the planner needs the model's config.json",
                           "use a local model folder, a tiny: model or a preset of conf/model/")
     p = plan(config, hf_config)
