@@ -4,6 +4,9 @@
     easytrain run [overrides...]        same as python -m easytrain.main [overrides...]
     easytrain plan [--fit] [--format table|json] [overrides...]
                                         memory per role and phase, per GPU and node; what to change
+    easytrain export CKPT --out DIR [--merge] [--dtype bfloat16]
+                                        a checkpoint (global_step_<N>, or a run folder = its latest) as a
+                                        Hugging Face folder; with LoRA the adapter, or --merge the full model
 
 Overrides are Hydra's: ``+exp=qwen25vl_7b worker.rollout.n=8``.
 """
@@ -43,6 +46,22 @@ def _plan(args: argparse.Namespace) -> int:
     return 0
 
 
+def _export(args: argparse.Namespace) -> int:
+    import logging
+
+    from easytrain.trainer.checkpoint import CheckpointError
+    from easytrain.trainer.export import export
+
+    logging.basicConfig(level=logging.INFO, format="%(message)s")
+    try:
+        out = export(args.checkpoint, args.out, merge=args.merge, dtype=args.dtype)
+    except (CheckpointError, FileNotFoundError) as err:
+        sys.stderr.write(f"easytrain export: {err}\n")
+        return 2
+    sys.stdout.write(f"{out}\n")
+    return 0
+
+
 COMMANDS = {"config": _config, "run": _run}
 
 
@@ -50,6 +69,12 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="easytrain", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = parser.add_subparsers(dest="command", required=True)
+    export = sub.add_parser("export", help="write a checkpoint as a Hugging Face folder")
+    export.add_argument("checkpoint", help="a global_step_<N> folder, or a run folder (its latest checkpoint)")
+    export.add_argument("--out", required=True, help="folder to write (replaced if it exists)")
+    export.add_argument("--merge", action="store_true", help="with LoRA: merge the adapter into the weights")
+    export.add_argument("--dtype", choices=("float32", "bfloat16", "float16"), default=None,
+                        help="cast the weights (default: the checkpoint's fp32 master weights)")
     for name, help_text in (("config", "print the composed and validated config"),
                             ("run", "run training (python -m easytrain.main)"),
                             ("plan", "memory per role and phase, per GPU and node, checked against capacity")):
@@ -66,7 +91,12 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: Optional[Sequence[str]] = None) -> None:
     args = build_parser().parse_args(argv)
     try:
-        code = _plan(args) if args.command == "plan" else COMMANDS[args.command](args.overrides)
+        if args.command == "plan":
+            code = _plan(args)
+        elif args.command == "export":
+            code = _export(args)
+        else:
+            code = COMMANDS[args.command](args.overrides)
     except ConfigError as err:
         sys.stderr.write(f"easytrain {args.command}: config error: {err}\n")
         code = 2

@@ -8,6 +8,10 @@ Everything of a run lands in Hydra's run folder (``hydra.run.dir``):
 ``metrics.jsonl``, ``checkpoints/``, the composed config in ``.hydra/``.
 A config that cannot work is reported in one line before anything starts
 (exit code 2); ``easytrain config [overrides]`` prints the validated config.
+Running the same command with the same ``hydra.run.dir`` resumes from the
+latest checkpoint (``trainer.resume=auto``). Exit codes: 0 done, 2 bad config
+or checkpoint, 3 workers died (the message gives the command to resume),
+143 stopped by SIGTERM after saving.
 """
 
 from __future__ import annotations
@@ -25,6 +29,8 @@ from easytrain.models.shapes import resolve_shape
 
 logger = logging.getLogger("easytrain")
 EXIT_CONFIG_ERROR = 2
+EXIT_RUN_FAILED = 3
+"""Workers died more often than trainer.max_failures allows; the message gives the command to resume."""
 
 register_schema()
 
@@ -46,6 +52,7 @@ def run(config: Config) -> dict[str, float]:
     """Start or join Ray and run the trainer for ``trainer.task``; returns the final validation metrics."""
     from easytrain.distributed.cluster import init_ray
     from easytrain.memory.report import check_before_launch
+    from easytrain.trainer.checkpoint import check_resume
     from easytrain.trainer.rl import RLTrainer
 
     if config.trainer.task == "sft":
@@ -53,6 +60,7 @@ def run(config: Config) -> dict[str, float]:
                           "use trainer.task=rl")
     logger.info("run folder: %s", config.trainer.output_dir)
     check_before_launch(config)
+    check_resume(config)
     init_ray(config.ray)
     trainer = RLTrainer(config)
     try:
@@ -65,12 +73,29 @@ def run(config: Config) -> dict[str, float]:
 def _hydra_main(cfg: DictConfig) -> None:
     from easytrain.data.sources import DataError
     from easytrain.memory.report import PlanDoesNotFit
+    from easytrain.distributed.group import WorkerError
+    from easytrain.trainer.checkpoint import CheckpointError
+    from easytrain.trainer.rl import RunFailed, Stopped
+    from easytrain.trainer.signals import EXIT_STOPPED, resume_hint
 
     try:
         config = resolve(cfg)
         run(config)
     except ConfigError as err:
         fail(err)
+    except Stopped as err:
+        logger.warning("%s. %s", err, resume_hint(config))
+        sys.exit(EXIT_STOPPED)
+    except RunFailed as err:
+        sys.stderr.write(f"easytrain: run failed: {err}\n")
+        sys.exit(EXIT_RUN_FAILED)
+    except CheckpointError as err:
+        sys.stderr.write(f"easytrain: checkpoint error: {err}\n")
+        sys.exit(EXIT_CONFIG_ERROR)
+    except WorkerError as err:  # a worker raised (not a death, which fit() handles)
+        logger.exception("worker error")
+        sys.stderr.write(f"easytrain: {err}\n")
+        sys.exit(1)
     except PlanDoesNotFit as err:
         sys.stderr.write(f"easytrain: {err}\n")
         sys.exit(EXIT_CONFIG_ERROR)

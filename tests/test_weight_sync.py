@@ -191,7 +191,9 @@ def test_validation_uses_val_override_and_tensor_parallel_ranks_share_seeds() ->
     train, val = worker.sampling(False, 3), worker.sampling(True, 3)
     assert (train.n, train.temperature, train.top_p) == (4, 0.7, 1.0)
     assert (val.n, val.temperature, val.top_p) == (2, 0.5, 0.9)
-    assert worker.sampling(False, 3).seed != train.seed  # a second round in one step draws differently
+    assert worker.sampling(False, 3, call=1).seed != train.seed  # a second round in one step draws differently
+    fresh = RolloutWorker(config, role="rollout", rank=0, world_size=1)  # e.g. after a resume
+    assert fresh.sampling(False, 3).seed == train.seed  # seeds do not depend on the process's history
 
     tp = load(["+exp=tiny_vllm", "worker.rollout.tensor_parallel_size=2"])
     ranks = [RolloutWorker(tp, role="rollout", rank=r, world_size=2) for r in (0, 1)]

@@ -324,11 +324,19 @@ class TrainerConfig:
     log_samples: int = bounded(4, low=0)
     """Validation generations written to samples.jsonl at each validation."""
     save_freq: int = bounded(-1, low=-1)
-    """Checkpoint every N steps; -1 = only at the end."""
+    """Checkpoint every N steps (and at the end); -1 = only at the end; 0 = never, not even on SIGTERM."""
     save_limit: int = bounded(-1, low=-1)
     """Keep the newest N checkpoints; -1 = keep all."""
     resume: str = "auto"
-    """auto (latest complete checkpoint in output_dir, if any), off, or a checkpoint folder."""
+    """auto (latest complete checkpoint in output_dir, if any), off, or a checkpoint folder
+    (global_step_<N>, or a run folder meaning its latest)."""
+    max_failures: int = bounded(0, low=0)
+    """Worker deaths (process killed, node lost) the run recovers from by recreating the worker groups and
+    resuming from the latest checkpoint; 0 = stop with the command to resume."""
+    export_final: bool = False
+    """Export the final checkpoint as a Hugging Face folder to <output_dir>/hf (easytrain export)."""
+    export_merge: bool = False
+    """With LoRA, export_final writes the merged full model instead of the adapter."""
     loggers: list[str] = field(default_factory=lambda: ["console", "jsonl"])
     """Where metrics go: console, jsonl, tensorboard, wandb."""
     seed: int = 1

@@ -11,8 +11,10 @@ object store.
 
 Workers are created with ``max_restarts=0`` on purpose: a restarted rank
 would come back without its shard of the model and optimizer and hang the
-others' collectives, so a death is reported (role, rank, node) and the run
-stops; resuming is the checkpoint's job.
+others' collectives, so a death is reported (role, rank, node) at once, even
+while other ranks still wait in a collective; the driver then tears the
+groups down and resumes from the latest checkpoint (``trainer.max_failures``)
+or stops with the command to resume.
 """
 
 from __future__ import annotations
@@ -60,6 +62,14 @@ def dispatch(mode: Dispatch) -> Callable[[F], F]:
 
 class WorkerError(RuntimeError):
     """A worker died or raised; the message names role, rank and node."""
+
+
+class WorkerDied(WorkerError):
+    """A worker's process is gone (killed, out of memory, node lost)."""
+
+    def __init__(self, role: str, rank: int, node_ip: str, message: str) -> None:
+        super().__init__(message)
+        self.role, self.rank, self.node_ip = role, rank, node_ip
 
 
 def free_port() -> int:
@@ -158,21 +168,45 @@ class WorkerGroup:
         return results
 
     def _get(self, refs: list[Any], method: str) -> list[Any]:
-        out = []
-        for rank, ref in enumerate(refs):
+        """Results in rank order; the first rank to fail raises at once, even while others still run
+        (a rank blocked in a collective with a dead peer would otherwise hang the driver)."""
+        rank_of = {ref: rank for rank, ref in enumerate(refs)}
+        results: dict[int, Any] = {}
+        waiting = list(refs)
+        while waiting:
+            ready, waiting = ray.wait(waiting, num_returns=1)
+            for ref in ready:
+                results[rank_of[ref]] = self._result(ref, rank_of[ref], method)
+        return [results[rank] for rank in range(len(refs))]
+
+    def _result(self, ref: Any, rank: int, method: str) -> Any:
+        place = self.pool.placements[rank]
+        try:
+            return ray.get(ref)
+        except ray.exceptions.RayActorError as err:
+            reason = str(err).splitlines()[0] if str(err) else type(err).__name__
+            raise WorkerDied(self.role, rank, place.node_ip,
+                             f"{self.role} worker rank {rank} on node {place.node_ip} died during {method}: "
+                             f"{reason}") from err
+        except ray.exceptions.RayTaskError as err:
+            cause = err.cause if getattr(err, "cause", None) is not None else err
+            raise WorkerError(f"{self.role} worker rank {rank} on node {place.node_ip} failed in {method}: "
+                              f"{type(cause).__name__}: {str(cause).splitlines()[0] if str(cause) else ''}"
+                              ) from err
+
+    def dead_ranks(self) -> list[tuple[int, str]]:
+        """(rank, node IP) of the workers Ray reports dead (read from Ray's actor table)."""
+        from ray._private import state  # the public state API needs the dashboard, which may be off
+
+        dead = []
+        for rank, worker in enumerate(self.workers):
             try:
-                out.append(ray.get(ref))
-            except ray.exceptions.RayActorError as err:
-                place = self.pool.placements[rank]
-                raise WorkerError(f"{self.role} worker rank {rank} on node {place.node_ip} died during "
-                                  f"{method}: {str(err).splitlines()[0] if str(err) else type(err).__name__}") from err
-            except ray.exceptions.RayTaskError as err:
-                place = self.pool.placements[rank]
-                cause = err.cause if getattr(err, "cause", None) is not None else err
-                raise WorkerError(f"{self.role} worker rank {rank} on node {place.node_ip} failed in {method}: "
-                                  f"{type(cause).__name__}: {str(cause).splitlines()[0] if str(cause) else ''}"
-                                  ) from err
-        return out
+                info = state.actors(actor_id=worker._actor_id.hex())  # noqa: SLF001
+            except Exception:  # noqa: BLE001 - an unreadable table entry is not proof of death
+                continue
+            if isinstance(info, dict) and info.get("State") == "DEAD":
+                dead.append((rank, self.pool.placements[rank].node_ip))
+        return dead
 
     def shutdown(self) -> None:
         for worker in self.workers:

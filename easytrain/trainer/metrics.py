@@ -35,17 +35,61 @@ class PhaseTimer:
             self.times[f"time/{phase}"] = self.times.get(f"time/{phase}", 0.0) + time.perf_counter() - start
 
 
+STEP_LOGS = ("metrics.jsonl", "samples.jsonl", "data_order.jsonl")
+"""Run-folder logs keyed by step; a resumed run drops the records written after its checkpoint."""
+
+
+def truncate_jsonl(path: Path, step: int) -> int:
+    """Keep the records of ``path`` with ``step <= step`` (rewritten atomically); returns how many went."""
+    if not path.exists():
+        return 0
+    kept, dropped = [], 0
+    for line in path.read_text().splitlines():
+        try:
+            record_step = json.loads(line).get("step", 0)
+        except json.JSONDecodeError:  # a line cut short by a crash
+            dropped += 1
+            continue
+        if record_step <= step:
+            kept.append(line)
+        else:
+            dropped += 1
+    if dropped:
+        tmp = path.with_suffix(".tmp")
+        tmp.write_text("".join(line + "\n" for line in kept))
+        tmp.replace(path)
+    return dropped
+
+
 class MetricsLogger:
     def __init__(self, output_dir: str, loggers: list[str], run_name: str) -> None:
         self.console = "console" in loggers
+        self.loggers, self.run_name = loggers, run_name
         self.folder = Path(output_dir)
         self.folder.mkdir(parents=True, exist_ok=True)
-        self.jsonl = (self.folder / "metrics.jsonl").open("a") if "jsonl" in loggers else None
+        self.jsonl: Optional[Any] = None
         self.tensorboard: Optional[Any] = None
-        if "tensorboard" in loggers:
+        self._open()
+
+    def _open(self, purge_step: Optional[int] = None) -> None:
+        self.jsonl = (self.folder / "metrics.jsonl").open("a") if "jsonl" in self.loggers else None
+        if "tensorboard" in self.loggers:
             from torch.utils.tensorboard import SummaryWriter
 
-            self.tensorboard = SummaryWriter(str(self.folder / "tensorboard" / run_name))
+            self.tensorboard = SummaryWriter(str(self.folder / "tensorboard" / self.run_name), purge_step=purge_step)
+
+    def rewind(self, step: int) -> None:
+        """Forget what was logged after ``step`` (a run resuming from the checkpoint of ``step``)."""
+        self.close()
+        dropped = sum(truncate_jsonl(self.folder / name, step) for name in STEP_LOGS)
+        if dropped:
+            logger.info("resuming at step %d: dropped %d log record(s) written after it", step, dropped)
+        self._open(purge_step=step + 1)
+
+    def log_order(self, step: int, uids: list[Any]) -> None:
+        """The prompts a step consumed, in order (``data_order.jsonl``): the record resumes are checked by."""
+        with (self.folder / "data_order.jsonl").open("a") as f:
+            f.write(json.dumps({"step": step, "uids": uids}) + "\n")
 
     def log(self, step: int, metrics: dict[str, float]) -> None:
         record = {"step": step, **{k: float(v) for k, v in metrics.items()}}
@@ -67,5 +111,7 @@ class MetricsLogger:
     def close(self) -> None:
         if self.jsonl is not None:
             self.jsonl.close()
+            self.jsonl = None
         if self.tensorboard is not None:
             self.tensorboard.close()
+            self.tensorboard = None

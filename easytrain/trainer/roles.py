@@ -39,6 +39,11 @@ class Roles:
             return self.ref
         return self.actor if self.lora_reference else None
 
+    def dead_workers(self) -> list[str]:
+        """Role, rank and node of every training or rollout worker Ray reports dead."""
+        return [f"{group.role} rank {rank} on node {ip}" for group in (self.actor, self.ref, self.rollout)
+                if group is not None for rank, ip in group.dead_ranks()]
+
     def shutdown(self) -> None:
         for group in (self.actor, self.ref, self.rollout):
             if group is not None:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import logging
 import math
 from collections import defaultdict
+from pathlib import Path
 from typing import Any, Optional
 
 import torch
@@ -136,6 +137,24 @@ class ActorWorker(WorkerBase):
         sums["actor/optimizer_steps"] += 1
         sums["actor/lr"] = self.scheduler.get_last_lr()[0]
         return sums
+
+    @dispatch(Dispatch.BROADCAST)
+    def save_checkpoint(self, folder: str) -> None:
+        """Every rank writes its shards of the model and optimizer into ``folder`` (DCP), plus its RNG."""
+        from easytrain.distributed.checkpoint import save_training_state
+
+        save_training_state(Path(folder), self.model, self.optimizer, self.scheduler, self.rank)  # type: ignore[arg-type]
+
+    @dispatch(Dispatch.RANK0)
+    def load_checkpoint(self, folder: str) -> dict[str, Any]:
+        """Load a training state saved by any number of ranks (DCP reshards to this group)."""
+        from easytrain.distributed.checkpoint import load_training_state
+
+        info = load_training_state(Path(folder), self.model, self.optimizer, self.scheduler, self.rank)  # type: ignore[arg-type]
+        if not info["rng_restored"]:
+            logger.info("actor rank %d: no RNG state saved for this rank (saved by %d ranks); keeping its seed",
+                        self.rank, info["saved_ranks"])
+        return info
 
     @dispatch(Dispatch.BROADCAST)
     def placement(self) -> dict[str, Any]:

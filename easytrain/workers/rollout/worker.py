@@ -54,7 +54,6 @@ class RolloutWorker(WorkerBase):
         self._parts: dict[int, dict[int, dict[str, torch.Tensor]]] = {}
         self._lora_scale, self._loaded = 1.0, 0
         self.freed_bytes = 0
-        self._calls = 0
 
     @property
     def member(self) -> int:
@@ -82,17 +81,19 @@ class RolloutWorker(WorkerBase):
         self.merge_size = int(getattr(vision, "spatial_merge_size", 2))
         return {"engine": r.engine, "stop_ids": spec.stop_ids, "can_sleep": self.engine.can_sleep}
 
-    def sampling(self, validate: bool, step: int) -> SamplingParams:
+    def sampling(self, validate: bool, step: int, call: int = 0) -> SamplingParams:
+        """Seeds are a function of (seed, step, engine, call within the step, validation), never of the
+        process's history, so a resumed run draws exactly what the uninterrupted one would have."""
         r, length = self.config.worker.rollout, self.config.data.max_response_length
-        self._calls += 1  # several rounds in one step (dynamic sampling) draw differently
-        seed = stable_seed(self.config.trainer.seed, step, self.member, self._calls, validate)
+        seed = stable_seed(self.config.trainer.seed, step, self.member, call, validate)
         s = r.val_override if validate else r
         return SamplingParams(s.n, s.temperature, s.top_p, s.top_k, length, seed)
 
     @dispatch(Dispatch.SCATTER)
-    def generate(self, prompts: Batch, step: int, validate: bool = False) -> Batch:
+    def generate(self, prompts: Batch, step: int, validate: bool = False, call: int = 0) -> Batch:
+        """``call`` numbers the generations within one step (sampling rounds, validation batches)."""
         assert self.engine is not None, "setup() first"
-        params = self.sampling(validate, step)
+        params = self.sampling(validate, step, call)
         generated = self.engine.generate(prompts, params)
         return assemble(prompts, generated, params.n, self.merge_size)
 

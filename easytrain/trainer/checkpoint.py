@@ -1,0 +1,213 @@
+"""Checkpoint folders of a run: where they live, how one is published, which one a run resumes from.
+
+    <output_dir>/checkpoints/
+        global_step_<N>/
+            actor/                 DCP shards of the actor's model and optimizer, scheduler, RNG per rank
+            trainer_state.json     driver: step, data position, KL controller, RNG, model signature
+            config.yaml            the run's resolved config (export rebuilds the model from it)
+        latest                     the newest complete step, as text; written last
+        .tmp_global_step_<N>/      a checkpoint being written
+
+A checkpoint is written into ``.tmp_global_step_<N>`` by every rank (a
+shared filesystem on a cluster), then renamed to ``global_step_<N>`` in one
+``rename`` and only then named in ``latest`` (written to a temporary file and
+renamed over it). A crash at any moment leaves the previous checkpoint and
+``latest`` untouched; a half-written folder keeps its ``.tmp_`` name and is
+removed by the next save.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import re
+import shutil
+from pathlib import Path
+from typing import Any, Optional
+
+from easytrain.config.schema import Config
+from easytrain.distributed.checkpoint import read_json, write_json
+
+logger = logging.getLogger(__name__)
+
+CHECKPOINTS = "checkpoints"
+LATEST = "latest"
+PREFIX = "global_step_"
+TMP_PREFIX = ".tmp_" + PREFIX
+STATE_FILE = "trainer_state.json"
+CONFIG_FILE = "config.yaml"
+ACTOR = "actor"
+STEP_DIR = re.compile(rf"^{PREFIX}(\d+)$")
+
+
+class CheckpointError(RuntimeError):
+    """No usable checkpoint where one was asked for, or one that does not fit this run."""
+
+
+def checkpoint_root(output_dir: str | Path) -> Path:
+    return Path(output_dir) / CHECKPOINTS
+
+
+def step_of(folder: Path) -> int:
+    match = STEP_DIR.match(folder.name)
+    if match is None:
+        raise CheckpointError(f"{folder}: not a checkpoint folder (expected {PREFIX}<N>)")
+    return int(match.group(1))
+
+
+def is_complete(folder: Path) -> bool:
+    return STEP_DIR.match(folder.name) is not None and (folder / STATE_FILE).is_file()
+
+
+def latest(root: Path) -> Optional[Path]:
+    """The checkpoint ``latest`` names; if that file is missing or stale, the newest complete folder."""
+    pointer = root / LATEST
+    if pointer.is_file():
+        text = pointer.read_text().strip()
+        folder = root / f"{PREFIX}{text}"
+        if text.isdigit() and is_complete(folder):
+            return folder
+        logger.warning("%s names %r, which is not a complete checkpoint; using the newest complete one", pointer,
+                       text)
+    complete = sorted((f for f in root.glob(f"{PREFIX}*") if is_complete(f)), key=step_of)
+    return complete[-1] if complete else None
+
+
+def resolve(path: str | Path) -> Path:
+    """A ``global_step_<N>`` folder as given, or a run folder / ``checkpoints`` folder meaning its latest."""
+    p = Path(path).expanduser()
+    if is_complete(p):
+        return p
+    if STEP_DIR.match(p.name):
+        raise CheckpointError(f"{p}: incomplete checkpoint (no {STATE_FILE}); pick another global_step_<N> folder")
+    for root in (p / CHECKPOINTS, p):
+        if root.is_dir():
+            found = latest(root)
+            if found is not None:
+                return found
+    raise CheckpointError(f"{p}: no complete checkpoint there (looked for {CHECKPOINTS}/{PREFIX}<N>/{STATE_FILE})")
+
+
+def resume_from(config: Config) -> Optional[Path]:
+    """The checkpoint ``trainer.resume`` selects: auto = latest in output_dir (None when there is none)."""
+    resume = config.trainer.resume
+    if resume == "off":
+        return None
+    if resume == "auto":
+        root = checkpoint_root(config.trainer.output_dir)
+        return latest(root) if root.is_dir() else None
+    try:
+        return resolve(resume)
+    except CheckpointError as err:
+        raise CheckpointError(f"trainer.resume={resume}: {err}") from err
+
+
+def check_resume(config: Config) -> Optional[Path]:
+    """The checkpoint this run resumes from, after refusing an incompatible one (no worker needed)."""
+    folder = resume_from(config)
+    if folder is not None:
+        check_compatible(folder, config)
+    return folder
+
+
+class CheckpointWriter:
+    """Publishes checkpoints under ``root`` atomically and keeps the newest ``save_limit``."""
+
+    def __init__(self, root: Path, save_limit: int = -1) -> None:
+        self.root, self.save_limit = root, save_limit
+
+    def begin(self, step: int) -> Path:
+        """A fresh temporary folder for ``step`` (left-overs of crashed saves are removed first)."""
+        self.root.mkdir(parents=True, exist_ok=True)
+        for stale in self.root.glob(f"{TMP_PREFIX}*"):
+            shutil.rmtree(stale, ignore_errors=True)
+        tmp = self.root / f"{TMP_PREFIX}{step}"
+        tmp.mkdir()
+        return tmp
+
+    def commit(self, tmp: Path, step: int, state: dict[str, Any], config_yaml: str) -> Path:
+        """Write the driver's files last, rename the folder into place, then point ``latest`` at it."""
+        (tmp / CONFIG_FILE).write_text(config_yaml)
+        write_json(tmp / STATE_FILE, state)
+        _fsync_tree(tmp)
+        final = self.root / f"{PREFIX}{step}"
+        if final.exists():  # written by an earlier attempt that resumed from an older step
+            shutil.rmtree(final)
+        os.rename(tmp, final)
+        _fsync_dir(self.root)
+        pointer = self.root / f".{LATEST}.tmp"
+        pointer.write_text(f"{step}\n")
+        _fsync_file(pointer)
+        os.replace(pointer, self.root / LATEST)
+        _fsync_dir(self.root)
+        self.prune(keep=final)
+        return final
+
+    def prune(self, keep: Path) -> None:
+        if self.save_limit <= 0:
+            return
+        folders = sorted((f for f in self.root.glob(f"{PREFIX}*") if STEP_DIR.match(f.name)), key=step_of)
+        for old in folders[:-self.save_limit]:
+            if old != keep:
+                shutil.rmtree(old, ignore_errors=True)
+                logger.info("removed %s (trainer.save_limit=%d)", old.name, self.save_limit)
+
+
+def _fsync_file(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _fsync_dir(path: Path) -> None:
+    try:
+        _fsync_file(path)
+    except OSError:  # some filesystems do not fsync directories
+        pass
+
+
+def _fsync_tree(folder: Path) -> None:
+    for dirpath, _, files in os.walk(folder):
+        for name in files:
+            _fsync_file(Path(dirpath) / name)
+        _fsync_dir(Path(dirpath))
+
+
+# ----------------------------------------------------------------------------- compatibility
+
+
+SIGNATURE_KEYS = ("hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads",
+                  "intermediate_size", "vocab_size", "model_type")
+
+
+def model_signature(config: Config) -> dict[str, Any]:
+    """What a checkpoint's tensors depend on: the model's shape and the trainable set."""
+    from easytrain.models.shapes import hf_config_for
+
+    hf = hf_config_for(config.model) or {}
+    text = {**hf, **(hf.get("text_config") or {})}
+    sig: dict[str, Any] = {f"text_config.{k}" if "text_config" in hf and k != "model_type" else k: text.get(k)
+                           for k in SIGNATURE_KEYS}
+    vision = hf.get("vision_config") or {}
+    for key in ("depth", "hidden_size", "embed_dim"):
+        if key in vision:
+            sig[f"vision_config.{key}"] = vision[key]
+    m = config.model
+    sig.update({"model.lora.rank": m.lora.rank, "model.lora.target_modules": list(m.lora.target_modules),
+                "model.freeze_vision_tower": m.freeze_vision_tower, "model.freeze_aligner": m.freeze_aligner,
+                "model.freeze_llm": m.freeze_llm})
+    return sig
+
+
+def check_compatible(folder: Path, config: Config) -> dict[str, Any]:
+    """The checkpoint's driver state, after refusing one written for a different model or trainable set."""
+    state = read_json(folder / STATE_FILE)
+    saved, now = state.get("model_signature", {}), model_signature(config)
+    for key, value in now.items():
+        if key in saved and saved[key] != value and value is not None:
+            raise CheckpointError(f"{folder} was written for a different model: {key} is {saved[key]!r} there and "
+                                  f"{value!r} in this config; resume with the same model settings, or start fresh "
+                                  f"with trainer.resume=off (or another trainer.output_dir)")
+    return state

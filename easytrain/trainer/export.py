@@ -1,0 +1,82 @@
+"""Export a checkpoint as a Hugging Face folder: ``easytrain export CKPT --out DIR [--merge]``.
+
+The model is rebuilt on CPU from the checkpoint's own ``config.yaml`` (same
+base model, same LoRA settings), the actor's DCP shards are loaded into it in
+one process (whatever number of ranks saved them), and ``save_pretrained``
+writes safetensors with the config, tokenizer, image processor and chat
+template beside them. With LoRA the folder holds the adapter in PEFT's format
+(load it with ``PeftModel.from_pretrained(base, DIR)``); ``--merge`` folds the
+adapter into the base weights and writes a plain model instead. The folder is
+written under a temporary name and renamed when complete.
+"""
+
+from __future__ import annotations
+
+import logging
+import shutil
+from pathlib import Path
+from typing import Optional
+
+from omegaconf import OmegaConf
+
+from easytrain.config.schema import Config
+from easytrain.distributed.checkpoint import load_model_weights, read_json, write_json
+from easytrain.trainer.checkpoint import ACTOR, CONFIG_FILE, STATE_FILE, resolve
+
+logger = logging.getLogger(__name__)
+
+PROCESSOR_FILES = ("preprocessor_config.json", "video_preprocessor_config.json", "processor_config.json",
+                   "chat_template.json", "chat_template.jinja")
+"""Files of the base model's processor copied as they are when save_pretrained did not write them."""
+
+
+def checkpoint_config(folder: Path) -> Config:
+    """The run config a checkpoint was written with."""
+    merged = OmegaConf.merge(OmegaConf.structured(Config), OmegaConf.load(folder / CONFIG_FILE))
+    config = OmegaConf.to_object(merged)
+    assert isinstance(config, Config)
+    return config
+
+
+def export(checkpoint: str | Path, out: str | Path, merge: bool = False, dtype: Optional[str] = None) -> Path:
+    """Write the checkpoint's actor as a ``from_pretrained`` folder at ``out``; returns ``out``."""
+    import torch
+
+    from easytrain.models.hf import load_image_processor, load_model, load_tokenizer, model_folder
+    from easytrain.workers.base import apply_lora
+
+    folder = resolve(checkpoint)
+    config = checkpoint_config(folder)
+    lora = config.model.lora.rank > 0
+    if merge and not lora:
+        logger.info("--merge: the checkpoint has no LoRA adapter; exporting the full model")
+    source = model_folder(config.model)
+    model = load_model(config.model, source, dtype="float32")
+    if lora:
+        model = apply_lora(model, config.model.lora)
+    load_model_weights(folder / ACTOR, model)
+    if lora and merge:
+        model = model.merge_and_unload()
+    if dtype is not None:
+        model = model.to(getattr(torch, dtype))
+    out = Path(out)
+    tmp = out.with_name(f".tmp_{out.name}")
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
+    model.save_pretrained(tmp)
+    load_tokenizer(config.model, source).save_pretrained(tmp)
+    processor = load_image_processor(config.model, source)
+    if processor is not None:
+        processor.save_pretrained(tmp)
+    for name in PROCESSOR_FILES:
+        if (Path(source) / name).is_file() and not (tmp / name).exists():
+            shutil.copy(Path(source) / name, tmp / name)
+    step = read_json(folder / STATE_FILE)["step"]
+    write_json(tmp / "easytrain_export.json", {"checkpoint": str(folder), "step": step, "base_model": source,
+                                               "lora_adapter": lora and not merge, "merged": lora and merge})
+    if out.exists():
+        shutil.rmtree(out)
+    tmp.rename(out)
+    kind = "LoRA adapter" if lora and not merge else "model"
+    logger.info("exported the %s of %s (step %d) to %s", kind, folder, step, out)
+    return out
