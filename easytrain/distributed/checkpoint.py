@@ -24,6 +24,7 @@ import json
 import logging
 import os
 import random
+import warnings
 from pathlib import Path
 from typing import Any, Optional
 
@@ -133,7 +134,9 @@ def load_model_weights(folder: Path, model: nn.Module) -> None:
     model_sd = get_model_state_dict(model)
     check_tensors(folder, {"model": model_sd})
     state = {"model": model_sd}
-    dcp.load(state, storage_reader=FileSystemReader(folder), no_dist=not dist.is_initialized())
+    with warnings.catch_warnings():  # "assuming the intent is to load in a single process": it is
+        warnings.filterwarnings("ignore", message=".*single process", category=UserWarning)
+        dcp.load(state, storage_reader=FileSystemReader(folder), no_dist=not dist.is_initialized())
     set_model_state_dict(model, state["model"], options=StateDictOptions(strict=True))
 
 
