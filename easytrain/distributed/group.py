@@ -72,6 +72,18 @@ class WorkerDied(WorkerError):
         self.role, self.rank, self.node_ip = role, rank, node_ip
 
 
+def is_dead(actor: Any) -> bool:
+    """Whether Ray's actor table says ``actor`` is dead (read from the GCS: the public state API needs the
+    dashboard, which may be off; an unreadable entry is not taken as proof of death)."""
+    from ray._private import state
+
+    try:
+        info = state.actors(actor_id=actor._actor_id.hex())  # noqa: SLF001
+    except Exception:  # noqa: BLE001
+        return False
+    return isinstance(info, dict) and info.get("State") == "DEAD"
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("", 0))
@@ -196,17 +208,8 @@ class WorkerGroup:
 
     def dead_ranks(self) -> list[tuple[int, str]]:
         """(rank, node IP) of the workers Ray reports dead (read from Ray's actor table)."""
-        from ray._private import state  # the public state API needs the dashboard, which may be off
-
-        dead = []
-        for rank, worker in enumerate(self.workers):
-            try:
-                info = state.actors(actor_id=worker._actor_id.hex())  # noqa: SLF001
-            except Exception:  # noqa: BLE001 - an unreadable table entry is not proof of death
-                continue
-            if isinstance(info, dict) and info.get("State") == "DEAD":
-                dead.append((rank, self.pool.placements[rank].node_ip))
-        return dead
+        return [(rank, self.pool.placements[rank].node_ip) for rank, worker in enumerate(self.workers)
+                if is_dead(worker)]
 
     def shutdown(self) -> None:
         for worker in self.workers:

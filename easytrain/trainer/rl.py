@@ -288,8 +288,9 @@ class RLTrainer:
         self.roles = build_roles(self.config, self.optimizer_steps)
         self.restore(latest(self.checkpoints.root) if self.checkpoints.root.is_dir() else None)
 
-    def wait_for_dead_workers(self, timeout_s: float = 10.0) -> list[str]:
-        """Which workers are dead; a peer's failure can reach the driver before Ray marks the dead one."""
+    def wait_for_dead_workers(self, timeout_s: float = 30.0) -> list[str]:
+        """Which workers are dead. A peer's failure (a broken collective) can reach the driver before Ray marks
+        the dead one, which for a lost node takes its health checks (~15 s with Ray's defaults)."""
         deadline = time.monotonic() + timeout_s
         while True:
             dead = self.roles.dead_workers()

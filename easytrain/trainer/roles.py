@@ -42,7 +42,7 @@ class Roles:
     def dead_workers(self) -> list[str]:
         """Role, rank and node of every training or rollout worker Ray reports dead."""
         return [f"{group.role} rank {rank} on node {ip}" for group in (self.actor, self.ref, self.rollout)
-                if group is not None for rank, ip in group.dead_ranks()]
+                if group is not None for rank, ip in group.dead_ranks()] + self.rewards.dead()
 
     def shutdown(self) -> None:
         for group in (self.actor, self.ref, self.rollout):

@@ -15,6 +15,7 @@ from typing import Any, Sequence
 import ray
 
 from easytrain.config.schema import RewardConfig
+from easytrain.distributed.group import WorkerDied, is_dead
 from easytrain.rewards.registry import Reward, load_function
 
 logger = logging.getLogger(__name__)
@@ -49,10 +50,18 @@ class RewardPool:
     def collect(self, pending: PendingScores) -> tuple[list[dict[str, float]], int]:
         scores: list[dict[str, float]] = []
         errors = 0
-        for chunk, chunk_errors in ray.get(pending.refs):
+        try:
+            chunks = ray.get(pending.refs)
+        except ray.exceptions.RayActorError as err:  # e.g. its node was lost: recoverable like any worker
+            raise WorkerDied("reward", -1, "?", f"a reward worker died: {str(err).splitlines()[0]}") from err
+        for chunk, chunk_errors in chunks:
             scores.extend(chunk)
             errors += chunk_errors
         return scores, errors
+
+    def dead(self) -> list[str]:
+        """The reward workers Ray reports dead."""
+        return [f"reward worker {i}" for i, worker in enumerate(self.workers) if is_dead(worker)]
 
     def shutdown(self) -> None:
         for worker in self.workers:
