@@ -7,6 +7,9 @@
     easytrain export CKPT --out DIR [--merge] [--dtype bfloat16]
                                         a checkpoint (global_step_<N>, or a run folder = its latest) as a
                                         Hugging Face folder; with LoRA the adapter, or --merge the full model
+    easytrain memory RUN_DIR [--out PNG]
+                                        draw the run's memory.jsonl (RAM and GPU per node, phases, events)
+                                        as a PNG (default RUN_DIR/memory.png)
 
 Overrides are Hydra's: ``+exp=qwen25vl_7b worker.rollout.n=8``.
 """
@@ -15,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import sys
+from pathlib import Path
 from typing import Optional, Sequence
 
 from omegaconf import OmegaConf
@@ -62,6 +66,21 @@ def _export(args: argparse.Namespace) -> int:
     return 0
 
 
+def _memory(args: argparse.Namespace) -> int:
+    import logging
+
+    from easytrain.memory.timeline import plot_timeline
+
+    logging.basicConfig(level=logging.INFO, format="%(message)s")
+    try:
+        out = plot_timeline(args.run_dir, args.out)
+    except FileNotFoundError as err:
+        sys.stderr.write(f"easytrain memory: {err}\n")
+        return 2
+    sys.stdout.write(f"{out}\n")
+    return 0
+
+
 COMMANDS = {"config": _config, "run": _run}
 
 
@@ -75,6 +94,9 @@ def build_parser() -> argparse.ArgumentParser:
     export.add_argument("--merge", action="store_true", help="with LoRA: merge the adapter into the weights")
     export.add_argument("--dtype", choices=("float32", "bfloat16", "float16"), default=None,
                         help="cast the weights (default: the checkpoint's fp32 master weights)")
+    memory = sub.add_parser("memory", help="draw a run's memory timeline (memory.jsonl) as a PNG")
+    memory.add_argument("run_dir", type=Path, help="the run folder holding memory.jsonl")
+    memory.add_argument("--out", type=Path, default=None, help="PNG to write (default: RUN_DIR/memory.png)")
     for name, help_text in (("config", "print the composed and validated config"),
                             ("run", "run training (python -m easytrain.main)"),
                             ("plan", "memory per role and phase, per GPU and node, checked against capacity")):
@@ -95,6 +117,8 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
             code = _plan(args)
         elif args.command == "export":
             code = _export(args)
+        elif args.command == "memory":
+            code = _memory(args)
         else:
             code = COMMANDS[args.command](args.overrides)
     except ConfigError as err:

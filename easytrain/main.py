@@ -31,6 +31,8 @@ logger = logging.getLogger("easytrain")
 EXIT_CONFIG_ERROR = 2
 EXIT_RUN_FAILED = 3
 """Workers died more often than trainer.max_failures allows; the message gives the command to resume."""
+EXIT_MEMORY = 4
+"""The memory watchdog saw its hard threshold: a checkpoint was saved and the run stopped."""
 
 register_schema()
 
@@ -85,7 +87,7 @@ def _hydra_main(cfg: DictConfig) -> None:
         fail(err)
     except Stopped as err:
         logger.warning("%s. %s", err, resume_hint(config))
-        sys.exit(EXIT_STOPPED)
+        sys.exit(EXIT_MEMORY if err.reason.startswith("memory") else EXIT_STOPPED)
     except RunFailed as err:
         sys.stderr.write(f"easytrain: run failed: {err}\n")
         sys.exit(EXIT_RUN_FAILED)

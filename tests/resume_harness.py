@@ -29,14 +29,18 @@ and a reward that spreads scores so every step changes the weights."""
 
 
 class Run:
-    def __init__(self, run_dir: Path, *extra: str) -> None:
+    def __init__(self, run_dir: Path, *extra: str, env: Optional[dict[str, str]] = None) -> None:
+        """``extra`` overrides are added to RUN_ARGS (one naming a RUN_ARGS key replaces it)."""
         self.run_dir = run_dir
-        self.args = [sys.executable, "-m", "easytrain.main", *RUN_ARGS, *extra, f"hydra.run.dir={run_dir}"]
+        keys = {arg.split("=", 1)[0] for arg in extra}
+        base = [arg for arg in RUN_ARGS if arg.split("=", 1)[0] not in keys]
+        self.args = [sys.executable, "-m", "easytrain.main", *base, *extra, f"hydra.run.dir={run_dir}"]
         self.log = run_dir.parent / f"{run_dir.name}.log"
+        self.env = env or {}
         self.proc: Optional[subprocess.Popen] = None
 
     def start(self) -> "Run":
-        env = {**os.environ, "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
+        env = {**os.environ, "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false", **self.env}
         env.pop("RAY_ADDRESS", None)
         with open(self.log, "a") as log:
             self.proc = subprocess.Popen(self.args, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT)

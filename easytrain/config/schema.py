@@ -362,19 +362,37 @@ class TrainerConfig:
 @dataclass
 class WatchdogConfig:
     enabled: bool = True
-    """Sample memory on every node and act on pressure."""
+    """Sample memory on every node (one sampler actor per node), write memory.jsonl and act on pressure."""
     sample_period_s: float = bounded(1.0, low=0.0, low_open=True)
     """Seconds between samples."""
+    ram_warn: float = bounded(0.80, low=0.0, high=1.0, low_open=True)
+    """Node RAM fraction that is logged as a warning (and shown on the dashboard)."""
     ram_soft: float = bounded(0.85, low=0.0, high=1.0, low_open=True)
-    """Node RAM fraction that triggers relief (offload, smaller micro batches)."""
+    """Node RAM fraction that triggers relief at the next step boundary (watchdog.actions)."""
     ram_hard: float = bounded(0.92, low=0.0, high=1.0, low_open=True)
-    """Node RAM fraction that triggers a checkpoint and a clean stop (keep it below Ray's 0.95 kill line)."""
+    """Node RAM fraction that triggers a checkpoint and a clean stop; must stay below Ray's kill line
+    (RAY_memory_usage_threshold, 0.95 by default), where Ray's monitor starts killing workers."""
+    ram_limit_gb: Optional[float] = bounded(None, low=0.0, low_open=True)
+    """RAM the fractions are taken of, per node; null = the node's memory, or its container's (cgroup) limit
+    when lower. Set it to keep a run within part of a shared node."""
+    vram_warn: float = bounded(0.85, low=0.0, high=1.0, low_open=True)
+    """GPU memory fraction (NVML, used / total) that is logged as a warning."""
     vram_soft: float = bounded(0.90, low=0.0, high=1.0, low_open=True)
     """GPU memory fraction that triggers relief."""
     vram_hard: float = bounded(0.97, low=0.0, high=1.0, low_open=True)
     """GPU memory fraction that triggers a checkpoint and a clean stop."""
+    actions: list[str] = field(default_factory=lambda: ["free_caches", "sleep_rollout", "offload_ref"])
+    """Relief at the soft level, in order: free_caches (allocator caches and freed heap back to the OS),
+    sleep_rollout (the vLLM engine frees its memory), offload_ref (the reference's weights to host memory),
+    halve_micro_batch (of the phase that peaks; changes rounding, not the result's meaning)."""
     imbalance_factor: float = bounded(1.5, low=1.0)
-    """Warn when one GPU uses this many times the median of its peers."""
+    """Report a rank whose memory exceeds the median of its role by this factor."""
+    leak_warmup_steps: int = bounded(3, low=0)
+    """Steps ignored by leak detection (caches and allocators fill up first)."""
+    leak_mb_per_step: float = bounded(20.0, low=0.0, low_open=True)
+    """Report steady growth of host RAM or GPU reserved memory above this many MB per step."""
+    plot: bool = True
+    """Draw memory.png (RAM/VRAM per node and role over time) at the end of the run."""
 
 
 # ----------------------------------------------------------------------------- ray

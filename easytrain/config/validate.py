@@ -75,7 +75,7 @@ def check_fields(obj: Any, prefix: str = "") -> None:
         options = f.metadata.get(CHOICES)
         if options is not None and value not in options:
             raise ConfigError(key, value, "not a valid choice", f"use one of {', '.join(options)}")
-        if LOW in f.metadata:
+        if LOW in f.metadata and value is not None:
             _check_bounds(key, value, f.metadata[LOW], f.metadata[HIGH], f.metadata[LOW_OPEN])
 
 
@@ -305,14 +305,37 @@ def _check_trainer(cfg: Config) -> None:
                           "give <output_dir>/checkpoints/global_step_<N>, or auto/off")
 
 
+RELIEF_ACTIONS = ("free_caches", "sleep_rollout", "offload_ref", "halve_micro_batch")
+
+
+def ray_kill_threshold() -> float:
+    """Ray's memory monitor kills workers above this node RAM fraction (``RAY_memory_usage_threshold``)."""
+    try:
+        return float(os.environ.get("RAY_memory_usage_threshold", "0.95"))
+    except ValueError:
+        return 0.95
+
+
 def _check_watchdog(cfg: Config) -> None:
     w = cfg.watchdog
     for kind in ("ram", "vram"):
-        soft, hard = getattr(w, f"{kind}_soft"), getattr(w, f"{kind}_hard")
+        warn, soft, hard = (getattr(w, f"{kind}_{level}") for level in ("warn", "soft", "hard"))
+        if warn > soft:
+            raise ConfigError(f"watchdog.{kind}_warn", warn, f"must not exceed watchdog.{kind}_soft={soft}",
+                              f"lower watchdog.{kind}_warn")
         if soft >= hard:
             raise ConfigError(f"watchdog.{kind}_soft", soft,
                               f"must be below watchdog.{kind}_hard={hard} (relief comes before the stop)",
                               f"lower watchdog.{kind}_soft or raise watchdog.{kind}_hard")
+    kill = ray_kill_threshold()
+    if w.enabled and w.ram_limit_gb is None and w.ram_hard >= kill:
+        raise ConfigError("watchdog.ram_hard", w.ram_hard,
+                          f"must stay below Ray's memory kill threshold {kill} (RAY_memory_usage_threshold): Ray "
+                          "would kill a worker before the watchdog could save", f"use a value below {kill}")
+    for action in w.actions:
+        if action not in RELIEF_ACTIONS:
+            raise ConfigError("watchdog.actions", action, "not a relief action",
+                              f"use any of {', '.join(RELIEF_ACTIONS)}")
 
 
 def _check_reward(cfg: Config) -> None:

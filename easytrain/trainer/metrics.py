@@ -25,14 +25,18 @@ class PhaseTimer:
 
     def __init__(self) -> None:
         self.times: dict[str, float] = {}
+        self.spans: list[tuple[str, float, float]] = []
+        """(phase, start, end) in wall-clock seconds, for the memory timeline."""
 
     @contextmanager
     def __call__(self, phase: str) -> Iterator[None]:
-        start = time.perf_counter()
+        start, wall = time.perf_counter(), time.time()
         try:
             yield
         finally:
-            self.times[f"time/{phase}"] = self.times.get(f"time/{phase}", 0.0) + time.perf_counter() - start
+            elapsed = time.perf_counter() - start
+            self.times[f"time/{phase}"] = self.times.get(f"time/{phase}", 0.0) + elapsed
+            self.spans.append((phase, wall, wall + elapsed))
 
 
 STEP_LOGS = ("metrics.jsonl", "samples.jsonl", "data_order.jsonl")

@@ -29,6 +29,7 @@ from easytrain.trainer.checkpoint import (ACTOR, PREFIX, CheckpointWriter, check
 from easytrain.trainer.signals import resume_hint, stop_on_sigterm
 from easytrain.trainer.data import RLData
 from easytrain.trainer.metrics import MetricsLogger, PhaseTimer
+from easytrain.trainer.relief import MemoryGuard
 from easytrain.trainer.roles import Roles, build_roles
 from easytrain.trainer.sampling import informative_count, keep_informative
 from easytrain.trainer.stats import log_prob_agreement, reduce_update_metrics, response_metrics, reward_metrics
@@ -65,8 +66,13 @@ class RLTrainer:
         self.checkpoints = CheckpointWriter(checkpoint_root(t.output_dir), t.save_limit)
         self.on_policy = config.worker.actor.ppo_epochs == 1 and steps_per_rollout == 1
         self.step, self.saved_step = 0, -1
+        self.spans: list[tuple[str, float, float]] = []
+        self.worker_readings: list[dict[str, Any]] = []
         self.stop_reason: Optional[str] = None
         self.save_requested = False
+        self.guard = MemoryGuard(config, t.output_dir) if config.watchdog.enabled else None
+        if self.guard is not None:
+            self.guard.register(self.roles)
         self.restore(resume)
 
     # ------------------------------------------------------------------ loop
@@ -102,6 +108,11 @@ class RLTrainer:
         while self.step < self.total_steps:
             self.step += 1
             metrics = self.train_step(self.prompts)
+            if self.guard is not None:  # pressure is judged at the step boundary, where relief and saving can run
+                watched, stop = self.guard.after_step(self.step, self.spans, self.worker_readings)
+                metrics.update(watched)
+                if stop is not None:
+                    self.request_stop(stop)
             self.metrics.log(self.step, metrics)
             if self.save_requested or (t.save_freq > 0 and self.step % t.save_freq == 0):
                 self.save()
@@ -143,6 +154,7 @@ class RLTrainer:
         metrics["time/step"] = time.perf_counter() - start
         metrics["perf/tokens_per_s"] = float(batch["response_mask"].sum()) / max(metrics["time/generate"], 1e-9)
         metrics.update(self.memory())
+        self.spans = timer.spans
         return metrics
 
     # ------------------------------------------------------------------ phases
@@ -221,12 +233,14 @@ class RLTrainer:
         return metrics
 
     def memory(self) -> dict[str, float]:
-        """Each role's largest per-worker reading; all workers are asked at once."""
+        """Each role's largest per-worker reading; all workers are asked at once. Their in-worker readings
+        (RSS, torch allocator) are kept for the memory watchdog."""
         groups = {"actor": self.roles.actor, "ref": self.roles.ref, "rollout": self.roles.rollout}
         pending = {name: group.submit("memory") for name, group in groups.items() if group is not None}
-        out = {}
+        out, self.worker_readings = {}, []
         for name, calls in pending.items():
             readings = groups[name].collect(calls)  # type: ignore[union-attr]
+            self.worker_readings += [r.pop("watch") for r in readings]
             for key in readings[0]:
                 out[f"memory/{name}_{key}_max"] = max(r[key] for r in readings)
         return out
@@ -236,7 +250,7 @@ class RLTrainer:
     def request_stop(self, reason: str) -> None:
         """Save at the end of the current step and stop (SIGTERM, the watchdog's hard threshold)."""
         if self.stop_reason is None:
-            logger.warning("%s: saving a checkpoint at the end of step %d and stopping", reason, self.step + 1)
+            logger.warning("%s: saving a checkpoint at the end of the current step and stopping", reason)
         self.stop_reason = reason
 
     def request_checkpoint(self) -> None:
@@ -286,6 +300,8 @@ class RLTrainer:
         """Tear every worker group down, build them again and resume from the latest checkpoint."""
         self.roles.shutdown()
         self.roles = build_roles(self.config, self.optimizer_steps)
+        if self.guard is not None:
+            self.guard.register(self.roles)
         self.restore(latest(self.checkpoints.root) if self.checkpoints.root.is_dir() else None)
 
     def wait_for_dead_workers(self, timeout_s: float = 30.0) -> list[str]:
@@ -302,4 +318,6 @@ class RLTrainer:
         if hasattr(self, "prompts"):
             self.prompts.close()
         self.metrics.close()
+        if self.guard is not None:
+            self.guard.close(plot=self.config.watchdog.plot)
         self.roles.shutdown()

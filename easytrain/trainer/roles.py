@@ -39,6 +39,10 @@ class Roles:
             return self.ref
         return self.actor if self.lora_reference else None
 
+    def groups(self) -> list[WorkerGroup]:
+        """The worker groups of this run (actor, reference if separate, rollout)."""
+        return [g for g in (self.actor, self.ref, self.rollout) if g is not None]
+
     def dead_workers(self) -> list[str]:
         """Role, rank and node of every training or rollout worker Ray reports dead."""
         return [f"{group.role} rank {rank} on node {ip}" for group in (self.actor, self.ref, self.rollout)

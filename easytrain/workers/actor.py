@@ -91,6 +91,14 @@ class ActorWorker(WorkerBase):
         self.optimizer.zero_grad(set_to_none=True)  # gradients are not needed until the next update
         return dict(sums)
 
+    @dispatch(Dispatch.BROADCAST)
+    def set_micro_batch(self, phase: str, size: int) -> int:
+        """The watchdog's halve_micro_batch relief: ``update`` or ``experience`` micro batch; returns the old one."""
+        key = f"micro_batch_size_per_device_for_{phase}"
+        old = getattr(self.cfg, key)
+        setattr(self.cfg, key, size)
+        return old
+
     def steps_per_rollout(self) -> int:
         return self.config.data.rollout_batch_size // self.cfg.global_batch_size
 

@@ -15,6 +15,7 @@ from torch import nn
 from easytrain.config.schema import Config, RoleConfig
 from easytrain.distributed.fsdp import apply_activation_checkpointing, apply_fsdp, build_mesh
 from easytrain.distributed.group import Dispatch, dispatch, free_port
+from easytrain.memory.readings import process_info, release_process_memory, torch_allocator
 from easytrain.models.hf import load_model, model_folder
 
 logger = logging.getLogger(__name__)
@@ -68,15 +69,31 @@ class WorkerBase:
         return busy
 
     @dispatch(Dispatch.BROADCAST)
-    def memory(self) -> dict[str, float]:
-        """This process's memory: RSS now, and the torch allocator's peak on GPU."""
+    def memory(self) -> dict[str, Any]:
+        """This process's memory: RSS now and its peak, the torch allocator's peak on GPU (step metrics), and
+        under ``watch`` the watchdog's in-worker reading (RSS, allocated/reserved/peak bytes)."""
         import resource
 
-        reading = {"rss_gb": psutil.Process(os.getpid()).memory_info().rss / 2**30,
-                   "peak_rss_gb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20}
+        import ray
+
+        rss = psutil.Process(os.getpid()).memory_info().rss
+        reading: dict[str, Any] = {"rss_gb": rss / 2**30,
+                                   "peak_rss_gb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20}
         if self.device.type == "cuda":
             reading["gpu_peak_gb"] = torch.cuda.max_memory_allocated() / 2**30
+        reading["watch"] = {"role": self.role, "rank": self.rank, "node_ip": ray.util.get_node_ip_address(),
+                            "rss_bytes": rss, **torch_allocator()}
         return reading
+
+    @dispatch(Dispatch.BROADCAST)
+    def process_info(self) -> dict[str, Any]:
+        """Where this worker runs, for the memory watchdog's node samplers."""
+        return process_info(self.role, self.rank)
+
+    @dispatch(Dispatch.BROADCAST)
+    def release_memory(self) -> dict[str, Any]:
+        """The watchdog's free_caches relief: garbage, the CUDA cache, glibc's free heap; measured."""
+        return {"role": self.role, "rank": self.rank, **release_process_memory()}
 
 
 def build_sharded_model(config: Config, role: RoleConfig, folder: str, device: torch.device,

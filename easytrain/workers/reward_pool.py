@@ -16,6 +16,7 @@ import ray
 
 from easytrain.config.schema import RewardConfig
 from easytrain.distributed.group import WorkerDied, is_dead
+from easytrain.memory.readings import process_info, release_process_memory
 from easytrain.rewards.registry import Reward, load_function
 
 logger = logging.getLogger(__name__)
@@ -28,6 +29,12 @@ class RewardWorker:
 
     def score(self, responses: Sequence[str], truths: Sequence[str]) -> tuple[list[dict[str, float]], int]:
         return self.reward(responses, truths)
+
+    def process_info(self, index: int) -> dict[str, Any]:
+        return process_info("reward", index)
+
+    def release_memory(self, index: int) -> dict[str, Any]:
+        return {"role": "reward", "rank": index, **release_process_memory()}
 
 
 @dataclass
@@ -58,6 +65,12 @@ class RewardPool:
             scores.extend(chunk)
             errors += chunk_errors
         return scores, errors
+
+    def process_info(self) -> list[dict[str, Any]]:
+        return ray.get([w.process_info.remote(i) for i, w in enumerate(self.workers)])
+
+    def release_memory(self) -> list[dict[str, Any]]:
+        return ray.get([w.release_memory.remote(i) for i, w in enumerate(self.workers)])
 
     def dead(self) -> list[str]:
         """The reward workers Ray reports dead."""

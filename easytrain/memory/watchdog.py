@@ -1,0 +1,297 @@
+"""The memory watchdog: a sampler on every node, and the driver's reading of what they saw.
+
+Ray's memory monitor watches host RAM only and kills a worker at 95% of the
+node; nothing watches GPU memory. easytrain samples both and acts first:
+
+- :class:`NodeSampler`, one Ray actor per node (``num_cpus=0``, pinned to its
+  node), reads every ``watchdog.sample_period_s`` the node's RAM (or its
+  container's cgroup), the RSS of each easytrain process on it, and each GPU
+  through NVML, and exports them as Ray metrics (the dashboard's Metrics
+  view).
+- :class:`Watchdog`, in the driver, drains the samplers at every step
+  boundary into ``memory.jsonl``, together with the workers' own readings
+  (the in-worker hook: RSS and the torch allocator), the step's phases and
+  what it concluded: the highest level any node or GPU reached during the
+  step (warn, soft, hard), ranks out of line with their role, and steady
+  growth. What to do about it is the trainer's (``trainer/relief.py``).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import threading
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Optional
+
+import ray
+
+from easytrain.config.schema import Config
+from easytrain.config.validate import ray_kill_threshold
+from easytrain.memory.detect import MB, LeakDetector, RankMemory, imbalance, level, worst
+from easytrain.memory.readings import gpu_readings, node_ram, open_nvml, process_rss
+
+logger = logging.getLogger(__name__)
+
+GB = 2**30
+MAX_BUFFERED = 200_000
+"""Samples a sampler keeps between drains (a very long step at a short period); the oldest go first."""
+
+
+class NodeSampler:
+    """Samples one node in a background thread; the driver drains what it recorded."""
+
+    def __init__(self, node_id: str, period_s: float, limit_bytes: Optional[int]) -> None:
+        self.node_id, self.period_s, self.limit_bytes = node_id, period_s, limit_bytes
+        self.node_ip = ray.util.get_node_ip_address()
+        self.processes: dict[int, tuple[str, int]] = {}
+        self.buffer: list[dict[str, Any]] = []
+        self.lock = threading.Lock()
+        self.stopped = threading.Event()
+        self.nvml = open_nvml()
+        self.gauges = self._gauges()
+        self.thread = threading.Thread(target=self._loop, name="easytrain-memory-sampler", daemon=True)
+        self.thread.start()
+
+    @staticmethod
+    def _gauges() -> dict[str, Any]:
+        from ray.util.metrics import Gauge
+
+        return {"ram": Gauge("easytrain_node_ram_used_bytes", "Node RAM in use", tag_keys=("node_ip",)),
+                "fraction": Gauge("easytrain_node_ram_fraction", "Node RAM used / limit", tag_keys=("node_ip",)),
+                "rss": Gauge("easytrain_worker_rss_bytes", "RSS of an easytrain process",
+                             tag_keys=("node_ip", "role", "rank")),
+                "gpu": Gauge("easytrain_gpu_used_bytes", "GPU memory in use (NVML)", tag_keys=("node_ip", "gpu"))}
+
+    def register(self, processes: list[tuple[int, str, int]]) -> str:
+        """The easytrain processes on this node: (pid, role, rank); replaces the previous set."""
+        with self.lock:
+            self.processes = {pid: (role, rank) for pid, role, rank in processes}
+        return self.node_ip
+
+    def sample(self) -> list[dict[str, Any]]:
+        """One reading of the node, its processes and GPUs (also kept for :meth:`drain`)."""
+        now = time.time()
+        where = {"t": now, "node_id": self.node_id, "node_ip": self.node_ip}
+        records = [{**node_ram(self.limit_bytes), **where}]
+        with self.lock:
+            processes = dict(self.processes)
+        for pid, (role, rank) in processes.items():
+            rss = process_rss(pid)
+            if rss is not None:
+                records.append({"kind": "process", **where, "role": role, "rank": rank, "pid": pid, "rss_bytes": rss})
+        if self.nvml is not None:
+            records.extend({**gpu, **where} for gpu in gpu_readings(self.nvml))
+        self._export(records)
+        with self.lock:
+            self.buffer.extend(records)
+            del self.buffer[:-MAX_BUFFERED]
+        return records
+
+    def _export(self, records: list[dict[str, Any]]) -> None:
+        ip = {"node_ip": self.node_ip}
+        for r in records:
+            if r["kind"] == "node":
+                self.gauges["ram"].set(r["ram_used_bytes"], tags=ip)
+                self.gauges["fraction"].set(r["ram_fraction"], tags=ip)
+            elif r["kind"] == "process":
+                self.gauges["rss"].set(r["rss_bytes"], tags={**ip, "role": r["role"], "rank": str(r["rank"])})
+            elif r["kind"] == "gpu":
+                self.gauges["gpu"].set(r["used_bytes"], tags={**ip, "gpu": str(r["index"])})
+
+    def _loop(self) -> None:
+        while not self.stopped.wait(self.period_s):
+            try:
+                self.sample()
+            except Exception:  # noqa: BLE001 - a failed reading must not end the sampling
+                logger.exception("memory sample failed on node %s", self.node_ip)
+
+    def drain(self) -> list[dict[str, Any]]:
+        """Everything sampled since the last drain, plus a reading taken now."""
+        self.sample()
+        with self.lock:
+            records, self.buffer = self.buffer, []
+        return records
+
+    def stop(self) -> None:
+        self.stopped.set()
+
+
+@dataclass
+class Assessment:
+    """What one step boundary concluded."""
+
+    level: str = "ok"
+    """The highest level any node's RAM or any GPU reached during the step."""
+    pressure: list[str] = field(default_factory=list)
+    """One line per node/GPU at or above warn: where, how full, which threshold."""
+    findings: list[str] = field(default_factory=list)
+    """Imbalance and leak reports."""
+    metrics: dict[str, float] = field(default_factory=dict)
+
+
+class Watchdog:
+    """The driver's side: samplers per node, ``memory.jsonl``, thresholds, imbalance and leak detection."""
+
+    def __init__(self, config: Config, output_dir: str) -> None:
+        self.cfg = config.watchdog
+        self.path = Path(output_dir) / "memory.jsonl"
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        self.file = open(self.path, "a")
+        self.samplers: dict[str, Any] = {}
+        self.refresh_nodes()
+        self.leaks = LeakDetector(self.cfg.leak_warmup_steps, self.cfg.leak_mb_per_step)
+        self.baseline: dict[tuple[str, int], tuple[str, int]] = {}
+        self.latest: dict[tuple[str, int], tuple[str, int]] = {}
+        self.write({"kind": "thresholds", "t": time.time(), "ray_kill": ray_kill_threshold(),
+                    **{f"{k}_{lv}": getattr(self.cfg, f"{k}_{lv}") for k in ("ram", "vram")
+                       for lv in ("warn", "soft", "hard")}})
+        logger.info("memory watchdog: %d node sampler(s), every %.2f s -> %s", len(self.samplers),
+                    self.cfg.sample_period_s, self.path)
+
+    def refresh_nodes(self) -> None:
+        """One sampler per alive node: start them on new nodes (a replaced node), forget lost ones."""
+        limit = int(self.cfg.ram_limit_gb * GB) if self.cfg.ram_limit_gb else None
+        remote = ray.remote(NodeSampler)
+        alive = {node["NodeID"] for node in ray.nodes() if node.get("Alive")}
+        for node_id in set(self.samplers) - alive:
+            logger.warning("memory watchdog: node %s is gone; its sampler with it", node_id[:12])
+            del self.samplers[node_id]
+        for node_id in sorted(alive - set(self.samplers)):
+            strategy = ray.util.scheduling_strategies.NodeAffinitySchedulingStrategy(node_id, soft=False)
+            self.samplers[node_id] = remote.options(
+                num_cpus=0, scheduling_strategy=strategy, max_restarts=0,
+                name=f"easytrain-memory-{node_id[:12]}-{id(self):x}").remote(
+                node_id, self.cfg.sample_period_s, limit)
+
+    def write(self, record: dict[str, Any]) -> None:
+        self.file.write(json.dumps(record) + "\n")
+
+    def register(self, processes: list[dict[str, Any]]) -> None:
+        """Tell each node's sampler which processes are easytrain's: dicts with pid, role, rank, node_id."""
+        self.refresh_nodes()
+        by_node: dict[str, list[tuple[int, str, int]]] = {node: [] for node in self.samplers}
+        for p in processes:
+            if p["node_id"] in by_node:
+                by_node[p["node_id"]].append((p["pid"], p["role"], p["rank"]))
+            else:
+                logger.warning("no memory sampler on node %s (joined after start) for %s rank %d",
+                               p["node_id"][:12], p["role"], p["rank"])
+        ray.get([self.samplers[node].register.remote(procs) for node, procs in by_node.items()])
+        self.baseline.clear()
+
+    def phases(self, step: int, spans: list[tuple[str, float, float]]) -> None:
+        for name, start, end in spans:
+            self.write({"kind": "phase", "step": step, "name": name, "start": start, "end": end})
+
+    def event(self, step: int, kind: str, message: str, **extra: Any) -> None:
+        self.write({"kind": "event", "t": time.time(), "step": step, "level": kind, "message": message, **extra})
+
+    def collect(self, step: int, worker_readings: Optional[list[dict[str, Any]]] = None) -> Assessment:
+        """Drain every node's samples for ``step`` and judge them (call at the step boundary)."""
+        records = []
+        pending = {node_id: sampler.drain.remote() for node_id, sampler in self.samplers.items()}
+        for node_id, ref in pending.items():
+            try:
+                records.extend(ray.get(ref))
+            except ray.exceptions.RayActorError:  # its node was lost; the trainer's recovery handles the workers
+                logger.warning("memory watchdog: the sampler of node %s died", node_id[:12])
+                del self.samplers[node_id]
+        for r in records:
+            self.write(r)
+        now = time.time()
+        for w in worker_readings or []:
+            self.write({"kind": "worker", "t": now, "step": step, **w})
+        out = Assessment()
+        levels, highest = [], {}
+        for r in records:
+            if r["kind"] == "node":
+                where, used, limit, fraction = (f"node {r['node_ip']} RAM", r["ram_used_bytes"], r["ram_limit_bytes"],
+                                                r["ram_fraction"])
+                lv = level(fraction, self.cfg.ram_warn, self.cfg.ram_soft, self.cfg.ram_hard)
+            elif r["kind"] == "gpu":
+                where, used, limit, fraction = (f"node {r['node_ip']} GPU {r['index']}", r["used_bytes"],
+                                                r["total_bytes"], r["fraction"])
+                lv = level(fraction, self.cfg.vram_warn, self.cfg.vram_soft, self.cfg.vram_hard)
+            else:
+                key = (r["role"], r["rank"])
+                self.baseline.setdefault(key, (r["node_ip"], r["rss_bytes"]))
+                self.latest[key] = (r["node_ip"], r["rss_bytes"])
+                continue
+            levels.append(lv)
+            if lv != "ok" and fraction > highest.get(where, (0.0,))[0]:
+                highest[where] = (fraction, used, limit, lv)
+        out.pressure = [f"{where} at {fraction:.1%} ({used / GB:.2f} of {limit / GB:.2f} GB, {lv} threshold)"
+                        for where, (fraction, used, limit, lv) in highest.items()]
+        out.level = worst(levels)
+        self._findings(step, records, worker_readings or [], out)
+        node_fractions = [r["ram_fraction"] for r in records if r["kind"] == "node"]
+        if node_fractions:
+            out.metrics["memory/node_ram_fraction_max"] = max(node_fractions)
+        gpu_fractions = [r["fraction"] for r in records if r["kind"] == "gpu"]
+        if gpu_fractions:
+            out.metrics["memory/gpu_fraction_max"] = max(gpu_fractions)
+        if out.level != "ok":
+            for line in out.pressure:
+                self.event(step, out.level, line)
+        self.file.flush()
+        return out
+
+    def _findings(self, step: int, records: list[dict[str, Any]], workers: list[dict[str, Any]],
+                  out: Assessment) -> None:
+        last: dict[str, float] = {}
+        for r in records:  # end-of-step value of each series: its last reading in the step
+            if r["kind"] == "node":
+                last[f"node {r['node_ip']} ({r['node_id'][:8]}) RAM"] = r["ram_used_bytes"]
+            elif r["kind"] == "process":
+                last[f"{r['role']} rank {r['rank']} RSS on node {r['node_ip']}"] = r["rss_bytes"]
+        for w in workers:
+            if "gpu_reserved_bytes" in w:
+                last[f"{w['role']} rank {w['rank']} GPU reserved on node {w['node_ip']}"] = w["gpu_reserved_bytes"]
+        for name, value in last.items():
+            self.leaks.observe(step, name, value)
+        ranks = [RankMemory(role, rank, ip, rss) for (role, rank), (ip, rss) in self.latest.items()
+                 if role not in ("driver", "reward")]
+        ranks += [RankMemory(w["role"], w["rank"], w["node_ip"], w["gpu_reserved_bytes"], "GPU reserved")
+                  for w in workers if "gpu_reserved_bytes" in w]
+        for kind, reports in (("leak", self.leaks.check()), ("imbalance", imbalance(ranks, self.cfg.imbalance_factor))):
+            for report in reports:
+                if report not in out.findings:
+                    out.findings.append(report)
+                    self.event(step, kind, report)
+
+    def growth(self) -> list[tuple[str, int, str, int]]:
+        """(role, rank, node, bytes grown) of every process since it was registered, largest first."""
+        grown = [(role, rank, ip, rss - self.baseline[(role, rank)][1])
+                 for (role, rank), (ip, rss) in self.latest.items() if (role, rank) in self.baseline]
+        return sorted(grown, key=lambda g: -g[3])
+
+    def describe_growth(self, count: int = 3) -> str:
+        parts = [f"{role} rank {rank} on node {ip} {grown / MB:+.0f} MB" for role, rank, ip, grown in
+                 self.growth()[:count]]
+        return "RSS since start: " + ", ".join(parts) if parts else "no process readings yet"
+
+    def close(self, plot: bool = True) -> Optional[Path]:
+        """Stop the samplers, flush memory.jsonl and draw memory.png next to it."""
+        for sampler in self.samplers.values():
+            try:
+                ray.get(sampler.stop.remote(), timeout=10)
+            except Exception:  # noqa: BLE001 - a sampler on a lost node is gone already
+                pass
+            ray.kill(sampler)
+        self.samplers = {}
+        if not self.file.closed:
+            self.file.close()
+        if not plot:
+            return None
+        from easytrain.memory.timeline import plot_timeline
+
+        try:
+            png = plot_timeline(self.path.parent)
+        except Exception:  # noqa: BLE001 - the run's result must not depend on its plot
+            logger.exception("memory timeline plot failed")
+            return None
+        logger.info("memory timeline: %s", png)
+        return png

@@ -1,0 +1,172 @@
+"""The trainer's side of the memory watchdog: judge each step, relieve pressure, stop before a kill.
+
+At every step boundary the guard drains the node samplers (``memory/watchdog.py``)
+and acts on the highest level reached during the step:
+
+- ``warn``: a log line and an event in ``memory.jsonl``;
+- ``soft``: the relief actions of ``watchdog.actions``, in order, each logged
+  with the bytes it freed, measured where it ran (an action that cannot free
+  anything here is skipped with the reason, never claimed);
+- ``hard``: the trainer saves a checkpoint at once and stops with a message
+  naming where the pressure is, which processes grew, and the planner's
+  changes that lower the peak.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass, field
+from typing import Any, Optional
+
+from easytrain.config.schema import Config
+from easytrain.memory.detect import MB
+from easytrain.memory.readings import process_info, release_process_memory
+from easytrain.memory.watchdog import Watchdog
+from easytrain.trainer.roles import Roles
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class Relief:
+    """What one relief action did: bytes freed (0 = skipped), why or how, and per-process figures."""
+
+    freed: int
+    detail: str
+    processes: list[dict[str, Any]] = field(default_factory=list)
+
+
+class MemoryGuard:
+    def __init__(self, config: Config, output_dir: str) -> None:
+        self.config = config
+        self.watchdog = Watchdog(config, output_dir)
+        self.roles: Optional[Roles] = None
+
+    def register(self, roles: Roles) -> None:
+        """Every easytrain process of the run (workers of each role, reward workers, the driver)."""
+        self.roles = roles
+        processes = [process_info("driver", 0)] + roles.rewards.process_info()
+        for group in roles.groups():
+            processes += group.call("process_info")
+        self.watchdog.register(processes)
+
+    def after_step(self, step: int, spans: list[tuple[str, float, float]],
+                   readings: list[dict[str, Any]]) -> tuple[dict[str, float], Optional[str]]:
+        """Judge the step that just ended (its phases, the workers' own readings); returns metrics and, at the
+        hard level, why the run must stop."""
+        start = time.perf_counter()
+        self.watchdog.phases(step, spans)
+        verdict = self.watchdog.collect(step, readings)
+        for line in verdict.findings:
+            logger.warning("memory: %s", line)
+        metrics = dict(verdict.metrics)
+        stop = None
+        if verdict.level == "warn":
+            logger.warning("memory: %s", "; ".join(verdict.pressure))
+        elif verdict.level == "soft":
+            logger.warning("memory: %s; relief: %s", "; ".join(verdict.pressure), ", ".join(self.config.watchdog.actions))
+            metrics["memory/relief_freed_gb"] = sum(self.relieve(step)) / 2**30
+        elif verdict.level == "hard":
+            stop = self.explain(verdict.pressure)
+            self.watchdog.event(step, "hard", stop)
+        metrics["time/watchdog"] = time.perf_counter() - start
+        return metrics, stop
+
+    # ------------------------------------------------------------------ relief
+
+    def relieve(self, step: int) -> list[int]:
+        """Run each configured action; returns the bytes each freed (0 when skipped)."""
+        freed = []
+        for action in self.config.watchdog.actions:
+            relief: Relief = getattr(self, action)()
+            freed.append(relief.freed)
+            if relief.freed:
+                logger.warning("memory relief %s: freed %.0f MB (%s)", action, relief.freed / MB, relief.detail)
+            else:
+                logger.info("memory relief %s: skipped, %s", action, relief.detail)
+            self.watchdog.event(step, "relief", f"{action}: {relief.detail}", action=action, freed_bytes=relief.freed,
+                                skipped=not relief.freed, processes=relief.processes)
+        return freed
+
+    def free_caches(self) -> Relief:
+        """Garbage, the CUDA caching allocator and glibc's free heap in every process: RSS before and after."""
+        assert self.roles is not None
+        results = [{"role": "driver", "rank": 0, **release_process_memory()}] + self.roles.rewards.release_memory()
+        for group in self.roles.groups():
+            results += group.call("release_memory")
+        total = sum(r["ram_freed_bytes"] + r["gpu_freed_bytes"] for r in results)
+        detail = ", ".join(f"{r['role']} {r['rank']}: {(r['ram_freed_bytes'] + r['gpu_freed_bytes']) / MB:.0f} MB"
+                           for r in results if r["ram_freed_bytes"] + r["gpu_freed_bytes"] >= MB)
+        return Relief(total, detail or "nothing held in caches (every process under 1 MB freed)", results)
+
+    def sleep_rollout(self) -> Relief:
+        """Between steps the engine holds its weights (woken for the sync); level-1 sleep moves them to host
+        memory until the next rollout wakes it."""
+        assert self.roles is not None
+        if not self.roles.rollout_sleeps:
+            return Relief(0, "the rollout engine cannot sleep here (vLLM sleep mode needs a GPU, colocated roles and "
+                             "worker.rollout.sleep_level > 0; the HF engine holds no cache between rollouts)")
+        if self.config.worker.rollout.sleep_level == 2:
+            return Relief(0, "sleep level 2 discards the weights the next rollout needs; only level 1 can sleep "
+                             "between steps")
+        return Relief(int(sum(self.roles.rollout.call("sleep"))), "vLLM sleep mode until the next rollout")
+
+    def offload_ref(self) -> Relief:
+        assert self.roles is not None
+        if self.roles.ref is None:
+            return Relief(0, "no reference worker group in this run")
+        if self.config.trainer.device == "cpu":
+            return Relief(0, "the reference already lives in host memory (trainer.device=cpu): offloading frees "
+                             "nothing")
+        if self.config.worker.ref.offload.params:
+            return Relief(0, "the reference is already offloaded (worker.ref.offload.params=true)")
+        return Relief(0, "FSDP2 fixes offload when the model is sharded: set worker.ref.offload.params=true for the "
+                         "next launch (easytrain plan shows what it saves per GPU)")
+
+    def halve_micro_batch(self) -> Relief:
+        """Halve the update micro batch (where the actor's activations and logits peak); the planner prices it:
+        the effect shows at the next update's peak, so the figure is planned, not measured."""
+        assert self.roles is not None
+        from easytrain.memory.planner import worker_bytes
+        from easytrain.memory.suggest import with_overrides
+
+        actor = self.config.worker.actor
+        size = actor.micro_batch_size_per_device_for_update
+        if size <= 1:
+            return Relief(0, "the update micro batch is already 1")
+        key = "worker.actor.micro_batch_size_per_device_for_update"
+        before = worker_bytes(self.config, "actor", "update")
+        after = worker_bytes(with_overrides(self.config, {key: size // 2}), "actor", "update")
+        self.roles.actor.call("set_micro_batch", "update", size // 2)
+        actor.micro_batch_size_per_device_for_update = size // 2
+        return Relief(max(0, before - after), f"{key} {size} -> {size // 2}; planned by the planner, lower from "
+                                              "the next update on")
+
+    # ------------------------------------------------------------------ hard stop
+
+    def explain(self, pressure: list[str]) -> str:
+        """Why the run stops: where, what grew, and the planner's changes that lower the peak."""
+        message = f"memory: {'; '.join(pressure)}; {self.watchdog.describe_growth()}"
+        fixes = self.planner_fixes(host="RAM" in " ".join(pressure))
+        return f"{message}; config changes that lower the peak (easytrain plan): {fixes}" if fixes else message
+
+    def planner_fixes(self, host: bool, count: int = 3) -> str:
+        from easytrain.memory.planner import plan
+        from easytrain.memory.suggest import suggestions
+        from easytrain.models.shapes import hf_config_for
+
+        try:
+            hf_config = hf_config_for(self.config.model)
+            if hf_config is None:
+                return ""
+            advice = suggestions(self.config, plan(self.config, hf_config), hf_config)
+        except Exception:  # noqa: BLE001 - the stop must not fail on its advice
+            logger.exception("planner suggestions failed")
+            return ""
+        useful = [a for a in advice if (a.host_delta if host else a.device_delta) < 0]
+        on_gpu = self.config.trainer.device == "cuda"
+        return "; ".join(a.describe(on_gpu) for a in useful[:count])
+
+    def close(self, plot: bool) -> Any:
+        return self.watchdog.close(plot)

@@ -1,0 +1,42 @@
+"""The spread reward of the resume tests, plus a ballast the watchdog tests drop into a reward worker.
+
+``EASYTRAIN_TEST_BALLAST`` names a folder; a test writes a command file there and the first reward worker
+to claim it (an atomic rename) allocates that much memory in 64 KiB blocks, inside a real easytrain
+process:
+
+- ``fragment_mb``: allocates and frees it again, keeping one block above the rest, so glibc holds the freed
+  heap (RSS stays up) until someone calls ``malloc_trim``: what the watchdog's free_caches relief does;
+- ``hold_mb``: allocates and keeps it (a leak no relief can free): the hard threshold's case.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+BLOCK = 64 * 1024
+_held: list[bytearray] = []
+
+
+def _claim(name: str) -> int:
+    folder = os.environ.get("EASYTRAIN_TEST_BALLAST")
+    if not folder:
+        return 0
+    command = Path(folder) / name
+    taken = command.with_name(f"{name}.taken.{os.getpid()}")
+    try:
+        os.rename(command, taken)
+    except OSError:
+        return 0
+    return int(taken.read_text())
+
+
+def spread(responses: list[str], ground_truths: list[str]) -> list[dict[str, float]]:
+    fragment_mb, hold_mb = _claim("fragment_mb"), _claim("hold_mb")
+    if fragment_mb:
+        blocks = [bytearray(BLOCK) for _ in range(fragment_mb * 2**20 // BLOCK)]
+        _held.append(bytearray(BLOCK))  # above the freed blocks: the heap cannot shrink from its top
+        del blocks
+    if hold_mb:
+        _held.extend(bytearray(BLOCK) for _ in range(hold_mb * 2**20 // BLOCK))
+    return [{"overall": (sum(map(ord, r)) % 7) / 6.0} for r in responses]

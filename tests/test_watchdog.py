@@ -1,0 +1,197 @@
+"""The watchdog's parts: levels, imbalance and leak detection on constructed series, node and cgroup
+readings, NVML-shaped GPU readings, relief that frees real memory, the samplers on a real Ray, validation."""
+
+from __future__ import annotations
+
+import ctypes
+import random
+import threading
+from collections import namedtuple
+from pathlib import Path
+
+import psutil
+import pytest
+
+from easytrain.config.loader import load
+from easytrain.config.validate import ConfigError, validate
+from easytrain.memory.detect import MB, LeakDetector, RankMemory, imbalance, level, theil_sen_slope, worst
+from easytrain.memory.readings import cgroup_memory, gpu_readings, node_ram, release_process_memory
+
+GB = 2**30
+
+
+# ----------------------------------------------------------------------------- levels
+
+
+def test_levels_are_the_highest_threshold_reached() -> None:
+    assert [level(f, 0.8, 0.85, 0.92) for f in (0.5, 0.8, 0.849, 0.85, 0.919, 0.92, 1.0)] == \
+        ["ok", "warn", "warn", "soft", "soft", "hard", "hard"]
+    assert worst(["ok", "soft", "warn"]) == "soft"
+    assert worst([]) == "ok"
+
+
+# ----------------------------------------------------------------------------- imbalance
+
+
+def test_imbalance_names_the_rank_out_of_line_with_its_role() -> None:
+    readings = [RankMemory("actor", r, f"10.0.0.{r // 4}", 10 * GB) for r in range(8)]
+    readings[5] = RankMemory("actor", 5, "10.0.0.1", 17 * GB)
+    readings += [RankMemory("rollout", r, "10.0.0.0", 30 * GB) for r in range(8)]  # another role: its own median
+    reports = imbalance(readings, 1.5)
+    assert len(reports) == 1
+    assert reports[0].startswith("actor rank 5 on node 10.0.0.1 holds 17408 MB RSS, 1.7x the median of its 8 ranks")
+    assert "uneven batches" in reports[0] and "gathered" in reports[0] and "device_map" in reports[0]
+
+
+def test_imbalance_stays_quiet_on_even_ranks_and_single_ranks() -> None:
+    rng = random.Random(0)
+    even = [RankMemory("actor", r, "n", int(10 * GB * rng.uniform(0.9, 1.1))) for r in range(8)]
+    assert imbalance(even, 1.5) == []
+    assert imbalance([RankMemory("ref", 0, "n", 50 * GB)], 1.5) == []
+    two = [RankMemory("actor", 0, "n", 10 * GB), RankMemory("actor", 1, "n", 25 * GB)]  # median 17.5: 1.43x
+    assert imbalance(two, 1.5) == []
+    assert len(imbalance(two, 1.4)) == 1
+
+
+# ----------------------------------------------------------------------------- leaks
+
+
+def feed(detector: LeakDetector, values_mb: list[float], name: str = "actor rank 0 RSS") -> list[str]:
+    reports = []
+    for step, value in enumerate(values_mb, start=1):
+        detector.observe(step, name, value * MB)
+        reports += detector.check()
+    return reports
+
+
+def test_steady_growth_is_reported_once_with_its_slope() -> None:
+    rng = random.Random(1)
+    growing = [2000 + 50 * s + rng.gauss(0, 8) for s in range(30)]
+    reports = feed(LeakDetector(warmup=3, threshold_mb=20), growing)
+    assert len(reports) == 1
+    slope = float(reports[0].split(" grows ")[1].split(" MB/step")[0])
+    assert 45 < slope < 55, reports
+    assert reports[0].startswith("actor rank 0 RSS grows")
+
+
+def test_flat_noisy_and_one_jump_series_are_not_leaks() -> None:
+    rng = random.Random(2)
+    flat = [4000 + rng.gauss(0, 30) for _ in range(60)]
+    assert feed(LeakDetector(), flat) == []
+    jump = [3000.0] * 10 + [3800.0] * 20  # a cache filling once after warm-up
+    assert feed(LeakDetector(), jump) == []
+    warmup_only = [1000 + 300 * min(s, 3) for s in range(40)]  # grows only during the warm-up steps
+    assert feed(LeakDetector(warmup=3), warmup_only) == []
+    slow = [2000 + 5 * s for s in range(40)]  # real but below the threshold
+    assert feed(LeakDetector(threshold_mb=20), slow) == []
+
+
+def test_theil_sen_ignores_an_outlier() -> None:
+    values = [float(2 * i) for i in range(11)]
+    values[5] = 500.0
+    assert theil_sen_slope(values) == pytest.approx(2.0)
+
+
+# ----------------------------------------------------------------------------- readings
+
+
+def test_node_ram_matches_psutil_and_honours_a_configured_limit() -> None:
+    reading = node_ram()
+    vm = psutil.virtual_memory()
+    assert reading["ram_total_bytes"] == vm.total
+    assert abs(reading["ram_used_bytes"] - (vm.total - vm.available)) < 512 * MB
+    limited = node_ram(limit_bytes=8 * GB)
+    assert limited["ram_limit_bytes"] == 8 * GB and limited["source"] == "config"
+    assert limited["ram_fraction"] == pytest.approx(limited["ram_used_bytes"] / (8 * GB))
+
+
+@pytest.mark.parametrize("version", ["v1", "v2"])
+def test_cgroup_limit_wins_when_tighter(tmp_path: Path, version: str) -> None:
+    """A KubeRay pod's limit (recorded cgroup files of both versions): working set = usage - inactive file."""
+    if version == "v2":
+        (tmp_path / "memory.max").write_text("4294967296\n")
+        (tmp_path / "memory.current").write_text("3221225472\n")
+        (tmp_path / "memory.stat").write_text("anon 2147483648\ninactive_file 1073741824\nactive_file 5\n")
+    else:
+        v1 = tmp_path / "memory"
+        v1.mkdir()
+        (v1 / "memory.limit_in_bytes").write_text("4294967296\n")
+        (v1 / "memory.usage_in_bytes").write_text("3221225472\n")
+        (v1 / "memory.stat").write_text("cache 5\ntotal_inactive_file 1073741824\n")
+    assert cgroup_memory(tmp_path) == (2 * GB, 4 * GB)
+    reading = node_ram(cgroup_root=tmp_path)
+    assert reading["source"] == "cgroup" and reading["ram_limit_bytes"] == 4 * GB
+    assert reading["ram_fraction"] == pytest.approx(0.5)
+
+
+def test_cgroup_without_a_limit_falls_back_to_the_host(tmp_path: Path) -> None:
+    (tmp_path / "memory.max").write_text("max\n")
+    (tmp_path / "memory.current").write_text("1000\n")
+    assert cgroup_memory(tmp_path) is None
+    assert node_ram(cgroup_root=tmp_path)["source"] == "host"
+
+
+MemoryInfo = namedtuple("MemoryInfo", "total free used")  # the shape nvmlDeviceGetMemoryInfo returns
+
+
+class RecordedNVML:
+    """NVML's three calls answering with readings recorded on a 2 x 80 GB node (no GPU here)."""
+
+    def __init__(self, used: list[int], total: int = 85_899_345_920) -> None:
+        self.used, self.total = used, total
+
+    def nvmlDeviceGetCount(self) -> int:
+        return len(self.used)
+
+    def nvmlDeviceGetHandleByIndex(self, index: int) -> int:
+        return index
+
+    def nvmlDeviceGetMemoryInfo(self, handle: int) -> MemoryInfo:
+        return MemoryInfo(self.total, self.total - self.used[handle], self.used[handle])
+
+
+def test_gpu_readings_from_nvml_shaped_answers() -> None:
+    readings = gpu_readings(RecordedNVML([10_737_418_240, 79_456_894_976]))
+    assert [r["index"] for r in readings] == [0, 1]
+    assert readings[0]["fraction"] == pytest.approx(0.125)
+    assert readings[1]["fraction"] == pytest.approx(0.925)
+    assert level(readings[1]["fraction"], 0.85, 0.90, 0.97) == "soft"
+
+
+def test_release_frees_glibc_retained_heap_and_reports_what_rss_shows() -> None:
+    """Freed-but-retained heap (blocks under a live one) comes back with malloc_trim; measured, not claimed."""
+    ctypes.CDLL("libc.so.6")  # glibc is what this machine runs
+    pinned = []
+
+    def fragment() -> None:
+        blocks = [bytearray(64 * 1024) for _ in range(4096)]  # 256 MB
+        pinned.append(bytearray(64 * 1024))
+        del blocks
+
+    thread = threading.Thread(target=fragment)
+    thread.start()
+    thread.join()
+    before = psutil.Process().memory_info().rss
+    result = release_process_memory()
+    after = psutil.Process().memory_info().rss
+    assert result["ram_freed_bytes"] > 200 * MB
+    assert abs((before - after) - result["ram_freed_bytes"]) < 32 * MB
+
+
+# ----------------------------------------------------------------------------- validation
+
+
+def test_thresholds_are_validated_against_each_other_and_rays_kill_line(monkeypatch: pytest.MonkeyPatch) -> None:
+    with pytest.raises(ConfigError, match=r"watchdog.ram_soft=0.95: must be below watchdog.ram_hard=0.9"):
+        validate(load(["watchdog.ram_soft=0.95", "watchdog.ram_hard=0.9"]))
+    with pytest.raises(ConfigError, match=r"watchdog.vram_warn=0.95: must not exceed watchdog.vram_soft"):
+        validate(load(["watchdog.vram_warn=0.95"]))
+    with pytest.raises(ConfigError, match=r"watchdog.ram_hard=0.96: must stay below Ray's memory kill threshold 0.95"):
+        validate(load(["watchdog.ram_soft=0.9", "watchdog.ram_hard=0.96"]))
+    monkeypatch.setenv("RAY_memory_usage_threshold", "0.9")
+    with pytest.raises(ConfigError, match=r"watchdog.ram_hard=0.92: .* threshold 0.9 "):
+        validate(load([]))
+    monkeypatch.delenv("RAY_memory_usage_threshold")
+    with pytest.raises(ConfigError, match=r"watchdog.actions='drop_everything': not a relief action"):
+        validate(load(["watchdog.actions=[free_caches,drop_everything]"]))
+    validate(load(["watchdog.ram_limit_gb=4", "watchdog.ram_soft=0.96", "watchdog.ram_hard=0.99"]))

@@ -1,0 +1,116 @@
+"""Real RAM pressure on this machine, made inside a real easytrain process, against a limit the test sets.
+
+A reward worker allocates ballast (``tests/assets/ballast_reward.py``) while the run trains. The
+thresholds are placed above the node RAM the uninterrupted run needs (measured from its own
+``memory.jsonl``), within a ``watchdog.ram_limit_gb`` the test chooses, so the machine is never near full:
+
+- soft: 1.5 GB freed-but-retained heap (glibc keeps it) -> free_caches returns it; the RSS drop the
+  samplers measure from outside matches what the relief reported, and the run ends exactly as the
+  uninterrupted one;
+- hard: 3 GB held -> the run saves and exits 4 naming the node, the process that grew and what to change;
+  run again, it resumes and ends exactly as the uninterrupted one.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+
+import pytest
+
+from resume_harness import STEPS, Run, data_order, final_weights, logged_steps, max_difference
+
+pytestmark = pytest.mark.slow
+
+GB = 2**30
+BALLAST = Path(__file__).parent / "assets" / "ballast_reward.py"
+WATCH = [f"reward.function={BALLAST}:spread", "watchdog.sample_period_s=0.2", "watchdog.plot=false"]
+EXIT_MEMORY = 4
+
+
+def records(run_dir: Path, kind: str) -> list[dict]:
+    lines = (run_dir / "memory.jsonl").read_text().splitlines()
+    return [r for r in map(json.loads, lines) if r.get("kind") == kind]
+
+
+def limits(peak_used: int, soft_above_gb: float = 0.75, hard_above_gb: float = 2.25) -> list[str]:
+    """Thresholds that sit ``soft_above_gb`` / ``hard_above_gb`` above the run's own peak node RAM."""
+    limit = peak_used + 4 * GB
+    soft, hard = (peak_used + soft_above_gb * GB) / limit, (peak_used + hard_above_gb * GB) / limit
+    return [f"watchdog.ram_limit_gb={limit / GB:.4f}", f"watchdog.ram_warn={soft - 0.01:.4f}",
+            f"watchdog.ram_soft={soft:.4f}", f"watchdog.ram_hard={hard:.4f}"]
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, int]:
+    run_dir = tmp_path_factory.mktemp("pressure") / "uninterrupted"
+    run = Run(run_dir, *WATCH).start()
+    assert run.wait() == 0, run.tail()
+    peak = max(r["ram_used_bytes"] for r in records(run_dir, "node"))
+    assert not [e for e in records(run_dir, "event") if e["level"] in ("soft", "hard")]
+    return run_dir, peak
+
+
+def assert_same_run(run_dir: Path, reference: Path) -> None:
+    assert logged_steps(run_dir) == list(range(1, STEPS + 1))
+    assert data_order(run_dir) == data_order(reference)
+    assert max_difference(final_weights(run_dir), final_weights(reference)) <= 1e-6
+
+
+def start_with_ballast(run_dir: Path, command: str, mb: int, *extra: str) -> tuple[Run, Path]:
+    ballast = run_dir.parent / f"{run_dir.name}-ballast"
+    ballast.mkdir()
+    run = Run(run_dir, *WATCH, *extra, env={"EASYTRAIN_TEST_BALLAST": str(ballast)}).start()
+    run.wait_for_step(2)
+    (ballast / command).write_text(str(mb))  # the next reward call (step 3) claims it
+    return run, ballast
+
+
+def test_soft_pressure_is_relieved_and_the_run_goes_on(reference: tuple[Path, int]) -> None:
+    ref_dir, peak = reference
+    run_dir = ref_dir.parent / "soft"
+    run, ballast = start_with_ballast(run_dir, "fragment_mb", 1536, *limits(peak))
+    assert run.wait() == 0, run.tail()
+    pid = int(next(ballast.glob("fragment_mb.taken.*")).name.rsplit(".", 1)[1])
+
+    events = records(run_dir, "event")
+    assert [e for e in events if e["level"] == "soft"], run.tail()
+    assert not [e for e in events if e["level"] == "hard"]
+    relief = next(e for e in events if e.get("action") == "free_caches")
+    mine = next(p for p in relief["processes"] if p["pid"] == pid)
+    assert mine["role"] == "reward" and mine["ram_freed_bytes"] > 1.2 * GB, mine
+
+    # the samplers' own readings of that process, just before and just after the relief
+    rss = [(r["t"], r["rss_bytes"]) for r in records(run_dir, "process") if r["pid"] == pid]
+    before = [b for t, b in rss if t < relief["t"]][-1]
+    after = next(b for t, b in rss if t > relief["t"])
+    measured = before - after
+    assert abs(measured - mine["ram_freed_bytes"]) < 0.1 * mine["ram_freed_bytes"] + 64 * 2**20, (measured, mine)
+    assert "memory relief free_caches: freed" in run.log.read_text()
+    assert_same_run(run_dir, ref_dir)
+
+
+def test_hard_pressure_saves_stops_with_the_reason_and_resumes_exactly(reference: tuple[Path, int]) -> None:
+    ref_dir, peak = reference
+    run_dir = ref_dir.parent / "hard"
+    run, ballast = start_with_ballast(run_dir, "hold_mb", 3072, *limits(peak))
+    assert run.wait() == EXIT_MEMORY, run.tail()
+    pid = int(next(ballast.glob("hold_mb.taken.*")).name.rsplit(".", 1)[1])
+    log = run.log.read_text()
+
+    last = max(logged_steps(run_dir))
+    assert 3 <= last < STEPS
+    assert (run_dir / "checkpoints" / "latest").read_text().strip() == str(last)  # saved before stopping
+    stop = re.search(r"stopped at step (\d+) \(memory: node \S+ RAM at [\d.]+% .*hard threshold\)(.*)", log)
+    assert stop is not None and int(stop.group(1)) == last, run.tail()
+    grower = next(p for p in records(run_dir, "process") if p["pid"] == pid)
+    assert re.search(rf"RSS since start: reward rank {grower['rank']} on node \S+ \+(\d+) MB", log)
+    grown = int(re.search(r"RSS since start: reward rank \d+ on node \S+ \+(\d+) MB", log).group(1))
+    assert grown > 2800, grown
+    assert "Resume with: python -m easytrain.main" in log
+
+    rerun = Run(run_dir, *WATCH, *limits(peak)).start()
+    assert rerun.wait() == 0, rerun.tail()
+    assert f"global_step_{last}: step {last} of {STEPS}" in rerun.log.read_text()
+    assert_same_run(run_dir, ref_dir)

@@ -1,0 +1,49 @@
+"""The default run, shortened, with the watchdog on as it ships: memory.jsonl covers every process of the
+run on its node, memory.png is drawn, and nothing is flagged on a healthy run."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+pytestmark = pytest.mark.slow
+
+ROOT = Path(__file__).resolve().parents[1]
+STEPS = 10
+
+
+def test_default_run_writes_a_memory_timeline_covering_every_worker(tmp_path: Path) -> None:
+    run_dir = tmp_path / "run"
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
+    env.pop("RAY_ADDRESS", None)
+    proc = subprocess.run([sys.executable, "-m", "easytrain.main", f"trainer.max_steps={STEPS}",
+                           "trainer.val_before_train=false", "ray.include_dashboard=false", f"hydra.run.dir={run_dir}"],
+                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+
+    png = run_dir / "memory.png"
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and png.stat().st_size > 20_000
+    records = [json.loads(line) for line in (run_dir / "memory.jsonl").read_text().splitlines()]
+    kinds = {r["kind"] for r in records}
+    assert {"thresholds", "node", "process", "phase", "worker"} <= kinds
+
+    # every process of the run: 2 actor ranks, 2 rollout ranks, the reward workers, the driver
+    seen = {(r["role"], r["rank"]) for r in records if r["kind"] == "process"}
+    assert seen == {("actor", 0), ("actor", 1), ("rollout", 0), ("rollout", 1), ("reward", 0), ("reward", 1),
+                    ("driver", 0)}, seen
+    pids = {r["pid"] for r in records if r["kind"] == "process"}
+    assert len(pids) == len(seen)  # one process each
+    # each sampled every step: the samplers' readings fall inside every step's span of phases
+    steps = {r["step"]: (r["start"], r["end"]) for r in records if r["kind"] == "phase" and r["name"] == "update"}
+    assert sorted(steps) == list(range(1, STEPS + 1))
+    workers = {(r["role"], r["rank"]) for r in records if r["kind"] == "worker"}
+    assert workers == {("actor", 0), ("actor", 1), ("rollout", 0), ("rollout", 1)}
+    assert all(r["rss_bytes"] > 100 * 2**20 for r in records if r["kind"] == "process")
+
+    events = [r for r in records if r["kind"] == "event"]
+    assert events == [], events  # a healthy run: no pressure, no imbalance, no leak
