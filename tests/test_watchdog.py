@@ -195,3 +195,24 @@ def test_thresholds_are_validated_against_each_other_and_rays_kill_line(monkeypa
     with pytest.raises(ConfigError, match=r"watchdog.actions='drop_everything': not a relief action"):
         validate(load(["watchdog.actions=[free_caches,drop_everything]"]))
     validate(load(["watchdog.ram_limit_gb=4", "watchdog.ram_soft=0.96", "watchdog.ram_hard=0.99"]))
+
+
+# ----------------------------------------------------------------------------- the planner's advice at a stop
+
+
+def advice(overrides: list[str], metrics: dict[str, float]) -> str:
+    from easytrain.trainer.relief import MemoryGuard
+
+    guard = MemoryGuard.__new__(MemoryGuard)  # planner_fixes needs only the config: no samplers, no Ray
+    guard.config = load(overrides)
+    return guard.planner_fixes(metrics)
+
+
+def test_the_stop_asks_the_planner_for_the_side_under_pressure() -> None:
+    host = advice(["+exp=qwen25vl_7b"], {"memory/node_ram_fraction_max": 0.93})
+    assert host.startswith("config changes that lower the peak (easytrain plan): worker.actor.offload.params=false")
+    assert "host per node" in host
+    device = advice(["+exp=qwen25vl_7b"], {"memory/node_ram_fraction_max": 0.5, "memory/gpu_fraction_max": 0.98})
+    assert "micro_batch_size_per_device_for_experience=8" in device and "offload.params=false" not in device
+    calm = advice([], {"memory/node_ram_fraction_max": 0.5, "memory/gpu_fraction_max": 0.0})
+    assert calm.startswith("the planner has no change that lowers this config's own peak")

@@ -13,34 +13,15 @@ thresholds are placed above the node RAM the uninterrupted run needs (measured f
 
 from __future__ import annotations
 
-import json
 import re
 from pathlib import Path
 
 import pytest
 
+from pressure_harness import EXIT_MEMORY, WATCH, limits, records, start_with_ballast
 from resume_harness import STEPS, Run, data_order, final_weights, logged_steps, max_difference
 
 pytestmark = pytest.mark.slow
-
-GB = 2**30
-BALLAST = Path(__file__).parent / "assets" / "ballast_reward.py"
-WATCH = [f"reward.function={BALLAST}:spread", "watchdog.sample_period_s=0.2", "watchdog.plot=false"]
-EXIT_MEMORY = 4
-
-
-def records(run_dir: Path, kind: str) -> list[dict]:
-    lines = (run_dir / "memory.jsonl").read_text().splitlines()
-    return [r for r in map(json.loads, lines) if r.get("kind") == kind]
-
-
-def limits(peak_used: int, soft_above_gb: float = 0.75, hard_above_gb: float = 2.25) -> list[str]:
-    """Thresholds that sit ``soft_above_gb`` / ``hard_above_gb`` above the run's own peak node RAM."""
-    limit = peak_used + 4 * GB
-    soft, hard = (peak_used + soft_above_gb * GB) / limit, (peak_used + hard_above_gb * GB) / limit
-    return [f"watchdog.ram_limit_gb={limit / GB:.4f}", f"watchdog.ram_warn={soft - 0.01:.4f}",
-            f"watchdog.ram_soft={soft:.4f}", f"watchdog.ram_hard={hard:.4f}"]
-
 
 @pytest.fixture(scope="module")
 def reference(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, int]:
@@ -56,15 +37,6 @@ def assert_same_run(run_dir: Path, reference: Path) -> None:
     assert logged_steps(run_dir) == list(range(1, STEPS + 1))
     assert data_order(run_dir) == data_order(reference)
     assert max_difference(final_weights(run_dir), final_weights(reference)) <= 1e-6
-
-
-def start_with_ballast(run_dir: Path, command: str, mb: int, *extra: str) -> tuple[Run, Path]:
-    ballast = run_dir.parent / f"{run_dir.name}-ballast"
-    ballast.mkdir()
-    run = Run(run_dir, *WATCH, *extra, env={"EASYTRAIN_TEST_BALLAST": str(ballast)}).start()
-    run.wait_for_step(2)
-    (ballast / command).write_text(str(mb))  # the next reward call (step 3) claims it
-    return run, ballast
 
 
 def test_soft_pressure_is_relieved_and_the_run_goes_on(reference: tuple[Path, int]) -> None:

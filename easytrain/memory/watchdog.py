@@ -179,7 +179,13 @@ class Watchdog:
             else:
                 logger.warning("no memory sampler on node %s (joined after start) for %s rank %d",
                                p["node_id"][:12], p["role"], p["rank"])
-        ray.get([self.samplers[node].register.remote(procs) for node, procs in by_node.items()])
+        pending = {node: self.samplers[node].register.remote(procs) for node, procs in by_node.items()}
+        for node, ref in pending.items():
+            try:
+                ray.get(ref)
+            except ray.exceptions.RayActorError:  # the node went away since refresh_nodes looked
+                logger.warning("memory watchdog: the sampler of node %s died", node[:12])
+                del self.samplers[node]
         self.baseline.clear()
 
     def phases(self, step: int, spans: list[tuple[str, float, float]]) -> None:

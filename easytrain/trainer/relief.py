@@ -68,7 +68,7 @@ class MemoryGuard:
             logger.warning("memory: %s; relief: %s", "; ".join(verdict.pressure), ", ".join(self.config.watchdog.actions))
             metrics["memory/relief_freed_gb"] = sum(self.relieve(step)) / 2**30
         elif verdict.level == "hard":
-            stop = self.explain(verdict.pressure)
+            stop = self.explain(verdict.pressure, verdict.metrics)
             self.watchdog.event(step, "hard", stop)
         metrics["time/watchdog"] = time.perf_counter() - start
         return metrics, stop
@@ -145,28 +145,45 @@ class MemoryGuard:
 
     # ------------------------------------------------------------------ hard stop
 
-    def explain(self, pressure: list[str]) -> str:
+    def explain(self, pressure: list[str], metrics: dict[str, float]) -> str:
         """Why the run stops: where, what grew, and the planner's changes that lower the peak."""
         message = f"memory: {'; '.join(pressure)}; {self.watchdog.describe_growth()}"
-        fixes = self.planner_fixes(host="RAM" in " ".join(pressure))
-        return f"{message}; config changes that lower the peak (easytrain plan): {fixes}" if fixes else message
+        return f"{message}; {self.planner_fixes(metrics)}"
 
-    def planner_fixes(self, host: bool, count: int = 3) -> str:
-        from easytrain.memory.planner import plan
+    def planner_fixes(self, metrics: dict[str, float], count: int = 3) -> str:
+        """Ask the planner with the pressure seen: its capacity is scaled so the planned peak fills the node
+        (or GPU) as much as the samplers saw, and it names the single changes that lower that side's peak."""
+        from dataclasses import replace
+
+        from easytrain.memory.planner import GB, capacity_of, plan
         from easytrain.memory.suggest import suggestions
         from easytrain.models.shapes import hf_config_for
 
         try:
             hf_config = hf_config_for(self.config.model)
             if hf_config is None:
-                return ""
-            advice = suggestions(self.config, plan(self.config, hf_config), hf_config)
+                return "no planner advice (the model's config.json is not available)"
+            base = plan(self.config, hf_config)
+            capacity = capacity_of(self.config)
+            ram, gpu = metrics.get("memory/node_ram_fraction_max", 0.0), metrics.get("memory/gpu_fraction_max", 0.0)
+            if ram > 0:
+                capacity = replace(capacity, node_ram=int(base.host_peak / ram / capacity.ray_threshold))
+            if gpu > 0 and base.on_gpu:
+                capacity = replace(capacity, gpu_bytes=int(base.device_peak / gpu))
+            advice = suggestions(self.config, plan(self.config, hf_config, capacity), hf_config)
         except Exception:  # noqa: BLE001 - the stop must not fail on its advice
             logger.exception("planner suggestions failed")
-            return ""
-        useful = [a for a in advice if (a.host_delta if host else a.device_delta) < 0]
+            return "no planner advice (the planner failed; see the log)"
         on_gpu = self.config.trainer.device == "cuda"
-        return "; ".join(a.describe(on_gpu) for a in useful[:count])
+        advice = [a for a in advice  # lowers the side under pressure by at least 1% of its planned peak
+                  if (ram >= gpu and a.host_delta < -0.01 * base.host_peak)
+                  or (gpu > ram and (a.device_delta < -0.01 * base.device_peak
+                                     or any(v < 0 for v in a.phase_deltas.values())))]
+        if not advice:
+            return (f"the planner has no change that lowers this config's own peak (it plans "
+                    f"{base.host_peak / GB:.1f} GB per node): what grew is outside what it prices")
+        return "config changes that lower the peak (easytrain plan): " + "; ".join(
+            a.describe(on_gpu) for a in advice[:count])
 
     def close(self, plot: bool) -> Any:
         return self.watchdog.close(plot)
