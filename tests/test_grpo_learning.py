@@ -48,3 +48,8 @@ def test_grpo_beats_the_best_constant_answer(ray_local: None, tmp_path: Path) ->
     val = [r["val/reward/mean"] for r in curve if "val/reward/mean" in r]
     assert val[0] <= best_constant + 1e-9  # before training: no better than a constant
     assert final["val/reward/mean"] >= best_constant + 0.25, val
+
+    # 250 healthy steps under the memory watchdog's defaults: no pressure, imbalance or leak reported
+    memory = [json.loads(line) for line in (tmp_path / "memory.jsonl").read_text().splitlines()]
+    assert len({r["step"] for r in memory if r["kind"] == "phase"}) == 250
+    assert [r for r in memory if r["kind"] == "event"] == []

@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 
-from pressure_harness import EXIT_MEMORY, WATCH, limits, records, start_with_ballast
+from pressure_harness import EXIT_MEMORY, GB, WATCH, limits, records, start_with_ballast
 from resume_harness import STEPS, Run, data_order, final_weights, logged_steps, max_difference
 
 pytestmark = pytest.mark.slow
@@ -49,13 +49,15 @@ def test_soft_pressure_is_relieved_and_the_run_goes_on(reference: tuple[Path, in
     events = records(run_dir, "event")
     assert [e for e in events if e["level"] == "soft"], run.tail()
     assert not [e for e in events if e["level"] == "hard"]
-    relief = next(e for e in events if e.get("action") == "free_caches")
+    reliefs = [e for e in events if e.get("action") == "free_caches"]
+    assert len(reliefs) == 1, reliefs  # relieved once: the steps after it are judged on what followed it
+    relief = reliefs[0]
     mine = next(p for p in relief["processes"] if p["pid"] == pid)
     assert mine["role"] == "reward" and mine["ram_freed_bytes"] > 1.2 * GB, mine
 
     # the samplers' own readings of that process, just before and just after the relief
     rss = [(r["t"], r["rss_bytes"]) for r in records(run_dir, "process") if r["pid"] == pid]
-    before = [b for t, b in rss if t < relief["t"]][-1]
+    before = [b for t, b in rss if t < relief["started"]][-1]
     after = next(b for t, b in rss if t > relief["t"])
     measured = before - after
     assert abs(measured - mine["ram_freed_bytes"]) < 0.1 * mine["ram_freed_bytes"] + 64 * 2**20, (measured, mine)

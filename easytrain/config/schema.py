@@ -387,7 +387,7 @@ class WatchdogConfig:
     halve_micro_batch (of the phase that peaks; changes rounding, not the result's meaning)."""
     imbalance_factor: float = bounded(1.5, low=1.0)
     """Report a rank whose memory exceeds the median of its role by this factor."""
-    leak_warmup_steps: int = bounded(3, low=0)
+    leak_warmup_steps: int = bounded(5, low=0)
     """Steps ignored by leak detection (caches and allocators fill up first)."""
     leak_mb_per_step: float = bounded(20.0, low=0.0, low_open=True)
     """Report steady growth of host RAM or GPU reserved memory above this many MB per step."""

@@ -66,9 +66,10 @@ def imbalance(readings: list[RankMemory], factor: float) -> list[str]:
     return reports
 
 
-def theil_sen_slope(values: list[float]) -> float:
-    """Median of the pairwise slopes of ``values`` against their index: robust to a few outliers."""
-    slopes = [(values[j] - values[i]) / (j - i) for i in range(len(values)) for j in range(i + 1, len(values))]
+def theil_sen_slope(xs: list[float], ys: list[float]) -> float:
+    """Median of the pairwise slopes: a line fit that a few outliers do not move."""
+    slopes = [(ys[j] - ys[i]) / (xs[j] - xs[i]) for i in range(len(xs)) for j in range(i + 1, len(xs))
+              if xs[j] != xs[i]]
     return statistics.median(slopes) if slopes else 0.0
 
 
@@ -76,17 +77,19 @@ def theil_sen_slope(values: list[float]) -> float:
 class LeakDetector:
     """Steady growth of one series (a node's RAM, a process's RSS, a GPU's reserved bytes) across steps.
 
-    One value per step (its end-of-step reading). After ``warmup`` steps, over the last ``window`` steps,
-    a series is reported when its robust slope exceeds ``threshold_mb`` MB/step *and* it grew in at least
-    ``steady`` of the step-to-step changes: a single jump (a cache filling once) or noise around a
-    level is not a leak. Each series is reported once.
+    One value per step (its lowest reading in the step). After ``warmup`` steps, over the last ``window``
+    steps (at least ``min_points``), a series is reported when its robust (Theil-Sen) slope exceeds
+    ``threshold_mb`` MB/step, it grew in at least ``steady`` of the step-to-step changes, and the growth
+    the slope explains over the window is at least three times the noise around the fitted line: a
+    single jump (a cache filling once) or a level that wanders is not a leak. Each series is reported
+    once.
     """
 
-    warmup: int = 3
+    warmup: int = 5
     threshold_mb: float = 20.0
-    window: int = 12
-    min_points: int = 5
-    steady: float = 0.7
+    window: int = 16
+    min_points: int = 8
+    steady: float = 0.6
     series: dict[str, list[tuple[int, float]]] = field(default_factory=dict)
     reported: set[str] = field(default_factory=set)
 
@@ -95,22 +98,17 @@ class LeakDetector:
             return
         points = self.series.setdefault(name, [])
         if points and points[-1][0] == step:
-            points[-1] = (step, value_bytes)  # the latest reading of a step stands for it
+            points[-1] = (step, min(points[-1][1], value_bytes))
         else:
             points.append((step, value_bytes))
         del points[:-self.window]
 
     def slope_mb(self, name: str) -> Optional[float]:
+        """MB per step of the series' last ``window`` steps (None until ``min_points`` are in)."""
         points = self.series.get(name, [])
         if len(points) < self.min_points:
             return None
-        steps = [s for s, _ in points]
-        per_step = [v / MB for _, v in points]
-        if steps != list(range(steps[0], steps[0] + len(steps))):  # gaps (a resumed run): scale by step
-            slopes = [(per_step[j] - per_step[i]) / (steps[j] - steps[i])
-                      for i in range(len(points)) for j in range(i + 1, len(points))]
-            return statistics.median(slopes)
-        return theil_sen_slope(per_step)
+        return theil_sen_slope([s for s, _ in points], [v / MB for _, v in points])
 
     def check(self) -> list[str]:
         """New reports: ``name`` grows ~X MB/step over steps a-b."""
@@ -123,6 +121,11 @@ class LeakDetector:
                 continue
             deltas = [b[1] - a[1] for a, b in zip(points, points[1:])]
             if sum(d > 0 for d in deltas) < self.steady * len(deltas):
+                continue
+            residuals = [v / MB - slope * s for s, v in points]
+            centre = statistics.median(residuals)
+            noise = 1.4826 * statistics.median(abs(r - centre) for r in residuals)
+            if slope * (points[-1][0] - points[0][0]) < 3 * noise:
                 continue
             self.reported.add(name)
             grown = (points[-1][1] - points[0][1]) / MB

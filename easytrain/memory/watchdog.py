@@ -142,6 +142,8 @@ class Watchdog:
         self.file = open(self.path, "a")
         self.samplers: dict[str, Any] = {}
         self.refresh_nodes()
+        self.judged_from = 0.0
+        """Samples older than this are written but not judged (taken while relief was still freeing)."""
         self.leaks = LeakDetector(self.cfg.leak_warmup_steps, self.cfg.leak_mb_per_step)
         self.baseline: dict[tuple[str, int], tuple[str, int]] = {}
         self.latest: dict[tuple[str, int], tuple[str, int]] = {}
@@ -213,6 +215,8 @@ class Watchdog:
         out = Assessment()
         levels, highest = [], {}
         for r in records:
+            if r["t"] < self.judged_from:
+                continue
             if r["kind"] == "node":
                 where, used, limit, fraction = (f"node {r['node_ip']} RAM", r["ram_used_bytes"], r["ram_limit_bytes"],
                                                 r["ram_fraction"])
@@ -247,16 +251,19 @@ class Watchdog:
 
     def _findings(self, step: int, records: list[dict[str, Any]], workers: list[dict[str, Any]],
                   out: Assessment) -> None:
-        last: dict[str, float] = {}
-        for r in records:  # end-of-step value of each series: its last reading in the step
-            if r["kind"] == "node":
-                last[f"node {r['node_ip']} ({r['node_id'][:8]}) RAM"] = r["ram_used_bytes"]
+        floor: dict[str, float] = {}
+        for r in records:  # each series' lowest reading in the step: a leak lifts the floor, a phase's
+            if r["kind"] == "node":  # transient allocations (kept or not by the allocator) do not
+                name, value = f"node {r['node_ip']} ({r['node_id'][:8]}) RAM", r["ram_used_bytes"]
             elif r["kind"] == "process":
-                last[f"{r['role']} rank {r['rank']} RSS on node {r['node_ip']}"] = r["rss_bytes"]
+                name, value = f"{r['role']} rank {r['rank']} RSS on node {r['node_ip']}", r["rss_bytes"]
+            else:
+                continue
+            floor[name] = min(value, floor.get(name, value))
         for w in workers:
             if "gpu_reserved_bytes" in w:
-                last[f"{w['role']} rank {w['rank']} GPU reserved on node {w['node_ip']}"] = w["gpu_reserved_bytes"]
-        for name, value in last.items():
+                floor[f"{w['role']} rank {w['rank']} GPU reserved on node {w['node_ip']}"] = w["gpu_reserved_bytes"]
+        for name, value in floor.items():
             self.leaks.observe(step, name, value)
         ranks = [RankMemory(role, rank, ip, rss) for (role, rank), (ip, rss) in self.latest.items()
                  if role not in ("driver", "reward")]
@@ -267,6 +274,10 @@ class Watchdog:
                 if report not in out.findings:
                     out.findings.append(report)
                     self.event(step, kind, report)
+
+    def relieved(self) -> None:
+        """Relief just ended: the next judgement starts from samples taken after it."""
+        self.judged_from = time.time()
 
     def growth(self) -> list[tuple[str, int, str, int]]:
         """(role, rank, node, bytes grown) of every process since it was registered, largest first."""

@@ -67,6 +67,7 @@ class MemoryGuard:
         elif verdict.level == "soft":
             logger.warning("memory: %s; relief: %s", "; ".join(verdict.pressure), ", ".join(self.config.watchdog.actions))
             metrics["memory/relief_freed_gb"] = sum(self.relieve(step)) / 2**30
+            self.watchdog.relieved()
         elif verdict.level == "hard":
             stop = self.explain(verdict.pressure, verdict.metrics)
             self.watchdog.event(step, "hard", stop)
@@ -79,6 +80,7 @@ class MemoryGuard:
         """Run each configured action; returns the bytes each freed (0 when skipped)."""
         freed = []
         for action in self.config.watchdog.actions:
+            started = time.time()
             relief: Relief = getattr(self, action)()
             freed.append(relief.freed)
             if relief.freed:
@@ -86,7 +88,7 @@ class MemoryGuard:
             else:
                 logger.info("memory relief %s: skipped, %s", action, relief.detail)
             self.watchdog.event(step, "relief", f"{action}: {relief.detail}", action=action, freed_bytes=relief.freed,
-                                skipped=not relief.freed, processes=relief.processes)
+                                skipped=not relief.freed, processes=relief.processes, started=started)
         return freed
 
     def free_caches(self) -> Relief:
