@@ -57,6 +57,13 @@ def main() -> None:
     if rss:
         record["rollout_rss_gb"] = {"first_step": round(rss[0], 4), "step_10": round(rss[min(9, len(rss) - 1)], 4),
                                     "last_step": round(rss[-1], 4)}
+    memory = run_dir / "memory.jsonl"
+    if memory.exists():  # the watchdog on a healthy run: what it reported, what it cost
+        events = [e for e in map(json.loads, memory.read_text().splitlines()) if e["kind"] == "event"]
+        shares = sorted(r["time/watchdog"] / r["time/step"] for r in steps if "time/watchdog" in r)
+        record["watchdog"] = {"events": [{k: e[k] for k in ("step", "level", "message")} for e in events],
+                              "memory_png": (run_dir / "memory.png").exists(),
+                              "boundary_share_of_step_median": round(shares[len(shares) // 2], 5) if shares else None}
     out = ROOT / "bench" / "results" / ("default_run.json" if not args.exp else f"run_{args.exp}.json")
     out.write_text(json.dumps(record, indent=2) + "\n")
     print(f"{record['command']}: {wall:.1f} s wall, {len(steps)} steps, median step {record['median_step_s']} s")

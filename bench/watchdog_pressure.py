@@ -4,7 +4,7 @@
 
 One uninterrupted run of the tiny GRPO setting of tests/resume_harness.py (6 steps, a checkpoint every
 step) gives the node RAM the run needs and the result to match. Each trial then runs the same setting
-with the watchdog's thresholds placed above that peak (tests/pressure_harness.py), drops 3 GB of held
+with the watchdog's thresholds placed above that peak (tests/pressure_harness.py), drops 3.5 GB of held
 ballast into a reward worker after a random step 1-4 (so the pressure lands in steps 2-5), expects the
 watchdog to save and exit 4, runs the same command again, and compares: every step logged exactly once,
 the same prompts in the same order, the same final actor weights (max |difference| <= 1e-6).
@@ -28,7 +28,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "tests"))
 
-from pressure_harness import EXIT_MEMORY, WATCH, limits, records  # noqa: E402
+from pressure_harness import EXIT_MEMORY, HARD_MB, WATCH, limits, records  # noqa: E402
 from resume_harness import STEPS, Run, data_order, final_weights, logged_steps, max_difference  # noqa: E402
 
 TOLERANCE = 1e-6
@@ -40,16 +40,17 @@ def trial(run_dir: Path, after_step: int, thresholds: list[str]) -> dict[str, An
     ballast.mkdir()
     run = Run(run_dir, *WATCH, *thresholds, env={"EASYTRAIN_TEST_BALLAST": str(ballast)}).start()
     run.wait_for_step(after_step)
-    (ballast / "hold_mb").write_text("3072")
+    (ballast / "hold_mb").write_text(str(HARD_MB))
     first = run.wait()
     stopped_at = max(logged_steps(run_dir), default=0)
     latest = (run_dir / "checkpoints" / "latest")
     saved = int(latest.read_text()) if latest.exists() else None
     second = Run(run_dir, *WATCH, *thresholds).start().wait()
     hard = [e for e in records(run_dir, "event") if e["level"] == "hard"]
+    stop = [e for e in records(run_dir, "event") if e["level"] == "stop"]
     return {"after_step": after_step, "exit_codes": [first, second], "stopped_at_step": stopped_at,
             "checkpoint_at_stop": saved, "steps_lost": stopped_at - saved if saved is not None else stopped_at,
-            "hard_events": len(hard), "stop_message": hard[0]["message"][:400] if hard else None,
+            "hard_events": len(hard), "stop_message": stop[0]["message"][:600] if stop else None,
             "seconds": round(time.perf_counter() - start, 1)}
 
 
@@ -87,7 +88,7 @@ def main() -> None:
     report = {"command": "python bench/watchdog_pressure.py " + " ".join(sys.argv[1:]),
               "machine": {"cpus": os.cpu_count(), "python": platform.python_version()},
               "setting": f"tests/resume_harness.py RUN_ARGS + tests/pressure_harness.py WATCH: tiny Qwen2.5-VL, "
-                         f"{STEPS} steps, checkpoint every step; 3 GB held in a reward worker",
+                         f"{STEPS} steps, checkpoint every step; {HARD_MB} MB held in a reward worker",
               "reference_peak_node_ram_gb": round(peak / 2**30, 3), "thresholds": thresholds,
               "passed": f"{passed}/{len(results)}",
               "steps_lost_total": sum(r.get("steps_lost", 0) for r in results if "steps_lost" in r),

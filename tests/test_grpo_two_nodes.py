@@ -81,6 +81,7 @@ def test_checkpoints_span_nodes_and_a_lost_node_is_recovered_exactly(ray_two_nod
     memory = [json.loads(line) for line in (tmp_path / "whole" / "memory.jsonl").read_text().splitlines()]
     node_ids = {r["node_id"] for r in memory if r["kind"] == "node"}
     assert node_ids == {n.node_id for n in ray_two_nodes.list_all_nodes()}
+    assert set(next(r["nodes"] for r in memory if r["kind"] == "samplers")) == node_ids  # one sampler each
     actor_nodes = {r["rank"]: r["node_id"] for r in memory if r["kind"] == "process" and r["role"] == "actor"}
     assert len(actor_nodes) == 2 and len(set(actor_nodes.values())) == 2
 

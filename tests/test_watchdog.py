@@ -37,7 +37,7 @@ def test_imbalance_names_the_rank_out_of_line_with_its_role() -> None:
     readings = [RankMemory("actor", r, f"10.0.0.{r // 4}", 10 * GB) for r in range(8)]
     readings[5] = RankMemory("actor", 5, "10.0.0.1", 17 * GB)
     readings += [RankMemory("rollout", r, "10.0.0.0", 30 * GB) for r in range(8)]  # another role: its own median
-    reports = imbalance(readings, 1.5)
+    reports = [text for _, text in imbalance(readings, 1.5)]
     assert len(reports) == 1
     assert reports[0].startswith("actor rank 5 on node 10.0.0.1 holds 17408 MB RSS, 1.7x the median of its 8 ranks")
     assert "uneven batches" in reports[0] and "gathered" in reports[0] and "device_map" in reports[0]
@@ -60,7 +60,7 @@ def feed(detector: LeakDetector, values_mb: list[float], name: str = "actor rank
     reports = []
     for step, value in enumerate(values_mb, start=1):
         detector.observe(step, name, value * MB)
-        reports += detector.check()
+        reports += [text for _, text in detector.check()]
     return reports
 
 
@@ -88,6 +88,12 @@ def test_flat_noisy_and_one_jump_series_are_not_leaks() -> None:
     assert feed(LeakDetector(), jump) == []
     warmup_only = [1000 + 300 * min(s, 5) for s in range(40)]  # grows only during the warm-up steps
     assert feed(LeakDetector(warmup=5), warmup_only) == []
+    resumed = LeakDetector(warmup=5)  # a resumed run starting at step 100 warms up again
+    for step in range(100, 105):
+        resumed.observe(step, "x", 1000 * MB + step * 300 * MB)
+    assert resumed.series == {}
+    resumed.observe(105, "x", 1000 * MB)
+    assert resumed.series == {"x": [(105, 1000 * MB)]}
     slow = [2000 + 5 * s for s in range(40)]  # real but below the threshold
     assert feed(LeakDetector(threshold_mb=20), slow) == []
 
@@ -222,3 +228,68 @@ def test_the_stop_asks_the_planner_for_the_side_under_pressure() -> None:
     assert "micro_batch_size_per_device_for_experience=8" in device and "offload.params=false" not in device
     calm = advice([], {"memory/node_ram_fraction_max": 0.5, "memory/gpu_fraction_max": 0.0})
     assert calm.startswith("the planner has no change that lowers this config's own peak")
+
+
+# ----------------------------------------------------------------------------- samplers on a real Ray
+
+
+class BrokenNVML(RecordedNVML):
+    def nvmlDeviceGetMemoryInfo(self, handle: int) -> MemoryInfo:
+        raise RuntimeError("NVML_ERROR_GPU_IS_LOST")
+
+
+def test_a_sampler_reads_node_processes_and_gpus_and_survives_a_lost_gpu(ray_local: None) -> None:
+    import os
+
+    import ray
+
+    from easytrain.memory.watchdog import NodeSampler
+
+    sampler = NodeSampler(ray.get_runtime_context().get_node_id(), period_s=60.0, limit_bytes=None)
+    try:
+        sampler.register([(os.getpid(), "driver", 0), (2**22 + 12345, "actor", 0)])  # the second pid: gone
+        sampler.nvml = RecordedNVML([10 * GB, 20 * GB])
+        kinds = [r["kind"] for r in sampler.sample()]
+        assert kinds == ["node", "process", "gpu", "gpu"]  # a process that is gone is left out
+        sampler.nvml = BrokenNVML([10 * GB])
+        assert [r["kind"] for r in sampler.sample()] == ["node", "process"]
+        assert sampler.nvml is None  # GPU sampling stops; RAM goes on
+        drained = sampler.drain(sample_now=False)
+        assert [r["kind"] for r in drained] == ["node", "process", "gpu", "gpu", "node", "process"]
+        assert sampler.drain(sample_now=False) == []
+    finally:
+        sampler.stop()
+
+
+def test_the_watchdog_collects_per_step_and_replaces_a_dead_sampler(ray_local: None, tmp_path: Path) -> None:
+    import json
+    import os
+
+    import ray
+
+    from easytrain.memory.readings import process_info
+    from easytrain.memory.watchdog import Watchdog
+
+    config = load([f"trainer.output_dir={tmp_path}", "watchdog.sample_period_s=0.05"])
+    dog = Watchdog(config, str(tmp_path))
+    try:
+        dog.register([process_info("driver", 0)])
+        import time
+
+        time.sleep(0.5)  # the sampler's own thread reads every 0.05 s meanwhile
+        first = dog.collect(1)
+        assert first.level in ("ok", "warn") and "memory/node_ram_fraction_max" in first.metrics
+        assert dog.latest[("driver", 0)][1] > 50 * MB
+        (node,) = dog.samplers
+        ray.kill(dog.samplers[node])
+        dog.collect(2)  # the dead sampler is dropped, and its node (alive) gets a new one
+        assert list(dog.samplers) == [node]
+        dog.collect(3)
+    finally:
+        dog.close(plot=False)
+    records = [json.loads(line) for line in (tmp_path / "memory.jsonl").read_text().splitlines()]
+    pids = {r["pid"] for r in records if r["kind"] == "process"}
+    assert pids == {os.getpid()}
+    assert [r["nodes"] for r in records if r["kind"] == "samplers"][-1] == [node]
+    node_samples = [r for r in records if r["kind"] == "node"]
+    assert len(node_samples) >= 5 and all(r["node_id"] == node for r in node_samples)

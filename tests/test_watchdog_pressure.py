@@ -4,10 +4,10 @@ A reward worker allocates ballast (``tests/assets/ballast_reward.py``) while the
 thresholds are placed above the node RAM the uninterrupted run needs (measured from its own
 ``memory.jsonl``), within a ``watchdog.ram_limit_gb`` the test chooses, so the machine is never near full:
 
-- soft: 1.5 GB freed-but-retained heap (glibc keeps it) -> free_caches returns it; the RSS drop the
+- soft: 2 GB freed-but-retained heap (glibc keeps it) -> free_caches returns it; the RSS drop the
   samplers measure from outside matches what the relief reported, and the run ends exactly as the
   uninterrupted one;
-- hard: 3 GB held -> the run saves and exits 4 naming the node, the process that grew and what to change;
+- hard: 3.5 GB held -> the run saves and exits 4 naming the node, the process that grew and what to change;
   run again, it resumes and ends exactly as the uninterrupted one.
 """
 
@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 
-from pressure_harness import EXIT_MEMORY, GB, WATCH, limits, records, start_with_ballast
+from pressure_harness import EXIT_MEMORY, GB, HARD_MB, SOFT_MB, WATCH, limits, records, start_with_ballast
 from resume_harness import STEPS, Run, data_order, final_weights, logged_steps, max_difference
 
 pytestmark = pytest.mark.slow
@@ -42,7 +42,7 @@ def assert_same_run(run_dir: Path, reference: Path) -> None:
 def test_soft_pressure_is_relieved_and_the_run_goes_on(reference: tuple[Path, int]) -> None:
     ref_dir, peak = reference
     run_dir = ref_dir.parent / "soft"
-    run, ballast = start_with_ballast(run_dir, "fragment_mb", 1536, *limits(peak))
+    run, ballast = start_with_ballast(run_dir, "fragment_mb", SOFT_MB, *limits(peak))
     assert run.wait() == 0, run.tail()
     pid = int(next(ballast.glob("fragment_mb.taken.*")).name.rsplit(".", 1)[1])
 
@@ -53,7 +53,7 @@ def test_soft_pressure_is_relieved_and_the_run_goes_on(reference: tuple[Path, in
     assert len(reliefs) == 1, reliefs  # relieved once: the steps after it are judged on what followed it
     relief = reliefs[0]
     mine = next(p for p in relief["processes"] if p["pid"] == pid)
-    assert mine["role"] == "reward" and mine["ram_freed_bytes"] > 1.2 * GB, mine
+    assert mine["role"] == "reward" and mine["ram_freed_bytes"] > 0.8 * SOFT_MB * 2**20, mine
 
     # the samplers' own readings of that process, just before and just after the relief
     rss = [(r["t"], r["rss_bytes"]) for r in records(run_dir, "process") if r["pid"] == pid]
@@ -68,7 +68,7 @@ def test_soft_pressure_is_relieved_and_the_run_goes_on(reference: tuple[Path, in
 def test_hard_pressure_saves_stops_with_the_reason_and_resumes_exactly(reference: tuple[Path, int]) -> None:
     ref_dir, peak = reference
     run_dir = ref_dir.parent / "hard"
-    run, ballast = start_with_ballast(run_dir, "hold_mb", 3072, *limits(peak))
+    run, ballast = start_with_ballast(run_dir, "hold_mb", HARD_MB, *limits(peak))
     assert run.wait() == EXIT_MEMORY, run.tail()
     pid = int(next(ballast.glob("hold_mb.taken.*")).name.rsplit(".", 1)[1])
     log = run.log.read_text()
@@ -81,7 +81,8 @@ def test_hard_pressure_saves_stops_with_the_reason_and_resumes_exactly(reference
     grower = next(p for p in records(run_dir, "process") if p["pid"] == pid)
     assert re.search(rf"RSS since start: reward rank {grower['rank']} on node \S+ \+(\d+) MB", log)
     grown = int(re.search(r"RSS since start: reward rank \d+ on node \S+ \+(\d+) MB", log).group(1))
-    assert grown > 2800, grown
+    assert grown > 0.9 * HARD_MB, grown
+    assert "the planner" in stop.group(2), stop.group(0)  # what to change (or why no config change helps)
     assert "Resume with: python -m easytrain.main" in log
 
     rerun = Run(run_dir, *WATCH, *limits(peak)).start()

@@ -38,9 +38,11 @@ def test_default_run_writes_a_memory_timeline_covering_every_worker(tmp_path: Pa
                     ("driver", 0)}, seen
     pids = {r["pid"] for r in records if r["kind"] == "process"}
     assert len(pids) == len(seen)  # one process each
-    # each sampled every step: the samplers' readings fall inside every step's span of phases
+    # every step's phases, and samples taken during the run's steps (not only at their boundaries)
     steps = {r["step"]: (r["start"], r["end"]) for r in records if r["kind"] == "phase" and r["name"] == "update"}
     assert sorted(steps) == list(range(1, STEPS + 1))
+    inside = [r for r in records if r["kind"] == "node" and any(a <= r["t"] <= b for a, b in steps.values())]
+    assert len(inside) >= 3
     workers = {(r["role"], r["rank"]) for r in records if r["kind"] == "worker"}
     assert workers == {("actor", 0), ("actor", 1), ("rollout", 0), ("rollout", 1)}
     assert all(r["rss_bytes"] > 100 * 2**20 for r in records if r["kind"] == "process")

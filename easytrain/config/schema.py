@@ -383,8 +383,9 @@ class WatchdogConfig:
     """GPU memory fraction that triggers a checkpoint and a clean stop."""
     actions: list[str] = field(default_factory=lambda: ["free_caches", "sleep_rollout", "offload_ref"])
     """Relief at the soft level, in order: free_caches (allocator caches and freed heap back to the OS),
-    sleep_rollout (the vLLM engine frees its memory), offload_ref (the reference's weights to host memory),
-    halve_micro_batch (of the phase that peaks; changes rounding, not the result's meaning)."""
+    sleep_rollout (GPU pressure: vLLM sleep level 1 until the next rollout), offload_ref (GPU pressure: names
+    worker.ref.offload.params for the next launch, since FSDP2 fixes offload when it shards), halve_micro_batch
+    (the update's micro batch from the next update on; changes rounding, not what is trained)."""
     imbalance_factor: float = bounded(1.5, low=1.0)
     """Report a rank whose memory exceeds the median of its role by this factor."""
     leak_warmup_steps: int = bounded(5, low=0)

@@ -44,11 +44,11 @@ IMBALANCE_CAUSES = ("uneven batches (long sequences or many images landing on on
                     "a device_map or placement putting more layers or roles on one device")
 
 
-def imbalance(readings: list[RankMemory], factor: float) -> list[str]:
+def imbalance(readings: list[RankMemory], factor: float) -> list[tuple[str, str]]:
     """Ranks whose memory exceeds the median of their role (same figure) by more than ``factor``.
 
     With two ranks the median is their mean, so a report needs one rank above ``2*factor - 1`` times
-    the other (2x at the default 1.5).
+    the other (2x at the default 1.5). Returns (key, report) pairs; the key names the rank and figure.
     """
     reports = []
     groups: dict[tuple[str, str], list[RankMemory]] = {}
@@ -60,9 +60,9 @@ def imbalance(readings: list[RankMemory], factor: float) -> list[str]:
         median = statistics.median(r.bytes for r in ranks)
         for r in ranks:
             if median > 0 and r.bytes > factor * median:
-                reports.append(f"{role} rank {r.rank} on node {r.node_ip} holds {r.bytes / MB:.0f} MB {what}, "
+                reports.append((f"imbalance {role} {r.rank} {what}", f"{role} rank {r.rank} on node {r.node_ip} holds {r.bytes / MB:.0f} MB {what}, "
                                f"{r.bytes / median:.1f}x the median of its {len(ranks)} ranks "
-                               f"({median / MB:.0f} MB); likely causes: {'; '.join(IMBALANCE_CAUSES)}")
+                               f"({median / MB:.0f} MB); likely causes: {'; '.join(IMBALANCE_CAUSES)}"))
     return reports
 
 
@@ -92,9 +92,13 @@ class LeakDetector:
     steady: float = 0.6
     series: dict[str, list[tuple[int, float]]] = field(default_factory=dict)
     reported: set[str] = field(default_factory=set)
+    first_step: Optional[int] = None
+    """The first step observed: the warm-up counts from it (a resumed run warms up again)."""
 
     def observe(self, step: int, name: str, value_bytes: float) -> None:
-        if step <= self.warmup:
+        if self.first_step is None:
+            self.first_step = step
+        if step - self.first_step < self.warmup:
             return
         points = self.series.setdefault(name, [])
         if points and points[-1][0] == step:
@@ -110,8 +114,8 @@ class LeakDetector:
             return None
         return theil_sen_slope([s for s, _ in points], [v / MB for _, v in points])
 
-    def check(self) -> list[str]:
-        """New reports: ``name`` grows ~X MB/step over steps a-b."""
+    def check(self) -> list[tuple[str, str]]:
+        """New (key, report) pairs: ``name`` grows ~X MB/step over steps a-b."""
         reports = []
         for name, points in self.series.items():
             if name in self.reported:
@@ -129,6 +133,6 @@ class LeakDetector:
                 continue
             self.reported.add(name)
             grown = (points[-1][1] - points[0][1]) / MB
-            reports.append(f"{name} grows {slope:.1f} MB/step (+{grown:.0f} MB over steps "
-                           f"{points[0][0]}-{points[-1][0]}): a leak, or a cache without a bound")
+            reports.append((f"leak {name}", f"{name} grows {slope:.1f} MB/step (+{grown:.0f} MB over steps "
+                                            f"{points[0][0]}-{points[-1][0]}): a leak, or a cache without a bound"))
         return reports

@@ -73,7 +73,7 @@ def node_ram(limit_bytes: Optional[int] = None, cgroup_root: Path = CGROUP) -> d
     """This node's RAM: used and the limit its fraction is taken of.
 
     The limit is the tightest of the host's memory, the container's cgroup limit (a KubeRay pod) and
-    ``limit_bytes`` (``watchdog.ram_limit_gb``). Used is the host's total minus available (what Ray's
+    ``limit_bytes`` (``watchdog.ram_limit_gb``; ignored when larger). Used is the host's total minus available (what Ray's
     monitor uses), or the cgroup's working set when the container limit is the tighter one.
     """
     vm = psutil.virtual_memory()
@@ -81,7 +81,7 @@ def node_ram(limit_bytes: Optional[int] = None, cgroup_root: Path = CGROUP) -> d
     container = cgroup_memory(cgroup_root)
     if container is not None and container[1] < limit:
         used, limit, source = container[0], container[1], "cgroup"
-    if limit_bytes is not None:
+    if limit_bytes is not None and limit_bytes < limit:
         limit, source = limit_bytes, "config"
     return {"kind": "node", "ram_used_bytes": int(used), "ram_total_bytes": int(vm.total),
             "ram_limit_bytes": int(limit), "ram_fraction": used / limit if limit else 0.0, "source": source}

@@ -83,7 +83,11 @@ class NodeSampler:
             if rss is not None:
                 records.append({"kind": "process", **where, "role": role, "rank": rank, "pid": pid, "rss_bytes": rss})
         if self.nvml is not None:
-            records.extend({**gpu, **where} for gpu in gpu_readings(self.nvml))
+            try:
+                records.extend({**gpu, **where} for gpu in gpu_readings(self.nvml))
+            except Exception:  # noqa: BLE001 - e.g. a GPU fell off the bus: keep watching RAM, say so once
+                logger.exception("NVML reading failed on node %s; GPU sampling stops here", self.node_ip)
+                self.nvml = None
         self._export(records)
         with self.lock:
             self.buffer.extend(records)
@@ -108,9 +112,10 @@ class NodeSampler:
             except Exception:  # noqa: BLE001 - a failed reading must not end the sampling
                 logger.exception("memory sample failed on node %s", self.node_ip)
 
-    def drain(self) -> list[dict[str, Any]]:
-        """Everything sampled since the last drain, plus a reading taken now."""
-        self.sample()
+    def drain(self, sample_now: bool = True) -> list[dict[str, Any]]:
+        """Everything sampled since the last drain, plus (``sample_now``) a reading taken now."""
+        if sample_now:
+            self.sample()
         with self.lock:
             records, self.buffer = self.buffer, []
         return records
@@ -125,6 +130,8 @@ class Assessment:
 
     level: str = "ok"
     """The highest level any node's RAM or any GPU reached during the step."""
+    resources: set[str] = field(default_factory=set)
+    """Which memory is at that level: "ram", "vram" or both (relief differs: host offload helps only VRAM)."""
     pressure: list[str] = field(default_factory=list)
     """One line per node/GPU at or above warn: where, how full, which threshold."""
     findings: list[str] = field(default_factory=list)
@@ -141,54 +148,86 @@ class Watchdog:
         self.path.parent.mkdir(parents=True, exist_ok=True)
         self.file = open(self.path, "a")
         self.samplers: dict[str, Any] = {}
-        self.refresh_nodes()
-        self.judged_from = 0.0
-        """Samples older than this are written but not judged (taken while relief was still freeing)."""
-        self.leaks = LeakDetector(self.cfg.leak_warmup_steps, self.cfg.leak_mb_per_step)
-        self.baseline: dict[tuple[str, int], tuple[str, int]] = {}
-        self.latest: dict[tuple[str, int], tuple[str, int]] = {}
         self.write({"kind": "thresholds", "t": time.time(), "ray_kill": ray_kill_threshold(),
                     **{f"{k}_{lv}": getattr(self.cfg, f"{k}_{lv}") for k in ("ram", "vram")
                        for lv in ("warn", "soft", "hard")}})
+        self.reset()
+        self.refresh_nodes()
         logger.info("memory watchdog: %d node sampler(s), every %.2f s -> %s", len(self.samplers),
                     self.cfg.sample_period_s, self.path)
 
+    def reset(self) -> None:
+        """Forget what was learnt about processes (new worker groups after a recovery, or a resume)."""
+        self.leaks = LeakDetector(self.cfg.leak_warmup_steps, self.cfg.leak_mb_per_step)
+        self.baseline: dict[tuple[str, int], tuple[str, int]] = {}
+        self.latest: dict[tuple[str, int], tuple[str, int]] = {}
+        self.reported: set[str] = set()
+        self.warned_limits: set[str] = set()
+
     def refresh_nodes(self) -> None:
         """One sampler per alive node: start them on new nodes (a replaced node), forget lost ones."""
+        from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
         limit = int(self.cfg.ram_limit_gb * GB) if self.cfg.ram_limit_gb else None
         remote = ray.remote(NodeSampler)
         alive = {node["NodeID"] for node in ray.nodes() if node.get("Alive")}
         for node_id in set(self.samplers) - alive:
             logger.warning("memory watchdog: node %s is gone; its sampler with it", node_id[:12])
-            del self.samplers[node_id]
+            self.samplers.pop(node_id)
         for node_id in sorted(alive - set(self.samplers)):
-            strategy = ray.util.scheduling_strategies.NodeAffinitySchedulingStrategy(node_id, soft=False)
             self.samplers[node_id] = remote.options(
-                num_cpus=0, scheduling_strategy=strategy, max_restarts=0,
-                name=f"easytrain-memory-{node_id[:12]}-{id(self):x}").remote(
-                node_id, self.cfg.sample_period_s, limit)
+                num_cpus=0, scheduling_strategy=NodeAffinitySchedulingStrategy(node_id, soft=False), max_restarts=0,
+                name=f"easytrain-memory-{node_id[:12]}-{id(self):x}").remote(node_id, self.cfg.sample_period_s, limit)
+        self.write({"kind": "samplers", "t": time.time(), "nodes": sorted(self.samplers)})
+
+    def _ask(self, method: str, *args: Any, **kwargs: Any) -> dict[str, Any]:
+        """Call every sampler; one that died or cannot answer (its node lost) is dropped with a warning."""
+        pending = {node: getattr(sampler, method).remote(*args, **kwargs) for node, sampler in self.samplers.items()}
+        answers = {}
+        for node, ref in pending.items():
+            try:
+                answers[node] = ray.get(ref, timeout=60)
+            except ray.exceptions.RayError as err:  # dead actor, unschedulable (node lost), timeout
+                logger.warning("memory watchdog: the sampler of node %s is gone (%s)", node[:12], type(err).__name__)
+                self.samplers.pop(node, None)
+        return answers
 
     def write(self, record: dict[str, Any]) -> None:
         self.file.write(json.dumps(record) + "\n")
 
     def register(self, processes: list[dict[str, Any]]) -> None:
-        """Tell each node's sampler which processes are easytrain's: dicts with pid, role, rank, node_id."""
+        """Tell each node's sampler which processes are easytrain's: dicts with pid, role, rank, node_id.
+        What was sampled before (the previous worker groups) is written but not judged."""
         self.refresh_nodes()
+        self.skip_pending()
         by_node: dict[str, list[tuple[int, str, int]]] = {node: [] for node in self.samplers}
         for p in processes:
             if p["node_id"] in by_node:
                 by_node[p["node_id"]].append((p["pid"], p["role"], p["rank"]))
             else:
-                logger.warning("no memory sampler on node %s (joined after start) for %s rank %d",
-                               p["node_id"][:12], p["role"], p["rank"])
-        pending = {node: self.samplers[node].register.remote(procs) for node, procs in by_node.items()}
-        for node, ref in pending.items():
-            try:
-                ray.get(ref)
-            except ray.exceptions.RayActorError:  # the node went away since refresh_nodes looked
-                logger.warning("memory watchdog: the sampler of node %s died", node[:12])
-                del self.samplers[node]
-        self.baseline.clear()
+                logger.warning("no memory sampler on node %s for %s rank %d", p["node_id"][:12], p["role"], p["rank"])
+        for node, procs in by_node.items():
+            if node in self.samplers:
+                self._ask_one(node, "register", procs)
+        self.reset()
+
+    def _ask_one(self, node: str, method: str, *args: Any) -> Any:
+        try:
+            return ray.get(getattr(self.samplers[node], method).remote(*args), timeout=60)
+        except ray.exceptions.RayError as err:
+            logger.warning("memory watchdog: the sampler of node %s is gone (%s)", node[:12], type(err).__name__)
+            self.samplers.pop(node, None)
+            return None
+
+    def skip_pending(self) -> None:
+        """Write what the samplers hold without judging it (taken while relief was freeing, or before a
+        recovery): the next judgement sees only what comes after."""
+        for records in self._ask("drain", sample_now=False).values():
+            for r in records:
+                self.write(r)
+
+    def relieved(self) -> None:
+        self.skip_pending()
 
     def phases(self, step: int, spans: list[tuple[str, float, float]]) -> None:
         for name, start, end in spans:
@@ -199,14 +238,10 @@ class Watchdog:
 
     def collect(self, step: int, worker_readings: Optional[list[dict[str, Any]]] = None) -> Assessment:
         """Drain every node's samples for ``step`` and judge them (call at the step boundary)."""
-        records = []
-        pending = {node_id: sampler.drain.remote() for node_id, sampler in self.samplers.items()}
-        for node_id, ref in pending.items():
-            try:
-                records.extend(ray.get(ref))
-            except ray.exceptions.RayActorError:  # its node was lost; the trainer's recovery handles the workers
-                logger.warning("memory watchdog: the sampler of node %s died", node_id[:12])
-                del self.samplers[node_id]
+        lost = len(self.samplers)
+        records = [r for batch in self._ask("drain").values() for r in batch]
+        if len(self.samplers) < lost:
+            self.refresh_nodes()  # a sampler died on a node still alive: start another
         for r in records:
             self.write(r)
         now = time.time()
@@ -215,27 +250,29 @@ class Watchdog:
         out = Assessment()
         levels, highest = [], {}
         for r in records:
-            if r["t"] < self.judged_from:
-                continue
             if r["kind"] == "node":
                 where, used, limit, fraction = (f"node {r['node_ip']} RAM", r["ram_used_bytes"], r["ram_limit_bytes"],
                                                 r["ram_fraction"])
-                lv = level(fraction, self.cfg.ram_warn, self.cfg.ram_soft, self.cfg.ram_hard)
+                lv, resource = level(fraction, self.cfg.ram_warn, self.cfg.ram_soft, self.cfg.ram_hard), "ram"
+                self._check_limit(r)
             elif r["kind"] == "gpu":
                 where, used, limit, fraction = (f"node {r['node_ip']} GPU {r['index']}", r["used_bytes"],
                                                 r["total_bytes"], r["fraction"])
-                lv = level(fraction, self.cfg.vram_warn, self.cfg.vram_soft, self.cfg.vram_hard)
-            else:
+                lv, resource = level(fraction, self.cfg.vram_warn, self.cfg.vram_soft, self.cfg.vram_hard), "vram"
+            elif r["kind"] == "process":
                 key = (r["role"], r["rank"])
                 self.baseline.setdefault(key, (r["node_ip"], r["rss_bytes"]))
                 self.latest[key] = (r["node_ip"], r["rss_bytes"])
                 continue
-            levels.append(lv)
+            else:
+                continue
+            levels.append((lv, resource))
             if lv != "ok" and fraction > highest.get(where, (0.0,))[0]:
                 highest[where] = (fraction, used, limit, lv)
+        out.level = worst([lv for lv, _ in levels])
+        out.resources = {resource for lv, resource in levels if lv == out.level and lv != "ok"}
         out.pressure = [f"{where} at {fraction:.1%} ({used / GB:.2f} of {limit / GB:.2f} GB, {lv} threshold)"
                         for where, (fraction, used, limit, lv) in highest.items()]
-        out.level = worst(levels)
         self._findings(step, records, worker_readings or [], out)
         node_fractions = [r["ram_fraction"] for r in records if r["kind"] == "node"]
         if node_fractions:
@@ -248,6 +285,18 @@ class Watchdog:
                 self.event(step, out.level, line)
         self.file.flush()
         return out
+
+    def _check_limit(self, r: dict[str, Any]) -> None:
+        """With watchdog.ram_limit_gb above what Ray allows the node, the hard level could come too late."""
+        if r["source"] != "config" or r["node_id"] in self.warned_limits:
+            return
+        kill = ray_kill_threshold() * r["ram_total_bytes"]
+        if self.cfg.ram_hard * r["ram_limit_bytes"] >= kill:
+            self.warned_limits.add(r["node_id"])
+            logger.warning("memory watchdog: watchdog.ram_hard x watchdog.ram_limit_gb = %.1f GB on node %s is above "
+                           "Ray's kill line (%.1f GB): Ray may kill a worker before the watchdog stops the run; "
+                           "lower watchdog.ram_limit_gb", self.cfg.ram_hard * r["ram_limit_bytes"] / GB,
+                           r["node_ip"], kill / GB)
 
     def _findings(self, step: int, records: list[dict[str, Any]], workers: list[dict[str, Any]],
                   out: Assessment) -> None:
@@ -269,15 +318,13 @@ class Watchdog:
                  if role not in ("driver", "reward")]
         ranks += [RankMemory(w["role"], w["rank"], w["node_ip"], w["gpu_reserved_bytes"], "GPU reserved")
                   for w in workers if "gpu_reserved_bytes" in w]
-        for kind, reports in (("leak", self.leaks.check()), ("imbalance", imbalance(ranks, self.cfg.imbalance_factor))):
-            for report in reports:
-                if report not in out.findings:
-                    out.findings.append(report)
-                    self.event(step, kind, report)
-
-    def relieved(self) -> None:
-        """Relief just ended: the next judgement starts from samples taken after it."""
-        self.judged_from = time.time()
+        found = [("leak", key, text) for key, text in self.leaks.check()]
+        found += [("imbalance", key, text) for key, text in imbalance(ranks, self.cfg.imbalance_factor)]
+        for kind, key, text in found:
+            if key not in self.reported:  # each finding once per worker generation
+                self.reported.add(key)
+                out.findings.append(text)
+                self.event(step, kind, text)
 
     def growth(self) -> list[tuple[str, int, str, int]]:
         """(role, rank, node, bytes grown) of every process since it was registered, largest first."""
@@ -291,16 +338,16 @@ class Watchdog:
         return "RSS since start: " + ", ".join(parts) if parts else "no process readings yet"
 
     def close(self, plot: bool = True) -> Optional[Path]:
-        """Stop the samplers, flush memory.jsonl and draw memory.png next to it."""
-        for sampler in self.samplers.values():
-            try:
-                ray.get(sampler.stop.remote(), timeout=10)
-            except Exception:  # noqa: BLE001 - a sampler on a lost node is gone already
-                pass
-            ray.kill(sampler)
-        self.samplers = {}
-        if not self.file.closed:
-            self.file.close()
+        """Drain what the samplers hold (the last step, the final save and validation), stop them, close
+        memory.jsonl and draw memory.png next to it."""
+        if self.samplers:
+            self.skip_pending()
+            for sampler in self.samplers.values():
+                ray.kill(sampler)
+            self.samplers = {}
+        if self.file.closed:
+            return None
+        self.file.close()
         if not plot:
             return None
         from easytrain.memory.timeline import plot_timeline

@@ -30,11 +30,18 @@ logger = logging.getLogger(__name__)
 
 @dataclass
 class Relief:
-    """What one relief action did: bytes freed (0 = skipped), why or how, and per-process figures."""
+    """What one relief action did: bytes freed (measured; 0 when nothing was), why or how, per-process
+    figures; an action whose effect shows only later (a smaller micro batch) is ``applied`` with the
+    planner's figure in ``planned``, never counted as freed."""
 
     freed: int
     detail: str
     processes: list[dict[str, Any]] = field(default_factory=list)
+    applied: bool = False
+    planned: int = 0
+
+    def __post_init__(self) -> None:
+        self.applied = self.applied or self.freed > 0
 
 
 class MemoryGuard:
@@ -66,32 +73,37 @@ class MemoryGuard:
             logger.warning("memory: %s", "; ".join(verdict.pressure))
         elif verdict.level == "soft":
             logger.warning("memory: %s; relief: %s", "; ".join(verdict.pressure), ", ".join(self.config.watchdog.actions))
-            metrics["memory/relief_freed_gb"] = sum(self.relieve(step)) / 2**30
+            metrics["memory/relief_freed_gb"] = sum(self.relieve(step, verdict.resources)) / 2**30
             self.watchdog.relieved()
         elif verdict.level == "hard":
             stop = self.explain(verdict.pressure, verdict.metrics)
-            self.watchdog.event(step, "hard", stop)
+            self.watchdog.event(step, "stop", stop)
         metrics["time/watchdog"] = time.perf_counter() - start
         return metrics, stop
 
     # ------------------------------------------------------------------ relief
 
-    def relieve(self, step: int) -> list[int]:
-        """Run each configured action; returns the bytes each freed (0 when skipped)."""
+    def relieve(self, step: int, resources: set[str]) -> list[int]:
+        """Run each configured action for the memory under pressure ("ram", "vram"); returns the bytes each
+        freed, measured (0 when it was skipped or its effect comes later)."""
         freed = []
         for action in self.config.watchdog.actions:
             started = time.time()
-            relief: Relief = getattr(self, action)()
+            relief: Relief = getattr(self, action)(resources)
             freed.append(relief.freed)
             if relief.freed:
                 logger.warning("memory relief %s: freed %.0f MB (%s)", action, relief.freed / MB, relief.detail)
+            elif relief.applied:
+                logger.warning("memory relief %s: %s (planned %.0f MB lower)", action, relief.detail,
+                               relief.planned / MB)
             else:
                 logger.info("memory relief %s: skipped, %s", action, relief.detail)
             self.watchdog.event(step, "relief", f"{action}: {relief.detail}", action=action, freed_bytes=relief.freed,
-                                skipped=not relief.freed, processes=relief.processes, started=started)
+                                planned_bytes=relief.planned, skipped=not relief.applied,
+                                processes=relief.processes, started=started)
         return freed
 
-    def free_caches(self) -> Relief:
+    def free_caches(self, resources: set[str]) -> Relief:
         """Garbage, the CUDA caching allocator and glibc's free heap in every process: RSS before and after."""
         assert self.roles is not None
         results = [{"role": "driver", "rank": 0, **release_process_memory()}] + self.roles.rewards.release_memory()
@@ -102,10 +114,12 @@ class MemoryGuard:
                            for r in results if r["ram_freed_bytes"] + r["gpu_freed_bytes"] >= MB)
         return Relief(total, detail or "nothing held in caches (every process under 1 MB freed)", results)
 
-    def sleep_rollout(self) -> Relief:
+    def sleep_rollout(self, resources: set[str]) -> Relief:
         """Between steps the engine holds its weights (woken for the sync); level-1 sleep moves them to host
         memory until the next rollout wakes it."""
         assert self.roles is not None
+        if "vram" not in resources:
+            return Relief(0, "host RAM is under pressure: sleep mode moves the engine's weights into host RAM")
         if not self.roles.rollout_sleeps:
             return Relief(0, "the rollout engine cannot sleep here (vLLM sleep mode needs a GPU, colocated roles and "
                              "worker.rollout.sleep_level > 0; the HF engine holds no cache between rollouts)")
@@ -114,8 +128,10 @@ class MemoryGuard:
                              "between steps")
         return Relief(int(sum(self.roles.rollout.call("sleep"))), "vLLM sleep mode until the next rollout")
 
-    def offload_ref(self) -> Relief:
+    def offload_ref(self, resources: set[str]) -> Relief:
         assert self.roles is not None
+        if "vram" not in resources:
+            return Relief(0, "host RAM is under pressure: offloading moves the reference into host RAM")
         if self.roles.ref is None:
             return Relief(0, "no reference worker group in this run")
         if self.config.trainer.device == "cpu":
@@ -126,7 +142,7 @@ class MemoryGuard:
         return Relief(0, "FSDP2 fixes offload when the model is sharded: set worker.ref.offload.params=true for the "
                          "next launch (easytrain plan shows what it saves per GPU)")
 
-    def halve_micro_batch(self) -> Relief:
+    def halve_micro_batch(self, resources: set[str]) -> Relief:
         """Halve the update micro batch (where the actor's activations and logits peak); the planner prices it:
         the effect shows at the next update's peak, so the figure is planned, not measured."""
         assert self.roles is not None
@@ -142,8 +158,8 @@ class MemoryGuard:
         after = worker_bytes(with_overrides(self.config, {key: size // 2}), "actor", "update")
         self.roles.actor.call("set_micro_batch", "update", size // 2)
         actor.micro_batch_size_per_device_for_update = size // 2
-        return Relief(max(0, before - after), f"{key} {size} -> {size // 2}; planned by the planner, lower from "
-                                              "the next update on")
+        return Relief(0, f"{key} {size} -> {size // 2} from the next update on (until the run restarts)",
+                      applied=True, planned=max(0, before - after))
 
     # ------------------------------------------------------------------ hard stop
 

@@ -67,10 +67,17 @@ class RewardPool:
         return scores, errors
 
     def process_info(self) -> list[dict[str, Any]]:
-        return ray.get([w.process_info.remote(i) for i, w in enumerate(self.workers)])
+        return self._each("process_info")
 
     def release_memory(self) -> list[dict[str, Any]]:
-        return ray.get([w.release_memory.remote(i) for i, w in enumerate(self.workers)])
+        return self._each("release_memory")
+
+    def _each(self, method: str) -> list[Any]:
+        """``method`` on every reward worker; a dead one is a worker death (recoverable like any other)."""
+        try:
+            return ray.get([getattr(w, method).remote(i) for i, w in enumerate(self.workers)])
+        except ray.exceptions.RayActorError as err:
+            raise WorkerDied("reward", -1, "?", f"a reward worker died: {str(err).splitlines()[0]}") from err
 
     def dead(self) -> list[str]:
         """The reward workers Ray reports dead."""
