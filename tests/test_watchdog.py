@@ -293,3 +293,32 @@ def test_the_watchdog_collects_per_step_and_replaces_a_dead_sampler(ray_local: N
     assert [r["nodes"] for r in records if r["kind"] == "samplers"][-1] == [node]
     node_samples = [r for r in records if r["kind"] == "node"]
     assert len(node_samples) >= 5 and all(r["node_id"] == node for r in node_samples)
+
+
+def test_samples_reach_the_dashboard_as_ray_metrics(ray_local: None) -> None:
+    """The sampler's gauges appear on the node's Prometheus endpoint (what the Ray dashboard charts)."""
+    import os
+    import time
+    import urllib.request
+
+    import ray
+
+    from easytrain.memory.watchdog import NodeSampler
+
+    node = next(n for n in ray.nodes() if n["Alive"])
+    sampler = ray.remote(NodeSampler).options(num_cpus=0).remote(node["NodeID"], 0.2, None)
+    try:
+        ray.get(sampler.register.remote([(os.getpid(), "driver", 0)]))
+        url = f"http://{node['NodeManagerAddress']}:{node['MetricsExportPort']}/metrics"
+        deadline, found = time.monotonic() + 60, []
+        while time.monotonic() < deadline and len(found) < 2:
+            text = urllib.request.urlopen(url, timeout=10).read().decode()
+            found = [line for line in text.splitlines() if line.startswith(("ray_easytrain_node_ram_used_bytes{",
+                                                                            "ray_easytrain_worker_rss_bytes{"))]
+            time.sleep(1)
+        assert any(line.startswith("ray_easytrain_node_ram_used_bytes{") and float(line.split()[-1]) > 1e8
+                   for line in found), found
+        assert any('role="driver"' in line for line in found), found
+    finally:
+        ray.get(sampler.stop.remote())
+        ray.kill(sampler)
