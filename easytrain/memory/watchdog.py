@@ -65,11 +65,10 @@ class NodeSampler:
                              tag_keys=("node_ip", "role", "rank")),
                 "gpu": Gauge("easytrain_gpu_used_bytes", "GPU memory in use (NVML)", tag_keys=("node_ip", "gpu"))}
 
-    def register(self, processes: list[tuple[int, str, int]]) -> str:
+    def register(self, processes: list[tuple[int, str, int]]) -> None:
         """The easytrain processes on this node: (pid, role, rank); replaces the previous set."""
         with self.lock:
             self.processes = {pid: (role, rank) for pid, role, rank in processes}
-        return self.node_ip
 
     def sample(self) -> list[dict[str, Any]]:
         """One reading of the node, its processes and GPUs (also kept for :meth:`drain`)."""
@@ -180,9 +179,12 @@ class Watchdog:
                 name=f"easytrain-memory-{node_id[:12]}-{id(self):x}").remote(node_id, self.cfg.sample_period_s, limit)
         self.write({"kind": "samplers", "t": time.time(), "nodes": sorted(self.samplers)})
 
-    def _ask(self, method: str, *args: Any, **kwargs: Any) -> dict[str, Any]:
-        """Call every sampler; one that died or cannot answer (its node lost) is dropped with a warning."""
-        pending = {node: getattr(sampler, method).remote(*args, **kwargs) for node, sampler in self.samplers.items()}
+    def _ask(self, method: str, per_node: Optional[dict[str, tuple[Any, ...]]] = None,
+              **kwargs: Any) -> dict[str, Any]:
+        """Call every sampler (with its own arguments from ``per_node``, if given); one that died or cannot
+        answer (its node lost) is dropped with a warning."""
+        pending = {node: getattr(sampler, method).remote(*(per_node or {}).get(node, ()), **kwargs)
+                   for node, sampler in self.samplers.items()}
         answers = {}
         for node, ref in pending.items():
             try:
@@ -206,18 +208,8 @@ class Watchdog:
                 by_node[p["node_id"]].append((p["pid"], p["role"], p["rank"]))
             else:
                 logger.warning("no memory sampler on node %s for %s rank %d", p["node_id"][:12], p["role"], p["rank"])
-        for node, procs in by_node.items():
-            if node in self.samplers:
-                self._ask_one(node, "register", procs)
+        self._ask("register", {node: (procs,) for node, procs in by_node.items()})
         self.reset()
-
-    def _ask_one(self, node: str, method: str, *args: Any) -> Any:
-        try:
-            return ray.get(getattr(self.samplers[node], method).remote(*args), timeout=60)
-        except ray.exceptions.RayError as err:
-            logger.warning("memory watchdog: the sampler of node %s is gone (%s)", node[:12], type(err).__name__)
-            self.samplers.pop(node, None)
-            return None
 
     def skip_pending(self) -> None:
         """Write what the samplers hold without judging it (taken while relief was freeing, or before a
@@ -225,9 +217,6 @@ class Watchdog:
         for records in self._ask("drain", sample_now=False).values():
             for r in records:
                 self.write(r)
-
-    def relieved(self) -> None:
-        self.skip_pending()
 
     def phases(self, step: int, spans: list[tuple[str, float, float]]) -> None:
         for name, start, end in spans:

@@ -74,7 +74,7 @@ class MemoryGuard:
         elif verdict.level == "soft":
             logger.warning("memory: %s; relief: %s", "; ".join(verdict.pressure), ", ".join(self.config.watchdog.actions))
             metrics["memory/relief_freed_gb"] = sum(self.relieve(step, verdict.resources)) / 2**30
-            self.watchdog.relieved()
+            self.watchdog.skip_pending()  # samples taken while relief freed memory are not judged
         elif verdict.level == "hard":
             stop = self.explain(verdict.pressure, verdict.metrics)
             self.watchdog.event(step, "stop", stop)
