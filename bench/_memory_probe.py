@@ -177,8 +177,8 @@ def create_optimizer_states(worker: Any) -> None:
     for p in worker.model.parameters():
         if p.requires_grad:
             p.grad = torch.zeros_like(p)
-    worker.optimizer.step()
-    worker.optimizer.zero_grad(set_to_none=True)
+    worker.strategy.optimizer.step()
+    worker.strategy.optimizer.zero_grad(set_to_none=True)
 
 
 def measure(overrides: list[str], phase: str) -> dict[str, Any]:

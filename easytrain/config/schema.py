@@ -124,6 +124,12 @@ class DataConfig:
     """Rows of the validation split of a synthetic:<task> dataset."""
     synthetic_difficulty: int = bounded(1, low=0)
     """Synthetic task difficulty: distractor shapes per image (and a larger canvas above 1); 0 = none."""
+    messages_key: str = "messages"
+    """SFT: column holding a conversation (a list of {role, content} turns, `<image>` marking where images go);
+    data without it is read in the prompt/answer schema (data.prompt_key / data.answer_key) as one exchange.
+    A whole SFT sample (text plus image tokens) must fit max_prompt_length + max_response_length."""
+    blank_images: bool = False
+    """Replace every image by a blank (white) one of the same size: shows how much a model reads its images."""
 
 
 # ----------------------------------------------------------------------------- workers
@@ -162,6 +168,16 @@ class OptimConfig:
 
 
 @dataclass
+class DeepSpeedConfig:
+    zero_stage: int = bounded(3, low=0, high=3)
+    """ZeRO stage: 1 shards optimizer states, 2 also gradients, 3 also parameters (0 = plain data parallel)."""
+    offload_params: bool = False
+    """ZeRO-3: keep parameters in host RAM between uses."""
+    offload_optimizer: bool = False
+    """ZeRO 1-3: keep optimizer states in host RAM and step there."""
+
+
+@dataclass
 class RoleConfig:
     """Placement and memory settings every role has."""
 
@@ -189,6 +205,14 @@ class ActorConfig(RoleConfig):
     """Dual-clip bound for negative advantages (ratio <= clip_ratio_dual)."""
     loss_agg_mode: str = choice("token-mean", "token-mean", "seq-mean-token-mean")
     """How token losses become the loss: mean over all tokens of the mini batch, or per-sequence means averaged."""
+    strategy: str = choice("fsdp", "fsdp", "deepspeed")
+    """How the actor is distributed: fsdp (FSDP2, default) or deepspeed (ZeRO, worker.actor.deepspeed; SFT only)."""
+    deepspeed: DeepSpeedConfig = field(default_factory=DeepSpeedConfig)
+    padding_free: bool = False
+    """SFT: pack each micro batch's samples into one flattened sequence with no padding (samples do not attend
+    to each other), micro batches filled up to max_token_len_per_device tokens instead of a fixed count."""
+    max_token_len_per_device: int = bounded(4096, low=1)
+    """Token budget of one packed micro batch (padding_free); a longer sample is refused by validation."""
     reuse_log_probs_on_policy: bool = True
     """Skip the old-log-prob pass when the update is exactly on-policy (ppo_epochs=1 and one optimizer
     step per rollout batch): the old log-probs then equal the detached current ones."""

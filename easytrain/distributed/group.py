@@ -6,7 +6,9 @@ returns every result; ``SCATTER`` splits a :class:`Batch` by data-parallel
 rank (padding it to a multiple of the ranks first, and dropping the padding
 from the gathered result) and concatenates the ranks' result batches;
 ``RANK0`` calls every rank (collectives need all of them) and returns rank
-0's result. One remote call per rank per phase; tensors travel through Ray's
+0's result; ``EACH`` takes a list with one first argument per rank (work the
+driver has already planned per rank, e.g. token-balanced micro batches) and
+returns every result. One remote call per rank per phase; tensors travel through Ray's
 object store.
 
 Workers are created with ``max_restarts=0`` on purpose: a restarted rank
@@ -41,6 +43,7 @@ class Dispatch(enum.Enum):
     BROADCAST = "broadcast"
     SCATTER = "scatter"
     RANK0 = "rank0"
+    EACH = "each"
 
 
 def dispatch(mode: Dispatch) -> Callable[[F], F]:
@@ -146,6 +149,13 @@ class WorkerGroup:
     def submit(self, method: str, *args: Any, **kwargs: Any) -> "Pending":
         """Start ``method`` on every rank without waiting (see :meth:`collect`)."""
         mode = self._mode(method)
+        if mode is Dispatch.EACH:
+            shares, rest = args[0], args[1:]
+            if len(shares) != self.world_size:
+                raise ValueError(f"{self.role}.{method} takes one share per rank: {len(shares)} for "
+                                 f"{self.world_size} ranks")
+            return Pending(method, mode, [getattr(w, method).remote(share, *rest, **kwargs)
+                                          for w, share in zip(self.workers, shares)])
         if mode is not Dispatch.SCATTER:
             refs = [getattr(w, method).remote(*args, **kwargs) for w in self.workers]
             return Pending(method, mode, refs)

@@ -3,20 +3,19 @@
 from __future__ import annotations
 
 import logging
-import math
 from collections import defaultdict
 from pathlib import Path
 from typing import Any, Optional
 
 import torch
 import torch.distributed as dist
-from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
 from easytrain.algorithms.kl import kl_penalty
 from easytrain.algorithms.losses import aggregate, masked_sum, policy_loss
 from easytrain.config.schema import Config
 from easytrain.distributed.batch import Batch
 from easytrain.distributed.group import Dispatch, dispatch
+from easytrain.distributed.strategy import TrainStrategy, build_strategy
 from easytrain.workers.base import WorkerBase, build_sharded_model
 from easytrain.workers.forward import batch_log_probs, micro_batches, response_log_probs
 from easytrain.workers.weight_sync import push_weights, to_hf_names
@@ -24,38 +23,22 @@ from easytrain.workers.weight_sync import push_weights, to_hf_names
 logger = logging.getLogger(__name__)
 
 
-def lr_lambda(warmup: int, total: int, kind: str) -> Any:
-    """Linear warm-up, then constant, cosine or linear decay to zero at ``total`` optimizer steps."""
-    def factor(step: int) -> float:
-        if warmup and step < warmup:
-            return (step + 1) / warmup
-        if kind == "constant" or total <= warmup:
-            return 1.0
-        progress = min(1.0, (step - warmup) / max(1, total - warmup))
-        return 0.5 * (1 + math.cos(math.pi * progress)) if kind == "cosine" else 1.0 - progress
-    return factor
-
-
 class ActorWorker(WorkerBase):
     def __init__(self, config: Config, *, role: str, rank: int, world_size: int) -> None:
         super().__init__(config, role=role, rank=rank, world_size=world_size)
         self.cfg = config.worker.actor
         self.model: Any = None
-        self.optimizer: Optional[torch.optim.Optimizer] = None
-        self.scheduler: Any = None
+        self.strategy: Optional[TrainStrategy] = None
 
     @dispatch(Dispatch.BROADCAST)
     def setup(self, total_optimizer_steps: int) -> dict[str, int]:
-        self.model = build_sharded_model(self.config, self.cfg, self.folder, self.device, self.world_size,
-                                         trainable=True)
-        params = [p for p in self.model.parameters() if p.requires_grad]
-        optim = self.cfg.optim
-        self.optimizer = torch.optim.AdamW(params, lr=optim.lr, betas=tuple(optim.betas),  # type: ignore[arg-type]
-                                           weight_decay=optim.weight_decay, foreach=False)
-        self.scheduler = torch.optim.lr_scheduler.LambdaLR(
-            self.optimizer, lr_lambda(optim.warmup_steps, total_optimizer_steps, optim.scheduler))
-        return {"trainable": sum(p.numel() for p in params),
-                "total": sum(p.numel() for p in self.model.parameters())}
+        model = build_sharded_model(self.config, self.cfg, self.folder, self.device, self.world_size,
+                                    trainable=True, shard=self.cfg.strategy == "fsdp")
+        params = [p for p in model.parameters() if p.requires_grad]
+        counts = {"trainable": sum(p.numel() for p in params), "total": sum(p.numel() for p in model.parameters())}
+        self.strategy = build_strategy(model, self.cfg, total_optimizer_steps)
+        self.model = self.strategy.model
+        return counts
 
     @dispatch(Dispatch.SCATTER)
     def compute_log_probs(self, batch: Batch) -> Batch:
@@ -79,7 +62,6 @@ class ActorWorker(WorkerBase):
     @dispatch(Dispatch.SCATTER)
     def update(self, batch: Batch, kl_coef: float) -> dict[str, float]:
         """PPO epochs over the local share of the rollout batch; returns summed metrics for the driver."""
-        assert self.optimizer is not None
         self.model.train()
         per_step = len(batch) // self.steps_per_rollout()
         sums: dict[str, float] = defaultdict(float)
@@ -88,7 +70,7 @@ class ActorWorker(WorkerBase):
                 mini = batch.select(range(start, start + per_step))
                 for key, value in self._optimizer_step(mini, kl_coef).items():
                     sums[key] += value
-        self.optimizer.zero_grad(set_to_none=True)  # gradients are not needed until the next update
+        self.strategy.zero_grad()  # type: ignore[union-attr]
         return dict(sums)
 
     @dispatch(Dispatch.BROADCAST)
@@ -112,7 +94,9 @@ class ActorWorker(WorkerBase):
             dist.all_reduce(normaliser)
         scale = float(normaliser) / dp  # FSDP averages gradients over ranks; undo it for a global mean
         sums: dict[str, float] = defaultdict(float)
-        self.optimizer.zero_grad(set_to_none=True)  # type: ignore[union-attr]
+        strategy = self.strategy
+        assert strategy is not None
+        strategy.zero_grad()
         for micro in micro_batches(mini, self.cfg.micro_batch_size_per_device_for_update):
             mask = micro["response_mask"].to(self.device, torch.float32)
             log_probs, entropy = response_log_probs(self.model, micro, temperature, self.device, with_entropy=True)
@@ -125,7 +109,7 @@ class ActorWorker(WorkerBase):
                 kl = kl_penalty(log_probs, micro["ref_log_probs"].to(self.device), algo.kl_penalty)
                 loss = loss + kl_coef * aggregate(kl, mask, mode, scale)
                 sums["actor/kl_loss_sum"] += float(masked_sum(kl.detach(), mask))
-            loss.backward()
+            strategy.backward(loss)
             with torch.no_grad():
                 sums["actor/pg_loss_sum"] += float(masked_sum(token_loss, mask))
                 sums["actor/clipfrac_sum"] += float(masked_sum(info["clipped"], mask))
@@ -133,33 +117,21 @@ class ActorWorker(WorkerBase):
                 sums["actor/ppo_kl_sum"] += float(masked_sum(-info["log_ratio"], mask))
                 sums["actor/entropy_sum"] += float(masked_sum(entropy, mask))  # type: ignore[arg-type]
                 sums["actor/tokens"] += float(mask.sum())
-        max_norm = self.cfg.optim.max_grad_norm or float("inf")
-        norm = torch.nn.utils.clip_grad_norm_([p for p in self.model.parameters() if p.requires_grad], max_norm)
-        norm = norm.full_tensor() if hasattr(norm, "full_tensor") else norm
-        if torch.isfinite(norm):
-            self.optimizer.step()  # type: ignore[union-attr]
-        else:
-            logger.warning("actor: non-finite gradient norm %s, optimizer step skipped", float(norm))
-        self.scheduler.step()
-        sums["actor/grad_norm_sum"] += float(norm)
+        sums["actor/grad_norm_sum"] += strategy.step()
         sums["actor/optimizer_steps"] += 1
-        sums["actor/lr"] = self.scheduler.get_last_lr()[0]
+        sums["actor/lr"] = strategy.lr
         return sums
 
     @dispatch(Dispatch.BROADCAST)
     def save_checkpoint(self, folder: str) -> None:
         """Every rank writes its shards of the model and optimizer into ``folder`` (DCP), plus its RNG."""
-        from easytrain.distributed.checkpoint import save_training_state
-
-        save_training_state(Path(folder), self.model, self.optimizer, self.scheduler, self.rank)  # type: ignore[arg-type]
+        self.strategy.save(Path(folder), self.rank)  # type: ignore[union-attr]
 
     @dispatch(Dispatch.RANK0)
     def load_checkpoint(self, folder: str) -> dict[str, Any]:
         """Load a training state saved by any number of ranks (DCP reshards to this group)."""
-        from easytrain.distributed.checkpoint import load_training_state
-
-        info = load_training_state(Path(folder), self.model, self.optimizer, self.scheduler, self.rank)  # type: ignore[arg-type]
-        if not info["rng_restored"]:
+        info = self.strategy.load(Path(folder), self.rank)  # type: ignore[union-attr]
+        if not info.get("rng_restored", True):
             logger.info("actor rank %d: no RNG state saved for this rank (saved by %d ranks); keeping its seed",
                         self.rank, info["saved_ranks"])
         return info
@@ -169,17 +141,14 @@ class ActorWorker(WorkerBase):
         """Where this rank's parameters and optimizer states live and which offload policy FSDP holds."""
         from easytrain.distributed.fsdp import offload_policies, parameter_devices
 
-        states = [v for state in self.optimizer.state.values() for v in state.values()  # type: ignore[union-attr]
-                  if torch.is_tensor(v) and v.dim() > 0]
         return {"offload_policies": sorted(set(offload_policies(self.model))),
                 "param_devices": sorted(parameter_devices(self.model)),
-                "optimizer_state_devices": sorted({t.device.type for t in states})}
+                "optimizer_state_devices": self.strategy.optimizer_state_devices()}  # type: ignore[union-attr]
 
     @dispatch(Dispatch.RANK0)
     def full_state_dict(self) -> Optional[dict[str, torch.Tensor]]:
         """Full (unsharded) weights in HF names on rank 0, on CPU; every rank must take part."""
-        options = StateDictOptions(full_state_dict=True, cpu_offload=True)
-        state = get_model_state_dict(self.model, options=options)
+        state = self.strategy.full_state_dict()  # type: ignore[union-attr]
         return to_hf_names(state, self.lora_scale) if self.rank == 0 else None
 
     @dispatch(Dispatch.RANK0)

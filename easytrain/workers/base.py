@@ -97,8 +97,9 @@ class WorkerBase:
 
 
 def build_sharded_model(config: Config, role: RoleConfig, folder: str, device: torch.device,
-                        world_size: int, trainable: bool) -> nn.Module:
-    """The role's model: loaded in fp32 master precision, frozen parts set, checkpointing, then FSDP2."""
+                        world_size: int, trainable: bool, shard: bool = True) -> nn.Module:
+    """The role's model: loaded in fp32 master precision, frozen parts set, checkpointing, then FSDP2
+    (``shard=False`` leaves it whole for a strategy that distributes it itself: DeepSpeed)."""
     model_cfg = config.model
     model = load_model(model_cfg, folder, dtype="float32")
     model.config.use_cache = False
@@ -113,7 +114,7 @@ def build_sharded_model(config: Config, role: RoleConfig, folder: str, device: t
             model = apply_lora(model, model_cfg.lora)
     compute_dtype = DTYPES[model_cfg.dtype]
     param_dtype: Optional[torch.dtype] = None if compute_dtype == torch.float32 else compute_dtype
-    if world_size > 1 or role.offload.params or param_dtype is not None:
+    if shard and (world_size > 1 or role.offload.params or param_dtype is not None):
         mesh = build_mesh(device.type, world_size, role.fsdp.shard_size)
         apply_fsdp(model, mesh=mesh, reshard_after_forward=role.fsdp.full_shard, offload_params=role.offload.params,
                    param_dtype=param_dtype, reduce_dtype=torch.float32 if param_dtype else None,
