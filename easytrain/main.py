@@ -2,6 +2,7 @@
 
     python -m easytrain.main                        # tiny Qwen2.5-VL, synthetic task, local Ray, CPU
     python -m easytrain.main +exp=qwen25vl_7b       # GRPO on Qwen2.5-VL-7B (on a Ray cluster)
+    python -m easytrain.main +exp=tiny_sft          # SFT of the tiny model on the synthetic task (CPU)
     python -m easytrain.main +exp=tiny hydra.run.dir=/tmp/run trainer.max_steps=2
 
 Everything of a run lands in Hydra's run folder (``hydra.run.dir``):
@@ -18,7 +19,7 @@ from __future__ import annotations
 
 import logging
 import sys
-from typing import Sequence
+from typing import TYPE_CHECKING, Sequence
 
 import hydra
 from omegaconf import DictConfig
@@ -26,6 +27,9 @@ from omegaconf import DictConfig
 from easytrain.config import (CONF_DIR, Config, ConfigError, compose, register_schema, to_config, validate,
                               with_default_preset)
 from easytrain.models.shapes import resolve_shape
+
+if TYPE_CHECKING:
+    from easytrain.trainer.base import Trainer
 
 logger = logging.getLogger("easytrain")
 EXIT_CONFIG_ERROR = 2
@@ -55,16 +59,19 @@ def run(config: Config) -> dict[str, float]:
     from easytrain.distributed.cluster import init_ray
     from easytrain.memory.report import check_before_launch
     from easytrain.trainer.checkpoint import check_resume
-    from easytrain.trainer.rl import RLTrainer
 
-    if config.trainer.task == "sft":
-        raise ConfigError("trainer.task", "sft", "the SFT trainer is not part of this build yet",
-                          "use trainer.task=rl")
     logger.info("run folder: %s", config.trainer.output_dir)
     check_before_launch(config)
     check_resume(config)
     init_ray(config.ray)
-    trainer = RLTrainer(config)
+    if config.trainer.task == "sft":
+        from easytrain.trainer.sft import SFTTrainer
+
+        trainer: Trainer = SFTTrainer(config)
+    else:
+        from easytrain.trainer.rl import RLTrainer
+
+        trainer = RLTrainer(config)
     try:
         return trainer.fit()
     finally:
@@ -77,7 +84,7 @@ def _hydra_main(cfg: DictConfig) -> None:
     from easytrain.memory.report import PlanDoesNotFit
     from easytrain.distributed.group import WorkerError
     from easytrain.trainer.checkpoint import CheckpointError
-    from easytrain.trainer.rl import RunFailed, Stopped
+    from easytrain.trainer.base import RunFailed, Stopped
     from easytrain.trainer.signals import EXIT_STOPPED, resume_hint
 
     try:

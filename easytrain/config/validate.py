@@ -103,7 +103,9 @@ def validate(cfg: Config, shape: Optional[ModelShape] = None) -> None:
     _check_data(cfg)
     _check_batches(cfg)
     _check_parallelism(cfg)
-    _check_rollout(cfg)
+    if cfg.trainer.task == "rl":
+        _check_rollout(cfg)
+    _check_strategy(cfg)
     _check_model(cfg)
     _check_trainer(cfg)
     _check_watchdog(cfg)
@@ -195,7 +197,7 @@ def _check_batches(cfg: Config) -> None:
                           f"make the sequence count a multiple of {dp}")
     per_rank = sequences // dp
     micro = actor.micro_batch_size_per_device_for_update
-    if per_rank % micro:
+    if per_rank % micro and not (actor.padding_free and not rl):
         raise ConfigError("worker.actor.micro_batch_size_per_device_for_update", micro,
                           f"must divide the {per_rank} sequences each of {dp} data-parallel ranks "
                           f"updates on per optimizer step ({what})",
@@ -225,6 +227,32 @@ def _check_parallelism(cfg: Config) -> None:
             raise ConfigError(f"worker.{name}.offload.optimizer", True,
                               f"the {name} role holds no optimizer",
                               f"set worker.{name}.offload.optimizer=false (offload.params is the one that applies)")
+
+
+def _check_strategy(cfg: Config) -> None:
+    """The actor's distribution strategy and padding-free packing."""
+    a, sft = cfg.worker.actor, cfg.trainer.task == "sft"
+    if a.strategy == "deepspeed" and not sft:
+        raise ConfigError("worker.actor.strategy", a.strategy, "the RL actor streams FSDP2 shards to the rollout "
+                          "engine and serves LoRA reference log-probs from them; DeepSpeed runs the SFT trainer only",
+                          "use worker.actor.strategy=fsdp for trainer.task=rl")
+    ds = a.deepspeed
+    if a.strategy == "deepspeed" and ds.offload_params and ds.zero_stage != 3:
+        raise ConfigError("worker.actor.deepspeed.offload_params", True,
+                          f"parameter offload needs ZeRO stage 3 (worker.actor.deepspeed.zero_stage={ds.zero_stage})",
+                          "set worker.actor.deepspeed.zero_stage=3 or offload_params=false")
+    if a.strategy == "deepspeed" and (a.offload.params or a.offload.optimizer):
+        raise ConfigError("worker.actor.offload.params" if a.offload.params else "worker.actor.offload.optimizer",
+                          True, "worker.actor.offload.* are FSDP settings; DeepSpeed offloads through its own",
+                          "use worker.actor.deepspeed.offload_params / offload_optimizer")
+    if a.padding_free and not sft:
+        raise ConfigError("worker.actor.padding_free", True, "padding-free packing is built for the SFT trainer; "
+                          "the RL actor takes fixed micro batches", "set worker.actor.padding_free=false")
+    longest = cfg.data.max_prompt_length + cfg.data.max_response_length
+    if sft and a.padding_free and a.max_token_len_per_device < longest:
+        raise ConfigError("worker.actor.max_token_len_per_device", a.max_token_len_per_device,
+                          f"an SFT sample may hold data.max_prompt_length + data.max_response_length = {longest} "
+                          "tokens, more than one packed micro batch", f"set it to at least {longest}")
 
 
 def _check_rollout(cfg: Config) -> None:

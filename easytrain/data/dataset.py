@@ -94,13 +94,16 @@ class PromptDataset:
         for spec in files:
             source = open_source(spec, cache_dir=cache_dir, seed=seed, split=split, text_only=not self.image_key,
                                  synthetic_size=size, difficulty=cfg.synthetic_difficulty)
-            require_columns(source, [("data.prompt_key", cfg.prompt_key), ("data.answer_key", cfg.answer_key),
-                                     ("data.image_key", self.image_key)])
+            self._check_columns(source)
             self.sources.append(source)
         self.skips = SkipReport(split)
         self._index: list[tuple[int, int]] = []
         self.prompt_lengths: list[int] = []
         self._scan(progress)
+
+    def _check_columns(self, source: RowSource) -> None:
+        require_columns(source, [("data.prompt_key", self.cfg.prompt_key), ("data.answer_key", self.cfg.answer_key),
+                                 ("data.image_key", self.image_key)])
 
     def _scan(self, progress: bool) -> None:
         total = sum(len(s) for s in self.sources)
@@ -144,8 +147,7 @@ class PromptDataset:
         answer = _text(row.get(cfg.answer_key), "answer")
         if self.template is not None:
             problem = self.template.render(content=problem)
-        raw_images = self._raw_images(row)
-        decoded = [decode_image(v, cfg.image_dir, f"{where} image {i}") for i, v in enumerate(raw_images)]
+        decoded = self._decoded_images(row, where)
         images = [fit_image(im, cfg.min_pixels, cfg.max_pixels) for im in decoded]
         messages = build_messages(problem, len(images))
         rendered = render_prompt(self.tokenizer, messages, [vision_tokens(im.height, im.width) for im in images])
@@ -158,6 +160,14 @@ class PromptDataset:
         return Prompt(uid=where, input_ids=rendered.input_ids, vllm_text=rendered.vllm_text, images=images,
                       image_tokens=rendered.image_tokens, answer=answer,
                       downscaled=downscaled)
+
+    def _decoded_images(self, row: dict[str, Any], where: str) -> list[Image.Image]:
+        """The row's images, decoded to RGB (blanked to white when data.blank_images)."""
+        decoded = [decode_image(v, self.cfg.image_dir, f"{where} image {i}")
+                   for i, v in enumerate(self._raw_images(row))]
+        if self.cfg.blank_images:
+            decoded = [Image.new("RGB", im.size, (255, 255, 255)) for im in decoded]
+        return decoded
 
     def _raw_images(self, row: dict[str, Any]) -> list[Any]:
         if not self.image_key:

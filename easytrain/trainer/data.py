@@ -1,4 +1,5 @@
-"""The RL trainer's data: train/validation prompt datasets, their loaders, and decoding responses."""
+"""The trainers' data: train/validation datasets (prompts for RL, conversations for SFT), their resumable
+loaders, and decoding responses."""
 
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ from easytrain.config.validate import split_files
 from easytrain.data.collate import PromptCollator
 from easytrain.data.dataset import PromptDataset
 from easytrain.data.loader import PromptLoader
+from easytrain.data.sft import SFTCollator, SFTDataset
 from easytrain.data.vision import IMAGE_PAD
 from easytrain.distributed.batch import Batch
 from easytrain.models.hf import load_image_processor, load_tokenizer, model_folder
@@ -20,27 +22,34 @@ PROMPT_TENSORS = ("input_ids", "attention_mask", "pixel_values", "image_grid_thw
 
 
 class RLData:
+    dataset_class: type = PromptDataset
+
     def __init__(self, config: Config) -> None:
         self.config = config
         d, m = config.data, config.model
         folder = model_folder(m)
         self.tokenizer = load_tokenizer(m, folder)
         self.processor = load_image_processor(m, folder)
-        vision = self.processor is not None and d.image_key is not None
+        self.vision = vision = self.processor is not None and d.image_key is not None
         if self.processor is not None:  # images are sized by the dataset; keep the processor's bounds in step
             self.processor.size = {"shortest_edge": d.min_pixels, "longest_edge": d.max_pixels}
-        cache = m.cache_dir
-        self.train = PromptDataset(split_files(d.train_files), d, self.tokenizer, "train", config.trainer.seed,
-                                   vision, cache)
-        self.val = (PromptDataset(split_files(d.val_files), d, self.tokenizer, "val", config.trainer.seed, vision,
-                                  cache) if d.val_files else None)
+        cache, make = m.cache_dir, self.dataset_class
+        self.train = make(split_files(d.train_files), d, self.tokenizer, "train", config.trainer.seed, vision, cache)
+        self.val = make(split_files(d.val_files), d, self.tokenizer, "val", config.trainer.seed, vision,
+                        cache) if d.val_files else None
         for dataset in (self.train, self.val):
             if dataset is not None:
                 dataset.write_skip_report(config.trainer.output_dir)
         self.collator = PromptCollator(self.tokenizer.pad_token_id, self.processor if vision else None,
                                        self.tokenizer.convert_tokens_to_ids(IMAGE_PAD))
-        self.loader = PromptLoader(self.train, d.rollout_batch_size, self.collator, d.shuffle, config.trainer.seed,
-                                   d.num_workers)
+        self.loader = PromptLoader(self.train, self.batch_size(), self.train_collator(), d.shuffle,
+                                   config.trainer.seed, d.num_workers)
+
+    def batch_size(self) -> int:
+        return self.config.data.rollout_batch_size
+
+    def train_collator(self) -> Any:
+        return self.collator
 
     def total_steps(self) -> int:
         t = self.config.trainer
@@ -76,3 +85,41 @@ def to_batch(raw: dict[str, Any], keep_images: bool) -> Batch:
         meta.update(images=raw["images"], vllm_prompts=raw["vllm_prompts"])
     counts = torch.tensor([len(images) for images in raw["images"]]) if "pixel_values" in raw else None
     return Batch(tensors, meta, counts)
+
+
+class SFTData(RLData):
+    """Conversations for SFT: global batches of padded samples with targets; prompts for generation samples."""
+
+    dataset_class = SFTDataset
+
+    def batch_size(self) -> int:
+        return self.config.worker.actor.global_batch_size
+
+    def train_collator(self) -> Any:
+        return SFTCollator(self.tokenizer.pad_token_id, self.processor if self.vision else None,
+                           self.tokenizer.convert_tokens_to_ids(IMAGE_PAD))
+
+    def train_batches(self) -> Iterator[Batch]:
+        while True:
+            for raw in self.loader:
+                yield sft_batch(raw)
+
+    def val_sft_batches(self) -> Iterator[Batch]:
+        """The validation conversations (for the validation loss), in batches of data.val_batch_size."""
+        assert self.val is not None, "no validation data (data.val_files)"
+        collate = self.loader.collator
+        for indices in self.val_chunks():
+            yield sft_batch(collate([self.val[i] for i in indices]))
+
+    def val_chunks(self) -> list[range]:
+        assert self.val is not None
+        size = len(self.val) if self.config.data.val_batch_size < 0 else self.config.data.val_batch_size
+        return [range(start, min(start + size, len(self.val))) for start in range(0, len(self.val), size)]
+
+
+def sft_batch(raw: dict[str, Any]) -> Batch:
+    import torch
+
+    tensors = {k: raw[k] for k in (*PROMPT_TENSORS, "targets", "position_ids") if k in raw}
+    counts = torch.tensor([len(images) for images in raw["images"]]) if "pixel_values" in raw else None
+    return Batch(tensors, {"uids": raw["uids"]}, counts)

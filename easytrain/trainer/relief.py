@@ -53,7 +53,7 @@ class MemoryGuard:
     def register(self, roles: Roles) -> None:
         """Every easytrain process of the run (workers of each role, reward workers, the driver)."""
         self.roles = roles
-        processes = [process_info("driver", 0)] + roles.rewards.process_info()
+        processes = [process_info("driver", 0)] + (roles.rewards.process_info() if roles.rewards else [])
         for group in roles.groups():
             processes += group.call("process_info")
         self.watchdog.register(processes)
@@ -106,7 +106,9 @@ class MemoryGuard:
     def free_caches(self, resources: set[str]) -> Relief:
         """Garbage, the CUDA caching allocator and glibc's free heap in every process: RSS before and after."""
         assert self.roles is not None
-        results = [{"role": "driver", "rank": 0, **release_process_memory()}] + self.roles.rewards.release_memory()
+        results = [{"role": "driver", "rank": 0, **release_process_memory()}]
+        if self.roles.rewards is not None:
+            results += self.roles.rewards.release_memory()
         for group in self.roles.groups():
             results += group.call("release_memory")
         total = sum(r["ram_freed_bytes"] + r["gpu_freed_bytes"] for r in results)

@@ -24,9 +24,10 @@ class Roles:
     actor: WorkerGroup
     ref: Optional[WorkerGroup]
     """The reference group; None when there is no KL term or when the actor serves it (LoRA)."""
-    rollout: WorkerGroup
-    rewards: RewardPool
-    transport: WeightTransport
+    rollout: Optional[WorkerGroup]
+    """None in SFT runs (generation samples come from the actor)."""
+    rewards: Optional[RewardPool]
+    transport: Optional[WeightTransport]
     pools: list[ResourcePool]
     lora_reference: bool = False
     rollout_sleeps: bool = False
@@ -46,15 +47,31 @@ class Roles:
     def dead_workers(self) -> list[str]:
         """Role, rank and node of every training or rollout worker Ray reports dead."""
         return [f"{group.role} rank {rank} on node {ip}" for group in (self.actor, self.ref, self.rollout)
-                if group is not None for rank, ip in group.dead_ranks()] + self.rewards.dead()
+                if group is not None for rank, ip in group.dead_ranks()] + (self.rewards.dead() if self.rewards else [])
 
     def shutdown(self) -> None:
         for group in (self.actor, self.ref, self.rollout):
             if group is not None:
                 group.shutdown()
-        self.rewards.shutdown()
+        if self.rewards is not None:
+            self.rewards.shutdown()
         for pool in self.pools:
             pool.release()
+
+
+def build_sft_roles(config: Config, total_optimizer_steps: int) -> Roles:
+    """The one role of an SFT run: the actor on every worker of the pool (its own process group)."""
+    from easytrain.workers.sft import SFTWorker
+
+    t = config.trainer
+    pool = ResourcePool("sft", t.nnodes, t.workers_per_node, t.device)
+    actor = WorkerGroup(SFTWorker, "actor", pool, num_cpus=1.0, num_gpus=1.0 if t.device == "cuda" else 0.0,
+                        init_args=(config,), env={"TOKENIZERS_PARALLELISM": "false"})
+    actor.init_process_group()
+    sizes = actor.call("setup", total_optimizer_steps)
+    logger.info("actor: %s parameters (%s trainable) on %d rank(s), strategy %s", sizes[0]["total"],
+                sizes[0]["trainable"], actor.world_size, config.worker.actor.strategy)
+    return Roles(actor, None, None, None, None, [pool])
 
 
 def build_roles(config: Config, total_optimizer_steps: int) -> Roles:

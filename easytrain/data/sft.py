@@ -1,0 +1,223 @@
+"""Supervised fine-tuning data: conversations with images, trained on the assistant's tokens only.
+
+Two row schemas are read:
+
+- conversations: ``data.messages_key`` (default ``messages``) holds a list of
+  ``{"role": system|user|assistant, "content": ...}`` turns, content a string
+  with ``<image>`` marking where each image of ``data.image_key`` goes (or a
+  list of ``{"type": "text"|"image"}`` parts); without any ``<image>`` the
+  images go first in the first user turn;
+- prompt/answer: ``data.prompt_key`` and ``data.answer_key`` become one user
+  turn and one assistant turn (the RL datasets, e.g. geometry3k or the
+  synthetic task, train as they are).
+
+:func:`render_conversation` applies the chat template once per assistant turn
+and keeps the pieces apart: the text up to and including each assistant
+header is context (label -100), the assistant's words and its end-of-turn
+token are trained. Each piece is tokenized on its own, as generation will see
+it (the prompt with its generation header, then the response).
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from typing import Any, Optional, Sequence
+
+import torch
+
+from easytrain.data.collate import rope_positions, text_positions
+from easytrain.data.dataset import Prompt, PromptDataset, _text
+from easytrain.data.images import BadSample, fit_image, vision_tokens
+from easytrain.data.prompts import IMAGE_PLACEHOLDER, build_messages
+from easytrain.data.sources import DataError, RowSource, require_columns
+from easytrain.data.vision import IMAGE_PAD, expand_image_placeholders, mm_token_type_ids
+
+logger = logging.getLogger(__name__)
+
+IGNORE = -100
+"""Label of tokens that are not trained (and of padding)."""
+ROLES = ("system", "user", "assistant")
+
+
+@dataclass
+class SFTSample(Prompt):
+    """A prompt (the conversation up to its last assistant turn, for generation samples) plus the whole
+    conversation's tokens and labels."""
+
+    ids: list[int] = None  # type: ignore[assignment]
+    """Tokens of the whole conversation, image placeholders expanded."""
+    labels: list[int] = None  # type: ignore[assignment]
+    """The token where it is trained (assistant turns), IGNORE elsewhere."""
+    all_images: list[Any] = None  # type: ignore[assignment]
+    """Every image of the conversation (``images`` holds those of the prompt part)."""
+
+
+def conversation_turns(messages: Any, num_images: int) -> list[dict[str, Any]]:
+    """Turns as chat-template messages (content parts, images placed), checked."""
+    if not isinstance(messages, (list, tuple)) or not messages:
+        raise BadSample("bad_messages", "messages is not a non-empty list of turns")
+    turns, placed = [], 0
+    for i, turn in enumerate(messages):
+        if not isinstance(turn, dict) or turn.get("role") not in ROLES:
+            raise BadSample("bad_messages", f"turn {i} is not a {{role, content}} dict with role in {ROLES}")
+        content = turn.get("content")
+        if isinstance(content, (list, tuple)):
+            parts = [dict(p) for p in content]
+            placed += sum(p.get("type") == "image" for p in parts)
+        else:
+            text = _text(content, f"turn {i} content")
+            placed += text.count(IMAGE_PLACEHOLDER)
+            parts = build_messages(text, text.count(IMAGE_PLACEHOLDER))[0]["content"]
+        turns.append({"role": turn["role"], "content": parts})
+    if placed == 0 and num_images:
+        first_user = next((t for t in turns if t["role"] == "user"), None)
+        if first_user is None:
+            raise BadSample("placeholder_mismatch", f"{num_images} images but no user turn to put them in")
+        first_user["content"] = [{"type": "image"} for _ in range(num_images)] + first_user["content"]
+    elif placed != num_images:
+        raise BadSample("placeholder_mismatch", f"{placed} image places in the turns but {num_images} images")
+    if not any(t["role"] == "assistant" for t in turns):
+        raise BadSample("no_assistant_turn", "the conversation has no assistant turn to train on")
+    return turns
+
+
+@dataclass
+class RenderedConversation:
+    ids: list[int]
+    labels: list[int]
+    prompt_len: int
+    """Tokens before the last assistant turn's words (the prompt a generation sample starts from)."""
+    prompt_text: str
+    prompt_images: int
+    """Images in the prompt part."""
+
+
+def render_conversation(tokenizer: Any, turns: list[dict[str, Any]], image_tokens: Sequence[int]) -> RenderedConversation:
+    """Token ids and labels of a conversation: assistant words and end-of-turn trained, the rest context."""
+    pieces: list[tuple[str, bool]] = []
+    done = ""
+    for i, turn in enumerate(turns):
+        if turn["role"] != "assistant":
+            continue
+        header = tokenizer.apply_chat_template(turns[:i], tokenize=False, add_generation_prompt=True)
+        full = tokenizer.apply_chat_template(turns[:i + 1], tokenize=False)
+        if not (header.startswith(done) and full.startswith(header)):
+            raise DataError("the chat template does not render a conversation as a growing prefix "
+                            "(each turn appended to the previous text); SFT labels cannot be placed")
+        answer = full[len(header):]
+        trained = answer.rstrip("\n")
+        pieces += [(header[len(done):], False), (trained, True), (answer[len(trained):], False)]
+        done = full
+    last_full = tokenizer.apply_chat_template(turns, tokenize=False)
+    pieces.append((last_full[len(done):], False))
+    ids: list[int] = []
+    labels: list[int] = []
+    counts = list(image_tokens)
+    prompt_len, prompt_text, prompt_images, used = 0, "", 0, 0
+    for n, (text, trained) in enumerate(pieces):
+        if not text:
+            continue
+        here = text.count(IMAGE_PAD)
+        piece = tokenizer(expand_image_placeholders(text, counts[used:used + here]),
+                          add_special_tokens=False)["input_ids"]
+        if trained and trained_index(pieces) == n:  # the last assistant turn: what came before is the prompt
+            prompt_len, prompt_images = len(ids), used
+            prompt_text = "".join(t for t, _ in pieces[:n])
+        used += here
+        ids += piece
+        labels += piece if trained else [IGNORE] * len(piece)
+    if used != len(counts):
+        raise BadSample("placeholder_mismatch", f"the chat template wrote {used} image slots for {len(counts)} images")
+    return RenderedConversation(ids, labels, prompt_len, prompt_text, prompt_images)
+
+
+def trained_index(pieces: list[tuple[str, bool]]) -> int:
+    """Index of the last trained (assistant) piece."""
+    return max(i for i, (_, trained) in enumerate(pieces) if trained)
+
+
+class SFTDataset(PromptDataset):
+    """Usable SFT samples of ``files`` for one split (checked once, skips reported like prompts)."""
+
+    def _check_columns(self, source: RowSource) -> None:
+        cfg = self.cfg
+        if cfg.messages_key in source.columns():
+            require_columns(source, [("data.image_key", self.image_key)])
+        else:
+            require_columns(source, [("data.prompt_key", cfg.prompt_key), ("data.answer_key", cfg.answer_key),
+                                     ("data.image_key", self.image_key)])
+
+    def _build(self, s: int, r: int) -> SFTSample:
+        source, cfg = self.sources[s], self.cfg
+        row = source[r]
+        if isinstance(row, BadSample):
+            raise row
+        where = f"{source.name}#{r}"
+        images = [fit_image(im, cfg.min_pixels, cfg.max_pixels) for im in self._decoded_images(row, where)]
+        if cfg.messages_key in row:
+            turns = conversation_turns(row[cfg.messages_key], len(images))
+        else:
+            problem = _text(row.get(cfg.prompt_key), "prompt")
+            if self.template is not None:
+                problem = self.template.render(content=problem)
+            answer = _text(row.get(cfg.answer_key), "answer")
+            turns = build_messages(problem, len(images)) + [{"role": "assistant",
+                                                              "content": [{"type": "text", "text": answer}]}]
+        rendered = render_conversation(self.tokenizer, turns, [vision_tokens(im.height, im.width) for im in images])
+        limit = cfg.max_prompt_length + cfg.max_response_length
+        if len(rendered.ids) > limit:
+            raise BadSample("too_long", f"{len(rendered.ids)} tokens > data.max_prompt_length + "
+                            f"data.max_response_length = {limit}")
+        last = next(t for t in reversed(turns) if t["role"] == "assistant")
+        answer = "".join(p.get("text", "") for p in last["content"])
+        prompt_images = images[:rendered.prompt_images]
+        return SFTSample(uid=where, input_ids=rendered.ids[:rendered.prompt_len], vllm_text=rendered.prompt_text,
+                         images=prompt_images, image_tokens=[vision_tokens(im.height, im.width) for im in prompt_images],
+                         answer=answer, ids=rendered.ids, labels=rendered.labels, all_images=images)
+
+    def sample_length(self, index: int) -> int:
+        return self.prompt_lengths[index]
+
+
+@dataclass
+class SFTCollator:
+    """Right-padded conversations with their shifted targets (picklable: runs in loader processes).
+
+    ``targets[t]`` is the label of token ``t + 1`` (IGNORE at each sample's last
+    token and on padding), so a packed sequence never trains one sample's last
+    token to predict the next sample's first.
+    """
+
+    pad_token_id: int
+    image_processor: Any = None
+    image_token_id: int = -1
+
+    def __call__(self, samples: Sequence[SFTSample]) -> dict[str, Any]:
+        longest = max(len(s.ids) for s in samples)
+        shape = (len(samples), longest)
+        input_ids = torch.full(shape, self.pad_token_id, dtype=torch.long)
+        targets = torch.full(shape, IGNORE, dtype=torch.long)
+        attention_mask = torch.zeros(shape, dtype=torch.long)
+        for i, s in enumerate(samples):
+            n = len(s.ids)
+            input_ids[i, :n] = torch.tensor(s.ids)
+            targets[i, :n - 1] = torch.tensor(s.labels[1:])
+            attention_mask[i, :n] = 1
+        batch: dict[str, Any] = {"input_ids": input_ids, "attention_mask": attention_mask, "targets": targets,
+                                 "uids": [s.uid for s in samples], "images": [s.all_images for s in samples]}
+        if self.image_processor is None:
+            batch["position_ids"] = text_positions(attention_mask)
+            return batch
+        types = mm_token_type_ids(input_ids, self.image_token_id)
+        batch["mm_token_type_ids"] = types
+        images = [im for s in samples for im in s.all_images]
+        grid: Optional[torch.Tensor] = None
+        if images:
+            processed = self.image_processor(images=images, return_tensors="pt")
+            batch["pixel_values"], grid = processed["pixel_values"], processed["image_grid_thw"]
+            batch["image_grid_thw"] = grid
+        batch["position_ids"] = rope_positions(input_ids, types, grid, attention_mask,
+                                               getattr(self.image_processor, "merge_size", 2))
+        return batch
+

@@ -1,0 +1,236 @@
+"""What every trainer does around its steps: checkpoints, resume, recovery from dead workers, the
+memory watchdog at step boundaries, stopping on request.
+
+A trainer (RL, SFT) subclasses :class:`Trainer` and supplies its roles
+(:meth:`build_roles`), one step (:meth:`train_step`), validation
+(:meth:`validate`) and the driver state its checkpoints carry beyond the
+actor's (:meth:`driver_state` / :meth:`load_driver_state`).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from pathlib import Path
+from typing import Any, Iterator, Optional
+
+from omegaconf import OmegaConf
+from tqdm import tqdm
+
+from easytrain.config.schema import Config
+from easytrain.distributed.checkpoint import rng_state, set_rng_state
+from easytrain.distributed.group import WorkerError
+from easytrain.trainer.checkpoint import (ACTOR, PREFIX, CheckpointWriter, check_compatible, checkpoint_root, latest,
+                                          model_signature)
+from easytrain.trainer.metrics import MetricsLogger
+from easytrain.trainer.relief import MemoryGuard
+from easytrain.trainer.roles import Roles
+from easytrain.trainer.signals import resume_hint, stop_on_sigterm
+
+logger = logging.getLogger(__name__)
+
+
+class Stopped(Exception):
+    """The run stopped on request (SIGTERM, the watchdog) after saving a checkpoint."""
+
+    def __init__(self, reason: str, step: int, checkpoint: Optional[Path]) -> None:
+        super().__init__(f"stopped at step {step} ({reason}); checkpoint {checkpoint or 'none (saving is off)'}")
+        self.reason, self.step, self.checkpoint = reason, step, checkpoint
+
+
+class RunFailed(Exception):
+    """Workers died more often than ``trainer.max_failures`` allows; the message says how to resume."""
+
+
+class Trainer:
+    name = "train"
+    """Progress bar label."""
+    headline = "loss"
+    """The step metric the progress bar shows."""
+
+    roles: Roles
+    total_steps: int
+    batches: Iterator[Any]
+
+    def __init__(self, config: Config, loader: Any) -> None:
+        t = config.trainer
+        self.config, self.loader = config, loader
+        self.fresh_data_state = loader.state_dict()
+        self.metrics = MetricsLogger(t.output_dir, t.loggers, t.experiment_name)
+        self.checkpoints = CheckpointWriter(checkpoint_root(t.output_dir), t.save_limit)
+        self.step, self.saved_step = 0, -1
+        self.spans: list[tuple[str, float, float]] = []
+        self.worker_readings: list[dict[str, Any]] = []
+        self.stop_reason: Optional[str] = None
+        self.save_requested = False
+        self.guard = MemoryGuard(config, t.output_dir) if config.watchdog.enabled else None
+
+    def start(self, resume: Optional[Path]) -> None:
+        """Build the roles, register them with the watchdog, continue from ``resume`` (None: the start)."""
+        self.roles = self.build_roles()
+        if self.guard is not None:
+            self.guard.register(self.roles)
+        self.restore(resume)
+
+    # ------------------------------------------------------------------ what a trainer supplies
+
+    def build_roles(self) -> Roles:
+        raise NotImplementedError
+
+    def train_step(self) -> dict[str, float]:
+        raise NotImplementedError
+
+    def validate(self) -> dict[str, float]:
+        raise NotImplementedError
+
+    def driver_state(self) -> dict[str, Any]:
+        return {}
+
+    def load_driver_state(self, state: dict[str, Any]) -> None:
+        """Driver state of a checkpoint; the actor's weights are already loaded."""
+
+    def new_batches(self) -> Iterator[Any]:
+        raise NotImplementedError
+
+    # ------------------------------------------------------------------ loop
+
+    def fit(self) -> dict[str, float]:
+        """Train to the last step; recover from worker deaths up to ``trainer.max_failures`` times."""
+        failures = 0
+        with stop_on_sigterm(self.request_stop):
+            while True:
+                try:
+                    return self._fit()
+                except WorkerError as err:
+                    dead = self.wait_for_dead_workers()
+                    if not dead:
+                        raise  # a worker raised: retrying the same step would fail the same way
+                    failures += 1
+                    report = f"{err} (dead: {', '.join(dead)})"
+                    if failures > self.config.trainer.max_failures:
+                        raise RunFailed(f"{report}; {failures} failure(s), trainer.max_failures="
+                                        f"{self.config.trainer.max_failures}. {resume_hint(self.config)}") from err
+                    logger.error("%s; recreating the worker groups and resuming from the latest checkpoint "
+                                 "(failure %d of trainer.max_failures=%d)", report, failures,
+                                 self.config.trainer.max_failures)
+                    self.restart()
+
+    def _fit(self) -> dict[str, float]:
+        t = self.config.trainer
+        if self.step == 0 and (t.val_before_train or t.val_only):
+            first = self.validate()
+            if t.val_only:
+                return first
+        bar = tqdm(total=self.total_steps, initial=self.step, desc=self.name, unit="step")
+        while self.step < self.total_steps:
+            self.step += 1
+            metrics = self.train_step()
+            if self.guard is not None:  # pressure is judged at the step boundary, where relief and saving can run
+                watched, stop = self.guard.after_step(self.step, self.spans, self.worker_readings)
+                metrics.update(watched)
+                if stop is not None:
+                    self.request_stop(stop)
+            self.metrics.log(self.step, metrics)
+            if self.save_requested or (t.save_freq > 0 and self.step % t.save_freq == 0):
+                self.save()
+            if self.stop_reason is not None:
+                raise Stopped(self.stop_reason, self.step, self.save())
+            if t.val_freq > 0 and self.step % t.val_freq == 0 and self.step < self.total_steps:
+                self.validate()
+            bar.update(1)
+            bar.set_postfix({self.headline: f"{metrics.get(self.headline, float('nan')):.3f}"})
+        bar.close()
+        final_checkpoint = self.save()
+        final = self.validate()
+        if t.export_final and final_checkpoint is not None:
+            from easytrain.trainer.export import export
+
+            export(final_checkpoint, Path(t.output_dir) / "hf", merge=t.export_merge)
+        return final
+
+    def memory(self) -> dict[str, float]:
+        """Each role's largest per-worker reading; all workers are asked at once. Their in-worker readings
+        (RSS, torch allocator) are kept for the memory watchdog."""
+        groups = {"actor": self.roles.actor, "ref": self.roles.ref, "rollout": self.roles.rollout}
+        pending = {name: group.submit("memory") for name, group in groups.items() if group is not None}
+        out, self.worker_readings = {}, []
+        for name, calls in pending.items():
+            readings = groups[name].collect(calls)  # type: ignore[union-attr]
+            self.worker_readings += [r.pop("watch") for r in readings]
+            for key in readings[0]:
+                out[f"memory/{name}_{key}_max"] = max(r[key] for r in readings)
+        return out
+
+    # ------------------------------------------------------------------ checkpoints and recovery
+
+    def request_stop(self, reason: str) -> None:
+        """Save at the end of the current step and stop (SIGTERM, the watchdog's hard threshold)."""
+        if self.stop_reason is None:
+            logger.warning("%s: saving a checkpoint at the end of the current step and stopping", reason)
+        self.stop_reason = reason
+
+    def request_checkpoint(self) -> None:
+        """Save at the end of the current step and go on (the watchdog's request)."""
+        self.save_requested = True
+
+    def save(self) -> Optional[Path]:
+        """Checkpoint the current step (once); None when saving is off (trainer.save_freq=0)."""
+        self.save_requested = False
+        if self.config.trainer.save_freq == 0 or self.step == 0:
+            return None
+        if self.saved_step == self.step:
+            return self.checkpoints.root / f"{PREFIX}{self.step}"
+        start = time.perf_counter()
+        tmp = self.checkpoints.begin(self.step)
+        self.roles.actor.call("save_checkpoint", str(tmp / ACTOR))
+        state = {"step": self.step, "data": self.loader.state_dict(), "rng": rng_state(),
+                 "actor_world_size": self.roles.actor.world_size, "model_signature": model_signature(self.config),
+                 **self.driver_state()}
+        folder = self.checkpoints.commit(tmp, self.step, state, OmegaConf.to_yaml(OmegaConf.structured(self.config)))
+        self.saved_step = self.step
+        logger.info("checkpoint %s (%.1f s)", folder, time.perf_counter() - start)
+        return folder
+
+    def restore(self, folder: Optional[Path]) -> None:
+        """Continue from ``folder`` (None: from the start): weights and optimizer, data position, RNG and the
+        trainer's own state."""
+        if hasattr(self, "batches"):
+            self.batches.close()  # type: ignore[attr-defined]  # stops the previous loader (and its processes)
+        if folder is None:
+            self.step, self.saved_step = 0, -1
+            self.loader.load_state_dict(self.fresh_data_state)
+        else:
+            state = check_compatible(folder, self.config)
+            self.roles.actor.call("load_checkpoint", str(folder / ACTOR))
+            self.step = self.saved_step = int(state["step"])
+            self.loader.load_state_dict(state["data"])
+            set_rng_state(state["rng"])
+            self.load_driver_state(state)
+            logger.info("resumed from %s: step %d of %d (saved by %d actor rank(s), now %d)", folder, self.step,
+                        self.total_steps, state["actor_world_size"], self.roles.actor.world_size)
+        self.metrics.rewind(self.step)
+        self.batches = self.new_batches()
+
+    def restart(self) -> None:
+        """Tear every worker group down, build them again and resume from the latest checkpoint."""
+        self.roles.shutdown()
+        self.start(latest(self.checkpoints.root) if self.checkpoints.root.is_dir() else None)
+
+    def wait_for_dead_workers(self, timeout_s: float = 30.0) -> list[str]:
+        """Which workers are dead. A peer's failure (a broken collective) can reach the driver before Ray marks
+        the dead one, which for a lost node takes its health checks (~15 s with Ray's defaults)."""
+        deadline = time.monotonic() + timeout_s
+        while True:
+            dead = self.roles.dead_workers()
+            if dead or time.monotonic() > deadline:
+                return dead
+            time.sleep(0.5)
+
+    def close(self) -> None:
+        if hasattr(self, "batches"):
+            self.batches.close()  # type: ignore[attr-defined]
+        self.metrics.close()
+        if self.guard is not None:
+            self.guard.close(plot=self.config.watchdog.plot)
+        if hasattr(self, "roles"):
+            self.roles.shutdown()

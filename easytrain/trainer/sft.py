@@ -1,0 +1,149 @@
+"""The SFT driver: global batches of conversations, planned into each rank's micro batches, one remote call
+per step.
+
+    next batch -> plan micro batches per rank (fixed count, or token-budget packs balanced by tokens)
+    -> forward/backward on every rank -> optimizer step
+
+The loss is the mean over every trained (assistant) token of the global batch,
+whatever the ranks and micro batches, so gradient accumulation and the number
+of ranks change rounding only. Validation reports the loss on the validation
+conversations and the accuracy of greedy answers to their prompts (scored by
+``reward.function``), with a few written to ``samples.jsonl``. Checkpoints,
+resume, recovery and the memory watchdog are the shared trainer's
+(:mod:`easytrain.trainer.base`).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from typing import Any, Iterator, Optional
+
+import torch
+
+from easytrain.config.schema import Config
+from easytrain.config.validate import world_size
+from easytrain.data.packing import fixed_micro_batches, plan_micro_batches
+from easytrain.data.sft import IGNORE
+from easytrain.distributed.batch import Batch
+from easytrain.rewards.registry import Reward, load_function
+from easytrain.trainer.base import Trainer
+from easytrain.trainer.checkpoint import check_resume
+from easytrain.trainer.data import SFTData
+from easytrain.trainer.metrics import PhaseTimer
+from easytrain.trainer.roles import Roles, build_sft_roles
+from easytrain.trainer.stats import reward_metrics
+from easytrain.workers.rollout.worker import stop_token_ids
+
+logger = logging.getLogger(__name__)
+
+
+def gradient_accumulation(config: Config) -> int:
+    """Micro batches per rank per optimizer step with a fixed micro batch (validation made it divide)."""
+    a = config.worker.actor
+    return a.global_batch_size // (world_size(config) * a.micro_batch_size_per_device_for_update)
+
+
+class SFTTrainer(Trainer):
+    name, headline = "SFT", "train/loss"
+
+    def __init__(self, config: Config, data: Optional[SFTData] = None) -> None:
+        resume = check_resume(config)
+        self.data = data or SFTData(config)
+        super().__init__(config, self.data.loader)
+        t = config.trainer
+        per_epoch = self.data.loader.sampler.batches_per_epoch
+        self.total_steps = min(per_epoch * t.total_epochs, t.max_steps) if t.max_steps > 0 else per_epoch * t.total_epochs
+        self.reward = Reward(load_function(config.reward.function), config.reward.format_weight)
+        self.stop_ids = stop_token_ids(self.data.tokenizer, config.worker.rollout.stop_tokens)
+        self.announce()
+        self.start(resume)
+
+    def announce(self) -> None:
+        a, ranks = self.config.worker.actor, world_size(self.config)
+        if a.padding_free:
+            layout = (f"padding-free micro batches of up to {a.max_token_len_per_device} tokens per device, "
+                      "balanced over ranks by tokens")
+        else:
+            layout = (f"{a.micro_batch_size_per_device_for_update} per device x {ranks} devices x "
+                      f"{gradient_accumulation(self.config)} gradient accumulation steps")
+        logger.info("SFT: effective global batch %d samples (%s); %d optimizer steps. The learning rate is not "
+                    "rescaled when the global batch changes: with AdamW, scale worker.actor.optim.lr by about "
+                    "sqrt(new/old batch) yourself.", a.global_batch_size, layout, self.total_steps)
+
+    def build_roles(self) -> Roles:
+        return build_sft_roles(self.config, self.total_steps)
+
+    def new_batches(self) -> Iterator[Batch]:
+        return self.data.train_batches()
+
+    def plan(self, batch: Batch) -> list[list[Batch]]:
+        """Each rank's micro batches: fixed-size ones, or token-budget packs (padding_free)."""
+        a, ranks = self.config.worker.actor, self.roles.actor.world_size
+        if a.padding_free:
+            lengths = batch["attention_mask"].sum(-1).tolist()
+            layout = plan_micro_batches(lengths, ranks, a.max_token_len_per_device)
+        else:
+            layout = fixed_micro_batches(len(batch), ranks, a.micro_batch_size_per_device_for_update)
+        return [[batch.select(micro) for micro in rank] for rank in layout]
+
+    def train_step(self) -> dict[str, float]:
+        timer, start = PhaseTimer(), time.perf_counter()
+        with timer("data"):
+            batch = next(self.batches)
+            shares = self.plan(batch)
+        self.metrics.log_order(self.step, list(batch.meta["uids"]))
+        tokens = int((batch["targets"] != IGNORE).sum())
+        results = self.roles.actor.call("sft_update", shares, tokens)
+        spans = [(phase, min(r[phase][0] for r in results), max(r[phase][1] for r in results))
+                 for phase in ("forward_backward", "optimizer")]
+        processed = sum(int(m["attention_mask"].sum()) if self.config.worker.actor.padding_free
+                        else m["attention_mask"].numel() for share in shares for m in share)
+        metrics = {"train/loss": sum(r["loss_sum"] for r in results) / max(1, tokens),
+                   "train/trained_tokens": float(tokens), "actor/grad_norm": results[0]["grad_norm"],
+                   "actor/lr": results[0]["lr"], "train/micro_batches_per_rank": float(len(shares[0])),
+                   "train/padding_waste": 1.0 - float(batch["attention_mask"].sum()) / max(1, processed),
+                   **timer.times, **{f"time/{name}": end - begin for name, begin, end in spans}}
+        metrics["time/step"] = time.perf_counter() - start
+        metrics["perf/tokens_per_s"] = float(batch["attention_mask"].sum()) / metrics["time/step"]
+        metrics.update(self.memory())
+        self.spans = timer.spans + spans
+        return metrics
+
+    def validate(self) -> dict[str, float]:
+        if self.data.val is None:
+            return {}
+        timer = PhaseTimer()
+        with timer("validate"):
+            loss_sum, tokens = 0.0, 0
+            for batch in self.data.val_sft_batches():
+                results = self.roles.actor.call("sft_eval", self.plan(batch))
+                loss_sum += sum(r["loss_sum"] for r in results)
+                tokens += int(sum(r["tokens"] for r in results))
+            metrics = {"val/loss": loss_sum / max(1, tokens)}
+            metrics.update(self.generation_samples())
+        metrics["val/time"] = timer.times["time/validate"]
+        self.metrics.log(self.step, metrics)
+        return metrics
+
+    def generation_samples(self) -> dict[str, float]:
+        """Greedy answers to the validation prompts, scored against the last assistant turn."""
+        tokenizer, samples = self.data.tokenizer, []
+        all_scores: list[dict[str, float]] = []
+        for prompts in self.data.val_batches():
+            out = self.roles.actor.call("generate", prompts, self.config.data.max_response_length, self.stop_ids,
+                                        tokenizer.pad_token_id)
+            texts = tokenizer.batch_decode(out["responses"], skip_special_tokens=True)
+            answers = prompts.meta["answers"]
+            scores, _ = self.reward(texts, answers)
+            all_scores += scores
+            for uid, text, answer, score in zip(prompts.meta["uids"], texts, answers, scores):
+                if len(samples) < self.config.trainer.log_samples:
+                    samples.append({"uid": uid, "response": text, "answer": answer, "score": score["overall"]})
+        if samples:
+            self.metrics.write_samples(self.step, samples)
+        table = {key: torch.tensor([s.get(key, 0.0) for s in all_scores]) for key in all_scores[0]}
+        return {f"val/{k}": v for k, v in reward_metrics(table).items()}
+
+    def driver_state(self) -> dict[str, Any]:
+        return {"task": "sft"}
