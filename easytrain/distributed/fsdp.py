@@ -12,7 +12,8 @@ reduction on GPU; fp32 throughout on CPU unless asked otherwise).
 from __future__ import annotations
 
 import logging
-from typing import Optional
+from contextlib import contextmanager
+from typing import Iterator, Optional
 
 import torch
 from torch import nn
@@ -76,3 +77,20 @@ def parameter_devices(model: nn.Module) -> set[str]:
         local = p.to_local() if hasattr(p, "to_local") else p
         devices.add(local.device.type)
     return devices
+
+
+@contextmanager
+def gathered(model: nn.Module, reshard_after_forward: bool) -> Iterator[None]:
+    """Every FSDP2 unit of ``model`` unsharded for the block, kept so across forwards (HF ``generate`` calls
+    parts of the model, e.g. the vision tower's patch embedding, outside the root's forward hooks); resharded
+    after. Holds the full model on each rank meanwhile. A model without FSDP units passes through."""
+    units = [m for m in model.modules() if isinstance(m, FSDPModule)]
+    for unit in units:
+        unit.set_reshard_after_forward(False, recurse=False)
+        unit.unshard()
+    try:
+        yield
+    finally:
+        for unit in units:
+            unit.set_reshard_after_forward(reshard_after_forward, recurse=False)
+            unit.reshard()

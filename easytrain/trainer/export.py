@@ -1,7 +1,8 @@
 """Export a checkpoint as a Hugging Face folder: ``easytrain export CKPT --out DIR [--merge]``.
 
 The model is rebuilt on CPU from the checkpoint's own ``config.yaml`` (same
-base model, same LoRA settings), the actor's DCP shards are loaded into it in
+base model, same LoRA settings), the actor's DCP shards (or, for
+``worker.actor.strategy=deepspeed``, its ZeRO checkpoint) are loaded into it in
 one process (whatever number of ranks saved them), and ``save_pretrained``
 writes safetensors with the config, tokenizer, image processor and chat
 template beside them. With LoRA the folder holds the adapter in PEFT's format
@@ -15,12 +16,12 @@ from __future__ import annotations
 import logging
 import shutil
 from pathlib import Path
-from typing import Optional
+from typing import Any, Optional
 
 from omegaconf import OmegaConf
 
 from easytrain.config.schema import Config
-from easytrain.distributed.checkpoint import load_model_weights, read_json, write_json
+from easytrain.distributed.checkpoint import IncompatibleCheckpoint, load_model_weights, read_json, write_json
 from easytrain.trainer.checkpoint import ACTOR, CONFIG_FILE, STATE_FILE, resolve
 
 logger = logging.getLogger(__name__)
@@ -36,6 +37,22 @@ def checkpoint_config(folder: Path) -> Config:
     config = OmegaConf.to_object(merged)
     assert isinstance(config, Config)
     return config
+
+
+def load_actor_weights(actor: Path, config: Config, model: Any) -> None:
+    """The actor's trained weights into ``model`` (one process): DCP shards, or a DeepSpeed ZeRO checkpoint
+    consolidated by DeepSpeed's zero_to_fp32 when the run used ``worker.actor.strategy=deepspeed``."""
+    if config.worker.actor.strategy != "deepspeed":
+        load_model_weights(actor, model)
+        return
+    from easytrain.distributed.deepspeed import deepspeed_state_dict
+
+    state = deepspeed_state_dict(actor)
+    missing, unexpected = model.load_state_dict(state, strict=False)
+    if missing or unexpected:
+        raise IncompatibleCheckpoint(f"{actor}: the DeepSpeed checkpoint does not fit the model built from its "
+                                     f"config ({len(missing)} tensor(s) missing, e.g. {missing[:1]}; "
+                                     f"{len(unexpected)} unexpected, e.g. {unexpected[:1]})")
 
 
 def export(checkpoint: str | Path, out: str | Path, merge: bool = False, dtype: Optional[str] = None) -> Path:
@@ -54,7 +71,7 @@ def export(checkpoint: str | Path, out: str | Path, merge: bool = False, dtype: 
     model = load_model(config.model, source, dtype="float32")
     if lora:
         model = apply_lora(model, config.model.lora)
-    load_model_weights(folder / ACTOR, model)
+    load_actor_weights(folder / ACTOR, config, model)
     if lora and merge:
         model = model.merge_and_unload()
     if dtype is not None:

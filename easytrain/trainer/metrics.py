@@ -16,7 +16,7 @@ from typing import Any, Iterator, Optional
 logger = logging.getLogger("easytrain.metrics")
 
 CONSOLE = ("reward/mean", "reward/accuracy", "response_length/mean", "actor/pg_loss", "actor/kl_loss",
-           "actor/entropy", "actor/grad_norm", "perf/tokens_per_s", "time/step")
+           "actor/entropy", "train/loss", "val/loss", "actor/grad_norm", "perf/tokens_per_s", "time/step")
 """What the console line shows; metrics.jsonl and TensorBoard get everything."""
 
 

@@ -27,6 +27,7 @@ from torch import nn
 
 from easytrain.data.sft import IGNORE
 from easytrain.distributed.batch import Batch
+from easytrain.distributed.fsdp import gathered
 from easytrain.distributed.group import Dispatch, dispatch
 from easytrain.workers.actor import ActorWorker
 from easytrain.workers.forward import MODEL_INPUTS, suppressed_tokens
@@ -53,8 +54,13 @@ def flatten(batch: Batch) -> dict[str, torch.Tensor]:
 
 
 def padded(batch: Batch) -> dict[str, torch.Tensor]:
-    """Model inputs and targets of ``batch`` as it is (right-padded, with its attention mask)."""
-    return {k: batch[k] for k in (*MODEL_INPUTS, "targets") if k in batch}
+    """Model inputs and targets of ``batch``, right-padded to its own longest sample, with the attention mask."""
+    width = int(batch["attention_mask"].sum(-1).max())
+    out = {k: batch[k] for k in (*MODEL_INPUTS, "targets") if k in batch}
+    for key in ("input_ids", "attention_mask", "targets", "mm_token_type_ids", "position_ids"):
+        if key in out:
+            out[key] = out[key][..., :width]
+    return out
 
 
 def token_loss_sum(model: nn.Module, inputs: dict[str, torch.Tensor], device: torch.device) -> tuple[torch.Tensor, int]:
@@ -129,8 +135,10 @@ class SFTWorker(ActorWorker):
         model's collectives need all ranks in every forward."""
         self.model.eval()
         inputs = {k: prompts[k].to(self.device) for k in MODEL_INPUTS if k in prompts and k != "position_ids"}
-        out = self.model.generate(**inputs, do_sample=False, max_new_tokens=max_new_tokens, eos_token_id=stop_ids,
-                                  pad_token_id=pad_id, suppress_tokens=suppressed_tokens(self.model.config) or None,
-                                  synced_gpus=self.world_size > 1, use_cache=True)
+        with gathered(self.model, self.cfg.fsdp.full_shard):
+            out = self.model.generate(**inputs, do_sample=False, max_new_tokens=max_new_tokens,
+                                      eos_token_id=stop_ids, pad_token_id=pad_id, use_cache=True,
+                                      suppress_tokens=suppressed_tokens(self.model.config) or None,
+                                      synced_gpus=self.world_size > 1)
         responses = out[:, inputs["input_ids"].shape[1]:].cpu()
         return Batch({"responses": responses})
