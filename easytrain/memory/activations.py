@@ -151,3 +151,22 @@ def logits_bytes(sequences: int, positions: int, vocab: int, dtype_bytes: int, *
     if not grad:
         return elements * (dtype_bytes + 2 * FP32)
     return elements * (dtype_bytes + 6 * FP32 + 1)
+
+
+def sft_logits_bytes(positions: int, vocab: int, *, grad: bool) -> int:
+    """Peak bytes of the SFT loss over ``positions`` (every sequence's summed): the logits cast to fp32 and
+    their log-softmax (cross-entropy), alive at the end of forward; with ``grad``, at the start of backward
+    the log-softmax saved for it, the dense gradient the NLL hands back and the log-softmax's input gradient
+    (fp32 each). The compute-dtype logits live only while being cast (fewer bytes than either peak)."""
+    return positions * vocab * (3 if grad else 2) * FP32
+
+
+def shard_units(hf_config: dict[str, Any]) -> tuple[int, int]:
+    """Elements of FSDP's root unit (embeddings, head, vision patch embedding and merger) and of one decoder
+    block (attention and MLP weights, counted as h x h per projection)."""
+    from easytrain.memory.params import count_parameters
+
+    dims = model_dims(hf_config)
+    counts = count_parameters(hf_config)
+    return (counts.embeddings + counts.lm_head + counts.projector,
+            4 * dims.hidden * dims.hidden + 3 * dims.hidden * dims.intermediate)

@@ -1,141 +1,40 @@
 """The memory plan: bytes per GPU and per node for every role in every phase, before anything starts.
 
-``plan(config)`` prices each phase of a step (generation, reference log-probs,
+``plan(config)`` prices each phase of an RL step (generation, reference log-probs,
 old log-probs, update, weight sync, validation) from the composed config and
 the model's HF config alone: the role that works in the phase holds its
 states plus its transient peak (gathered FSDP units, activations, logits, KV
 cache), the others hold what they keep between phases. Colocated roles share
 a device over time, so a device's peak is its largest phase, not the sum of
 roles. On CPU the "device" is the node's RAM: each role is a process, and the
-node total adds them up.
+node total adds them up. An SFT run (``trainer.task=sft``) is planned by
+:mod:`easytrain.memory.sft`: its one role, the actor, in its own phases.
 
-Assumptions (listed by ``Plan.assumptions`` too): a worker process costs
-``FRAMEWORK_BYTES`` of host RAM before holding a model (measured by
-bench/planner_accuracy.py as the empty-worker baseline); a GPU process adds
-``CUDA_CONTEXT_BYTES`` of device memory (assumed, typical of CUDA 12); vLLM
+Assumptions (the per-process ones in :mod:`easytrain.memory.capacity`): vLLM
 reserves ``gpu_memory_utilization`` x the GPU while awake and, in sleep
 level 2, frees all of it between rollouts.
 """
 
 from __future__ import annotations
 
-import os
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Optional
 
 from easytrain.config.schema import Config
 from easytrain.config.validate import needs_reference
-from easytrain.memory.activations import PATCH_VALUES, MicroBatch, activation_bytes, logits_bytes, model_dims
+from easytrain.memory.activations import (PATCH_VALUES, MicroBatch, activation_bytes, logits_bytes, model_dims,
+                                          shard_units)
 from easytrain.memory.budget import engine_budget, kv_bytes_per_token, sequence_shape
+from easytrain.memory.capacity import (CUDA_CONTEXT_BYTES, DRIVER_BYTES, FRAMEWORK_BYTES, GB, Capacity, Plan, Row,
+                                       capacity_of, sum_parts)
 from easytrain.memory.params import count_parameters, largest_trainable, trainable_by_component
-from easytrain.memory.states import DTYPE_BYTES, FP32, role_states, shard_degree
+from easytrain.memory.sft import plan_sft, sft_worker_parts
+from easytrain.memory.states import DTYPE_BYTES, FP32, gathered_bytes, role_states, shard_degree
 
-GB = 10**9
-FRAMEWORK_BYTES = int(0.48 * GB)
-"""Host RAM of an empty worker process (python, torch, transformers, ray imported, nothing built): 0.48 GB
-measured here (bench/planner_accuracy.py's baseline); a Ray worker adds its core-worker threads."""
-CUDA_CONTEXT_BYTES = int(0.5 * GB)
-"""Device memory of one process's CUDA context and allocator slack (assumed)."""
-DRIVER_BYTES = int(1.0 * GB)
-"""The driver process: framework, data set index, metrics (assumed)."""
-RAY_DEFAULT_THRESHOLD = 0.95
+__all__ = ["CUDA_CONTEXT_BYTES", "GB", "Capacity", "Plan", "Row", "capacity_of", "plan", "worker_bytes",
+           "worker_parts", "shape_of", "update_transient"]
 
 PHASES = ("generation", "ref_log_probs", "old_log_probs", "update", "weight_sync", "validation")
-
-
-@dataclass(frozen=True)
-class Capacity:
-    gpu_bytes: Optional[int]
-    """Memory of one GPU; None on CPU."""
-    node_ram: int
-    ray_threshold: float
-    """Ray's memory monitor kills workers above this fraction of node RAM (RAY_memory_usage_threshold)."""
-    source: str
-
-    @property
-    def host_limit(self) -> int:
-        return int(self.node_ram * self.ray_threshold)
-
-
-def capacity_of(config: Config) -> Capacity:
-    """GPU and node sizes from ``trainer.gpu_memory_gb`` / ``trainer.node_memory_gb``, else this machine."""
-    import psutil
-
-    t = config.trainer
-    threshold = float(os.environ.get("RAY_memory_usage_threshold", RAY_DEFAULT_THRESHOLD))
-    sources = []
-    gpu: Optional[int] = None
-    if t.device == "cuda":
-        if t.gpu_memory_gb:
-            gpu, _ = int(t.gpu_memory_gb * GB), sources.append("GPU from trainer.gpu_memory_gb")
-        else:
-            import torch
-
-            if not torch.cuda.is_available():
-                from easytrain.config import ConfigError
-
-                raise ConfigError("trainer.gpu_memory_gb", None, "the plan needs each GPU's memory and this machine "
-                                  "has no GPU to read it from", "set it, e.g. trainer.gpu_memory_gb=80 for H100-80GB")
-            gpu, _ = torch.cuda.mem_get_info()[1], sources.append("GPU of this machine")
-    if t.node_memory_gb:
-        ram, _ = int(t.node_memory_gb * GB), sources.append("node RAM from trainer.node_memory_gb")
-    else:
-        ram, _ = psutil.virtual_memory().total, sources.append("node RAM of this machine")
-    return Capacity(gpu, ram, threshold, "; ".join(sources))
-
-
-@dataclass
-class Row:
-    """One phase: what each GPU (or, on CPU, each worker process) and each node holds."""
-
-    phase: str
-    role: str
-    device: int
-    """Bytes on the busiest device (CPU: the working process)."""
-    host: int
-    """Bytes of host RAM per node."""
-    parts: dict[str, int] = field(default_factory=dict)
-    """Breakdown of ``device`` by what holds it."""
-    host_parts: dict[str, int] = field(default_factory=dict)
-
-
-@dataclass
-class Plan:
-    rows: list[Row]
-    capacity: Capacity
-    on_gpu: bool
-    notes: list[str]
-
-    @property
-    def device_peak(self) -> int:
-        return max(r.device for r in self.rows)
-
-    @property
-    def host_peak(self) -> int:
-        return max(r.host for r in self.rows)
-
-    @property
-    def device_headroom(self) -> Optional[float]:
-        cap = self.capacity.gpu_bytes
-        return None if not self.on_gpu or not cap else 1 - self.device_peak / cap
-
-    @property
-    def host_headroom(self) -> float:
-        return 1 - self.host_peak / self.capacity.host_limit
-
-    @property
-    def fits(self) -> bool:
-        return (self.device_headroom is None or self.device_headroom >= 0) and self.host_headroom >= 0
-
-    @property
-    def verdict(self) -> str:
-        if not self.fits:
-            return "does not fit"
-        margins = [h for h in (self.device_headroom, self.host_headroom) if h is not None]
-        return "fits, tight (< 10% headroom)" if min(margins) < 0.10 else "fits"
-
-    def row(self, phase: str) -> Row:
-        return next(r for r in self.rows if r.phase == phase)
 
 
 # ----------------------------------------------------------------------------- the run's shape
@@ -178,18 +77,15 @@ def _micro(config: Config, s: Shape, size: int, sequences_per_rank: int) -> Micr
     return MicroBatch(min(size, max(1, sequences_per_rank)), s.seq_tokens, s.response, s.images, s.image_tokens)
 
 
-def _gathered(config: Config, s: Shape, hf_config: dict[str, Any], degree: int, grad: bool) -> int:
-    """FSDP's transient unsharded parameters: the root unit (embeddings, head, vision patch embedding and
-    merger) for the whole pass plus two blocks (current and prefetched), and with ``grad`` one block's
-    unsharded fp32 gradient before its reduce-scatter. Nothing when FSDP is not applied (1 rank, fp32)."""
+def _gathered(config: Config, s: Shape, hf_config: dict[str, Any], role: str, grad: bool) -> int:
+    """FSDP's transient unsharded parameters (:func:`gathered_bytes`); nothing when FSDP is not applied
+    (1 rank, fp32)."""
+    role_cfg = getattr(config.worker, role)
+    degree = shard_degree(role_cfg.fsdp.shard_size, s.world)
     if degree == 1 and s.dtype_bytes == FP32:
         return 0
-    dims = model_dims(hf_config)
-    block = (4 * dims.hidden * dims.hidden + 3 * dims.hidden * dims.intermediate)  # attention + MLP weights
-    counts = count_parameters(hf_config)
-    root = counts.embeddings + counts.lm_head + counts.projector
-    out = (root + 2 * block) * s.dtype_bytes
-    return out + (block * FP32 if grad else 0)
+    root, block = shard_units(hf_config)
+    return gathered_bytes(s.total_params, root, block, s.dtype_bytes, grad=grad, reshard=role_cfg.fsdp.full_shard)
 
 
 # ----------------------------------------------------------------------------- per role
@@ -216,12 +112,11 @@ def forward_peak(config: Config, s: Shape, hf_config: dict[str, Any], *, grad: b
     """Transient bytes of one forward (+ backward) pass of ``micro`` on one device."""
     dims = model_dims(hf_config)
     role_cfg = getattr(config.worker, role)
-    degree = shard_degree(role_cfg.fsdp.shard_size, s.world)
     eager = config.model.attn_implementation == "eager"
     acts = activation_bytes(dims, micro, s.dtype_bytes, grad=grad, checkpointing=config.model.gradient_checkpointing,
                             vision_grad=_vision_grad(s), eager=eager, ulysses=role_cfg.ulysses_size)
     logits = logits_bytes(micro.sequences, micro.response + 1, dims.vocab, s.dtype_bytes, grad=grad)
-    return {"activations": acts, "logits": logits, "gathered": _gathered(config, s, hf_config, degree, grad)}
+    return {"activations": acts, "logits": logits, "gathered": _gathered(config, s, hf_config, role, grad)}
 
 
 def rollout_phase(config: Config, s: Shape, hf_config: dict[str, Any], capacity: Capacity,
@@ -257,19 +152,18 @@ def _rollout_idle(config: Config, s: Shape, capacity: Capacity) -> dict[str, int
     return {"rollout weights": s.total_params * s.dtype_bytes}
 
 
-def _sum(parts: dict[str, int]) -> int:
-    return sum(parts.values())
-
-
 # ----------------------------------------------------------------------------- the plan
 
 
 def plan(config: Config, hf_config: Optional[dict[str, Any]] = None, capacity: Optional[Capacity] = None) -> Plan:
-    """The memory plan of ``config`` (its model's HF config is resolved when not given)."""
+    """The memory plan of ``config`` (its model's HF config is resolved when not given): the RL phases, or
+    with ``trainer.task=sft`` the SFT ones (:mod:`easytrain.memory.sft`)."""
     from easytrain.models.shapes import hf_config_for
 
     hf_config = hf_config if hf_config is not None else hf_config_for(config.model)
     capacity = capacity or capacity_of(config)
+    if config.trainer.task == "sft":
+        return plan_sft(config, hf_config, capacity)
     s = shape_of(config, hf_config)
     a, d, r = config.worker.actor, config.data, config.worker.rollout
     actor, ref = actor_states(config, s), ref_states(config, s)
@@ -316,7 +210,7 @@ def update_transient(config: Config, s: Shape, hf_config: dict[str, Any], micro:
     degree = shard_degree(config.worker.actor.fsdp.shard_size, s.world)
     step = {"actor grads": grads,
             "optimizer temporaries": 0 if offloaded else 2 * -(-s.largest_trainable // degree) * FP32}
-    return passes if _sum(passes) >= _sum(step) else step
+    return passes if sum_parts(passes) >= sum_parts(step) else step
 
 
 def _sync_device(config: Config, s: Shape, hf_config: dict[str, Any]) -> dict[str, int]:
@@ -342,7 +236,7 @@ def _row(config: Config, s: Shape, capacity: Capacity, phase: str, role: str, ac
         if s.on_gpu:
             parts["cuda context"] = CUDA_CONTEXT_BYTES
     host_parts = _host(config, s, phase, role, active, idle, actor, ref, roles)
-    return Row(phase, role, _sum(parts), _sum(host_parts), parts, host_parts)
+    return Row(phase, role, sum_parts(parts), sum_parts(host_parts), parts, host_parts)
 
 
 def _working(role: str, active: dict[str, int], idle: dict[str, dict[str, int]]) -> dict[str, int]:
@@ -369,7 +263,7 @@ def _host(config: Config, s: Shape, phase: str, role: str, active: dict[str, int
     if not s.on_gpu:  # every process's device bytes are this node's RAM
         for name in roles:
             held = _working(role, active, idle) if name == role else idle[name]
-            host[f"{name} workers"] = n * _sum(held)
+            host[f"{name} workers"] = n * sum_parts(held)
     return host
 
 
@@ -416,10 +310,13 @@ def worker_bytes(config: Config, role: str, phase: str, hf_config: Optional[dict
 
 
 def worker_parts(config: Config, role: str, phase: str, hf_config: Optional[dict[str, Any]] = None) -> dict[str, int]:
-    """:func:`worker_bytes` by part."""
+    """:func:`worker_bytes` by part (SFT: the actor in ``setup``, ``forward_backward``, ``optimizer`` or
+    ``validate``; ``update`` means ``forward_backward``)."""
     from easytrain.models.shapes import hf_config_for
 
     hf_config = hf_config if hf_config is not None else hf_config_for(config.model)
+    if config.trainer.task == "sft":
+        return sft_worker_parts(config, phase, hf_config)
     s = shape_of(config, hf_config)
     a, d, r = config.worker.actor, config.data, config.worker.rollout
     states = actor_states(config, s) if role == "actor" else ref_states(config, s)

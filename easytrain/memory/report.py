@@ -7,7 +7,7 @@ from typing import Any, Optional
 
 from easytrain.config.schema import Config
 from easytrain.memory.params import count_parameters
-from easytrain.memory.planner import GB, Plan, plan
+from easytrain.memory.planner import GB, Plan, Row, plan
 from easytrain.memory.suggest import Suggestion, fit, override_value, suggestions, with_overrides
 
 logger = logging.getLogger(__name__)
@@ -29,16 +29,22 @@ def render(config: Config, p: Plan, hf_config: dict[str, Any], advice: list[Sugg
     counts = count_parameters(hf_config)
     unit = "GB/GPU" if p.on_gpu else "GB/worker"
     where = f"{t.nnodes} node(s) x {t.workers_per_node} {'GPUs' if p.on_gpu else 'CPU workers'}"
-    lines = [f"model {config.model.path}: {counts.total / 1e9:.2f}B parameters; {where}, "
-             f"{'colocated roles' if t.colocate else 'a device pool per role'}",
+    w = max(14, 1 + max(len(r.phase) for r in p.once + p.rows))
+    a = config.worker.actor
+    strategy = f"deepspeed ZeRO-{a.deepspeed.zero_stage}" if a.strategy == "deepspeed" else "fsdp"
+    roles = (f"SFT: the actor only, {strategy}" if t.task == "sft"
+             else "colocated roles" if t.colocate else "a device pool per role")
+    lines = [f"model {config.model.path}: {counts.total / 1e9:.2f}B parameters; {where}, {roles}",
              f"checked against: {'GPU ' + _gb(c.gpu_bytes) + ' GB, ' if c.gpu_bytes else ''}node RAM {_gb(c.node_ram)} GB"
              f" x Ray memory threshold {c.ray_threshold:.2f} = {_gb(c.host_limit)} GB ({c.source})", "",
-             f"{'phase':<14} {'role':<8} {unit:>10} {'GB/node':>9}  largest parts ({'device' if p.on_gpu else 'worker'})"]
-    for r in p.rows:
-        lines.append(f"{r.phase:<14} {r.role:<8} {_gb(r.device):>10} {_gb(r.host):>9}  {_largest(r.parts)}")
+             f"{'phase':<{w}} {'role':<8} {unit:>10} {'GB/node':>9}  "
+             f"largest parts ({'device' if p.on_gpu else 'worker'})"]
+    for r in p.once + p.rows:
+        lines.append(f"{r.phase:<{w}} {r.role:<8} {_gb(r.device):>10} {_gb(r.host):>9}  {_largest(r.parts)}")
     device_cap = f" of {_gb(c.gpu_bytes)}" if p.on_gpu and c.gpu_bytes else ""
-    lines += [f"{'peak':<23} {_gb(p.device_peak):>10} {_gb(p.host_peak):>9}  "
-              f"(device{device_cap}; host of {_gb(c.host_limit)})", f"verdict: {p.verdict}"]
+    lines += [f"{'peak':<{w + 9}} {_gb(p.device_peak):>10} {_gb(p.host_peak):>9}  "
+              f"(device{device_cap}; host of {_gb(c.host_limit)}){' while training' if p.once else ''}",
+              f"verdict: {p.verdict}"]
     if p.notes:
         lines += ["", *(f"note: {n}" for n in p.notes)]
     if advice:
@@ -47,7 +53,9 @@ def render(config: Config, p: Plan, hf_config: dict[str, Any], advice: list[Sugg
     if searched:
         lines.append("")
         if fitted is None:
-            lines.append("--fit: no setting of micro batches, offload, checkpointing and gpu_memory_utilization fits")
+            knobs = ("micro batch, ZeRO stage, offload and checkpointing" if t.task == "sft"
+                     else "micro batches, offload, checkpointing and gpu_memory_utilization")
+            lines.append(f"--fit: no setting of {knobs} fits")
         elif not fitted:
             lines.append("--fit: fits as configured")
         else:
@@ -57,16 +65,22 @@ def render(config: Config, p: Plan, hf_config: dict[str, Any], advice: list[Sugg
     return "\n".join(lines)
 
 
+def _row_json(r: Row) -> dict[str, Any]:
+    return {"phase": r.phase, "role": r.role, "device_bytes": r.device, "host_bytes": r.host,
+            "device_parts": r.parts, "host_parts": r.host_parts}
+
+
 def as_json(config: Config, p: Plan, advice: list[Suggestion], fitted: Optional[dict[str, Any]] = None,
             searched: bool = False) -> dict[str, Any]:
     c = p.capacity
     out: dict[str, Any] = {
-        "model": config.model.path, "verdict": p.verdict, "fits": p.fits, "on_gpu": p.on_gpu,
+        "model": config.model.path, "task": config.trainer.task, "verdict": p.verdict, "fits": p.fits,
+        "on_gpu": p.on_gpu,
         "capacity": {"gpu_bytes": c.gpu_bytes, "node_ram_bytes": c.node_ram, "ray_threshold": c.ray_threshold,
                      "host_limit_bytes": c.host_limit, "source": c.source},
         "device_peak_bytes": p.device_peak, "host_peak_bytes": p.host_peak,
-        "phases": [{"phase": r.phase, "role": r.role, "device_bytes": r.device, "host_bytes": r.host,
-                    "device_parts": r.parts, "host_parts": r.host_parts} for r in p.rows],
+        "phases": [_row_json(r) for r in p.rows],
+        "once": [_row_json(r) for r in p.once],
         "notes": p.notes,
         "suggestions": [{"overrides": s.overrides, "device_delta_bytes": s.device_delta,
                          "host_delta_bytes": s.host_delta, "phase_device_delta_bytes": s.phase_deltas,
@@ -119,9 +133,6 @@ def plan_command(config: Config, output: str, search: bool) -> str:
 
     from easytrain.config import ConfigError
 
-    if config.trainer.task != "rl":
-        raise ConfigError("trainer.task", config.trainer.task, "the planner prices the RL phases only; SFT's "
-                          "forward/backward/optimizer phases arrive with the SFT trainer", "plan an rl config")
     hf_config = hf_config_for(config.model)
     if hf_config is None:
         raise ConfigError("model.path", config.model.path, "the planner needs the model's config.json",

@@ -14,8 +14,16 @@ valued first:
 6. a higher ``gpu_memory_utilization`` (more sequences decoded at once).
 
 The first setting in that order that fits is the answer. Changes that alter
-what is trained (fewer image pixels, a frozen vision tower) are suggested but
-never chosen by the search.
+what is trained (fewer image pixels, a frozen vision tower, LoRA) are
+suggested but never chosen by the search.
+
+An SFT run (``trainer.task=sft``) has no rollout engine, reference or
+reward workers, so only the actor's knobs are proposed and searched, most
+valued first: a larger update micro batch (or, padding-free, a larger token
+budget per pack), parameters not offloaded (FSDP's ``offload.params``,
+ZeRO-3's ``offload_params``), the optimizer not offloaded (DeepSpeed: the
+step would run on the CPU), no recomputation, and last the lowest ZeRO stage
+(a higher one only adds communication).
 """
 
 from __future__ import annotations
@@ -76,13 +84,17 @@ def with_overrides(config: Config, overrides: dict[str, Any]) -> Config:
 
 
 def _needs(p: Plan) -> tuple[bool, bool]:
-    """(device, host): which side is over capacity or within TIGHT of it."""
-    device = p.device_headroom is not None and p.device_headroom < TIGHT
-    return device, p.host_headroom < TIGHT
+    """(device, host): which side is over capacity or within TIGHT of it, in a step or a once-only phase."""
+    once_device, once_host = p.once_headroom()
+    device = any(h is not None and h < TIGHT for h in (p.device_headroom, once_device))
+    return device, min(p.host_headroom, once_host) < TIGHT
 
 
 def candidates(config: Config, p: Plan) -> Iterator[tuple[dict[str, Any], str]]:
     """Single changes worth pricing, cheapest first, with what each costs."""
+    if config.trainer.task == "sft":
+        yield from sft_candidates(config, p)
+        return
     a, r, m, d = config.worker.actor, config.worker.rollout, config.model, config.data
     on_gpu, vllm_gpu = p.on_gpu, p.on_gpu and r.engine == "vllm"
     device, host = _needs(p)
@@ -121,6 +133,82 @@ def candidates(config: Config, p: Plan) -> Iterator[tuple[dict[str, Any], str]]:
             yield {"worker.rollout.sync_bucket_mb": r.sync_bucket_mb / 4}, "more, smaller weight-sync transfers"
 
 
+def _changed(config: Config, overrides: dict[str, Any]) -> dict[str, Any]:
+    return {k: v for k, v in overrides.items() if v != get(config, k)}
+
+
+def _to_deepspeed(config: Config) -> dict[str, Any]:
+    """FSDP to DeepSpeed ZeRO-3 with the optimizer in host RAM (FSDP2 offloads only parameters and optimizer
+    together); FSDP's own offload keys must be off under DeepSpeed."""
+    return _changed(config, {"worker.actor.strategy": "deepspeed", "worker.actor.deepspeed.zero_stage": 3,
+                             "worker.actor.deepspeed.offload_optimizer": True, "worker.actor.offload.params": False,
+                             "worker.actor.offload.optimizer": False})
+
+
+def _data_and_training(config: Config, device: bool) -> Iterator[tuple[dict[str, Any], str]]:
+    """SFT changes that alter the data or what is trained (suggested, never searched)."""
+    m, d = config.model, config.data
+    if d.image_key and d.max_pixels // 4 >= d.min_pixels:
+        yield {"data.max_pixels": d.max_pixels // 4}, "changes the data: images downscaled to 1/4 of the pixels"
+    if device and not m.freeze_vision_tower:
+        yield {"model.freeze_vision_tower": True}, "changes training: the vision tower stops learning"
+    if device and m.lora.rank == 0 and not m.freeze_llm:
+        yield {"model.lora.rank": 16}, "changes training: only LoRA adapters on the language model learn"
+
+
+def sft_candidates(config: Config, p: Plan) -> Iterator[tuple[dict[str, Any], str]]:
+    """The SFT actor's single changes, cheapest first: nothing of a rollout engine, reference or reward."""
+    a, m, d = config.worker.actor, config.model, config.data
+    ds, z = a.strategy == "deepspeed", a.deepspeed
+    device, host = _needs(p)
+    longest = d.max_prompt_length + d.max_response_length
+    if device or not p.on_gpu:
+        if a.padding_free and a.max_token_len_per_device // 2 >= longest:
+            yield ({"worker.actor.max_token_len_per_device": a.max_token_len_per_device // 2},
+                   "smaller packs: more micro batches per optimizer step")
+        if not a.padding_free and a.micro_batch_size_per_device_for_update > 1:
+            yield ({"worker.actor.micro_batch_size_per_device_for_update":
+                    a.micro_batch_size_per_device_for_update // 2}, "more gradient accumulation steps")
+            yield ({"worker.actor.padding_free": True, "worker.actor.max_token_len_per_device": longest},
+                   "packs of at most one longest sample's tokens: short samples share a micro batch, no padding")
+        if not m.gradient_checkpointing:
+            yield {"model.gradient_checkpointing": True}, "recomputes activations: ~30% slower forward/backward"
+        if p.on_gpu and ds and p.has("setup") and p.row("setup").device > (1 - TIGHT) * (p.capacity.gpu_bytes or 0):
+            yield {"worker.actor.strategy": "fsdp"}, "FSDP2 shards the model as it loads (no whole copy per GPU)"
+        if p.on_gpu and ds:
+            if z.zero_stage < 3:
+                yield {"worker.actor.deepspeed.zero_stage": 3}, "parameters sharded too, gathered for each pass"
+            if not z.offload_optimizer:
+                yield {"worker.actor.deepspeed.offload_optimizer": True}, "the optimizer steps on the CPU: slower step"
+            if z.zero_stage == 3 and not z.offload_params:
+                yield ({"worker.actor.deepspeed.offload_params": True},
+                       "parameters stream from host RAM for every pass: slower")
+        if p.on_gpu and not ds:
+            if a.fsdp.shard_size != -1:
+                yield {"worker.actor.fsdp.shard_size": -1}, "shard over every rank: more traffic between nodes"
+            if not a.fsdp.full_shard:
+                yield {"worker.actor.fsdp.full_shard": True}, "parameters gathered again for backward"
+            yield _to_deepspeed(config), "DeepSpeed ZeRO-3, the optimizer in host RAM: it steps on the CPU"
+            if not a.offload.params:
+                yield {"worker.actor.offload.params": True}, "actor states stream over PCIe every step: slower"
+        yield from _data_and_training(config, device=True)
+    if host:
+        if p.on_gpu and ds and z.offload_params:
+            yield {"worker.actor.deepspeed.offload_params": False}, "parameters move back to the GPUs"
+        if p.on_gpu and ds and z.offload_optimizer:
+            yield {"worker.actor.deepspeed.offload_optimizer": False}, "optimizer states move back to the GPUs"
+        if p.on_gpu and not ds and a.offload.params:
+            yield {"worker.actor.offload.params": False}, "actor states move back to the GPUs"
+        yield from _data_and_training(config, device=False)
+        if d.num_workers > 0:
+            yield {"data.num_workers": d.num_workers // 2}, "fewer loader processes: slower image preparation"
+
+
+def _loads(p: Plan) -> bool:
+    """Whether the once-only phases (the model build) fit."""
+    return all(h is None or h >= 0 for h in p.once_headroom())
+
+
 def suggestions(config: Config, p: Plan, hf_config: dict[str, Any]) -> list[Suggestion]:
     """Single changes that reduce the peak that is over (or within 10% of) capacity, or a phase that is,
     each re-planned; those that make the plan fit first, then in cost order."""
@@ -128,7 +216,7 @@ def suggestions(config: Config, p: Plan, hf_config: dict[str, Any]) -> list[Sugg
     if not (device or host):
         return []
     limit = p.capacity.gpu_bytes if p.on_gpu and p.capacity.gpu_bytes else None
-    crowded = [r.phase for r in p.rows if limit and r.device > (1 - TIGHT) * limit]
+    crowded = [r.phase for r in p.once + p.rows if limit and r.device > (1 - TIGHT) * limit]
     out, seen = [], []
     for overrides, why in candidates(config, p):
         if overrides in seen:
@@ -136,10 +224,11 @@ def suggestions(config: Config, p: Plan, hf_config: dict[str, Any]) -> list[Sugg
         seen.append(overrides)
         q = plan(with_overrides(config, overrides), hf_config, p.capacity)
         moved = {phase: q.row(phase).device - p.row(phase).device for phase in crowded
-                 if any(r.phase == phase for r in q.rows) and q.row(phase).device != p.row(phase).device}
+                 if q.has(phase) and q.row(phase).device != p.row(phase).device}
         s = Suggestion(overrides, q.device_peak - p.device_peak, q.host_peak - p.host_peak, q.fits, why, moved)
         helps = ((device and (s.device_delta < 0 or any(v < 0 for v in moved.values())))
                  or (host and s.host_delta < 0) or (not p.on_gpu and s.host_delta < 0))
+        helps = helps and (_loads(q) or not _loads(p))  # not by a model that could no longer be loaded
         if helps:
             out.append(s)
     return sorted(out, key=lambda s: not s.fits)  # stable: cost order within each group
@@ -158,9 +247,40 @@ def _halvings(value: int) -> list[int]:
     return out
 
 
+def _sft_knobs(config: Config) -> list[tuple[str, list[Any]]]:
+    """The SFT actor's search space, most valued first."""
+    a, d, z = config.worker.actor, config.data, config.worker.actor.deepspeed
+    on_gpu = config.trainer.device == "cuda"
+    if a.padding_free:
+        longest = d.max_prompt_length + d.max_response_length
+        knobs = [("worker.actor.max_token_len_per_device",
+                  [v for v in _halvings(a.max_token_len_per_device) if v >= longest] or [a.max_token_len_per_device])]
+    else:
+        knobs = [("worker.actor.micro_batch_size_per_device_for_update",
+                  _halvings(a.micro_batch_size_per_device_for_update))]
+    checkpointing = ("model.gradient_checkpointing", sorted({config.model.gradient_checkpointing, False, True}))
+    both = [False, True] if on_gpu else [False]
+    if a.strategy == "deepspeed":
+        stages = list(range(z.zero_stage, 4)) if on_gpu else [z.zero_stage]
+        return knobs + [("worker.actor.deepspeed.offload_params", sorted({z.offload_params, *both})),
+                        ("worker.actor.deepspeed.offload_optimizer", sorted({z.offload_optimizer, *both})),
+                        checkpointing, ("worker.actor.deepspeed.zero_stage", stages)]
+    return knobs + [("worker.actor.offload.params", sorted({a.offload.params, *both})), checkpointing]
+
+
+def _valid(overrides: dict[str, Any], config: Config) -> bool:
+    """Whether a searched combination is one the config validation accepts (ZeRO offloads parameters at
+    stage 3 only)."""
+    stage = overrides.get("worker.actor.deepspeed.zero_stage", config.worker.actor.deepspeed.zero_stage)
+    params = overrides.get("worker.actor.deepspeed.offload_params", config.worker.actor.deepspeed.offload_params)
+    return not (config.worker.actor.strategy == "deepspeed" and params and stage != 3)
+
+
 def fit(config: Config, hf_config: dict[str, Any], capacity: Optional[Capacity] = None) -> Optional[dict[str, Any]]:
     """The overrides of the first setting, in the documented cost order, whose plan fits with 10% headroom
     (empty if the config does as it is); None when no setting of these knobs fits."""
+    if config.trainer.task == "sft":
+        return _search(config, hf_config, capacity, _sft_knobs(config))
     a, r = config.worker.actor, config.worker.rollout
     on_gpu = config.trainer.device == "cuda"
     offload = [False, True] if on_gpu else [False]
@@ -173,9 +293,15 @@ def fit(config: Config, hf_config: dict[str, Any], capacity: Optional[Capacity] 
               _halvings(a.micro_batch_size_per_device_for_experience)),
              ("worker.ref.offload.params", sorted({config.worker.ref.offload.params, *offload})),
              ("worker.rollout.gpu_memory_utilization", utils)]
+    return _search(config, hf_config, capacity, knobs)
+
+
+def _search(config: Config, hf_config: dict[str, Any], capacity: Optional[Capacity],
+            knobs: list[tuple[str, list[Any]]]) -> Optional[dict[str, Any]]:
+    """The first combination of ``knobs`` (the first knob varies slowest) whose plan is roomy."""
     names = [k for k, _ in knobs]
     for values in itertools.product(*(v for _, v in knobs)):
         overrides = {k: v for k, v in zip(names, values) if v != get(config, k)}
-        if _roomy(plan(with_overrides(config, overrides), hf_config, capacity)):
+        if _valid(overrides, config) and _roomy(plan(with_overrides(config, overrides), hf_config, capacity)):
             return overrides
     return None
