@@ -49,3 +49,22 @@ def test_tiny_sft_learns_to_read_images_and_starts_grpo(ray_local: None, tmp_pat
     start = next(r for r in records(rl_run) if r["step"] == 0 and "val/reward/mean" in r)
     assert start["val/reward/mean"] == pytest.approx(final["val/reward/mean"])  # GRPO starts from the SFT model
     assert any("reward/mean" in r and r["step"] == 2 for r in records(rl_run))
+
+
+@pytest.mark.slow
+def test_fsdp_and_deepspeed_zero3_give_the_same_sft_trajectory(ray_local: None, tmp_path: Path) -> None:
+    """Two actor ranks in the same Ray worker group, same seed and data: FSDP2 and ZeRO-3 (the small tiny model:
+    DeepSpeed keeps parameters under 1e5 elements whole, the tiny one would not be partitioned)."""
+    losses = {}
+    for strategy in ("fsdp", "deepspeed"):
+        run = tmp_path / strategy
+        fit(SFTTrainer(load(["+exp=tiny_sft", f"trainer.output_dir={run}", "model.tiny_size=small",
+                             f"worker.actor.strategy={strategy}", "worker.actor.deepspeed.zero_stage=3",
+                             "trainer.max_steps=4", "trainer.val_before_train=false", "trainer.export_final=false",
+                             "data.synthetic_val_size=8", "trainer.loggers=[jsonl]"])))
+        losses[strategy] = [(r["train/loss"], r["actor/grad_norm"]) for r in records(run) if "train/loss" in r]
+        assert (run / "checkpoints" / "latest").exists()
+    assert len(losses["fsdp"]) == 4
+    for (loss, norm), (ds_loss, ds_norm) in zip(losses["fsdp"], losses["deepspeed"]):
+        assert ds_loss == pytest.approx(loss, rel=1e-4) and ds_norm == pytest.approx(norm, rel=1e-4)
+    assert losses["fsdp"][-1][0] < losses["fsdp"][0][0]

@@ -169,8 +169,8 @@ class OptimConfig:
 
 @dataclass
 class DeepSpeedConfig:
-    zero_stage: int = bounded(3, low=0, high=3)
-    """ZeRO stage: 1 shards optimizer states, 2 also gradients, 3 also parameters (0 = plain data parallel)."""
+    zero_stage: int = bounded(3, low=1, high=3)
+    """ZeRO stage: 1 shards optimizer states, 2 also gradients, 3 also parameters."""
     offload_params: bool = False
     """ZeRO-3: keep parameters in host RAM between uses."""
     offload_optimizer: bool = False

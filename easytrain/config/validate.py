@@ -241,6 +241,9 @@ def _check_strategy(cfg: Config) -> None:
         raise ConfigError("worker.actor.deepspeed.offload_params", True,
                           f"parameter offload needs ZeRO stage 3 (worker.actor.deepspeed.zero_stage={ds.zero_stage})",
                           "set worker.actor.deepspeed.zero_stage=3 or offload_params=false")
+    if a.strategy == "deepspeed" and cfg.model.dtype == "float16":
+        raise ConfigError("model.dtype", "float16", "DeepSpeed's float16 needs its loss scaler, which easytrain's "
+                          "caller-scaled losses do not use", "use model.dtype=bfloat16 (or float32)")
     if a.strategy == "deepspeed" and (a.offload.params or a.offload.optimizer):
         raise ConfigError("worker.actor.offload.params" if a.offload.params else "worker.actor.offload.optimizer",
                           True, "worker.actor.offload.* are FSDP settings; DeepSpeed offloads through its own",

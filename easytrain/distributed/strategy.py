@@ -16,7 +16,7 @@ from __future__ import annotations
 import logging
 import math
 from pathlib import Path
-from typing import Any, Callable, Optional
+from typing import Any, Callable
 
 import torch
 from torch import nn
@@ -135,10 +135,11 @@ class FSDPStrategy(TrainStrategy):
 
 
 def build_strategy(model: nn.Module, cfg: ActorConfig, total_steps: int,
-                   world_size: Optional[int] = None) -> TrainStrategy:
-    """The role's strategy for a model already built (and, for FSDP, sharded) by the worker."""
+                   compute_dtype: str = "float32") -> TrainStrategy:
+    """The role's strategy for a model already built (and, for FSDP, sharded, its compute dtype set as mixed
+    precision) by the worker; DeepSpeed takes ``compute_dtype`` (``model.dtype``) itself."""
     if cfg.strategy == "deepspeed":
         from easytrain.distributed.deepspeed import DeepSpeedStrategy
 
-        return DeepSpeedStrategy(model, cfg, total_steps)
+        return DeepSpeedStrategy(model, cfg, total_steps, compute_dtype=compute_dtype)
     return FSDPStrategy(model, cfg, total_steps)

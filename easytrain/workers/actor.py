@@ -36,7 +36,7 @@ class ActorWorker(WorkerBase):
                                     trainable=True, shard=self.cfg.strategy == "fsdp")
         params = [p for p in model.parameters() if p.requires_grad]
         counts = {"trainable": sum(p.numel() for p in params), "total": sum(p.numel() for p in model.parameters())}
-        self.strategy = build_strategy(model, self.cfg, total_optimizer_steps)
+        self.strategy = build_strategy(model, self.cfg, total_optimizer_steps, compute_dtype=self.config.model.dtype)
         self.model = self.strategy.model
         return counts
 
