@@ -125,6 +125,17 @@ BAD = [
     (["reward.function=acuracy"], "reward.function='acuracy': not a registered reward"),
     (["reward.function=/no/such/file.py:fn"], "reward.function='/no/such/file.py:fn': no such file"),
     (["reward.format_weight=1.5"], "reward.format_weight=1.5"),
+    (["worker.actor.strategy=deepspeed"], "worker.actor.strategy='deepspeed'"),
+    (["+exp=tiny_sft", "worker.actor.strategy=deepspeed", "worker.actor.deepspeed.zero_stage=2",
+      "worker.actor.deepspeed.offload_params=true"], "worker.actor.deepspeed.offload_params=True"),
+    (["+exp=tiny_sft", "worker.actor.deepspeed.zero_stage=0"], "worker.actor.deepspeed.zero_stage=0"),
+    (["+exp=tiny_sft", "worker.actor.strategy=deepspeed", "model.dtype=float16"], "model.dtype='float16'"),
+    (["+exp=tiny_sft", "worker.actor.strategy=deepspeed", "worker.actor.offload.params=true"],
+     "worker.actor.offload.params=True"),
+    (["worker.actor.padding_free=true"], "worker.actor.padding_free=True"),
+    (["+exp=tiny_sft", "worker.actor.max_token_len_per_device=100"], "worker.actor.max_token_len_per_device=100"),
+    (["+exp=tiny_sft", "worker.actor.padding_free=false", "worker.actor.micro_batch_size_per_device_for_update=3"],
+     "worker.actor.micro_batch_size_per_device_for_update=3"),
 ]
 
 

@@ -68,3 +68,23 @@ def test_fsdp_and_deepspeed_zero3_give_the_same_sft_trajectory(ray_local: None, 
     for (loss, norm), (ds_loss, ds_norm) in zip(losses["fsdp"], losses["deepspeed"]):
         assert ds_loss == pytest.approx(loss, rel=1e-4) and ds_norm == pytest.approx(norm, rel=1e-4)
     assert losses["fsdp"][-1][0] < losses["fsdp"][0][0]
+
+
+@pytest.mark.slow
+def test_sft_resumes_exactly(ray_local: None, tmp_path: Path) -> None:
+    """Stopped after 3 steps and run again to 6: the same data order and losses as 6 steps in one go."""
+    def sft(run: Path, steps: int) -> None:
+        fit(SFTTrainer(load(["+exp=tiny_sft", f"trainer.output_dir={run}", f"trainer.max_steps={steps}",
+                             "trainer.val_before_train=false", "trainer.export_final=false",
+                             "data.synthetic_val_size=8", "trainer.loggers=[jsonl]"])))
+
+    sft(tmp_path / "whole", 6)
+    sft(tmp_path / "split", 3)
+    sft(tmp_path / "split", 6)
+    whole, split = ([(r["step"], r["train/loss"]) for r in records(tmp_path / name) if "train/loss" in r]
+                    for name in ("whole", "split"))
+    assert [s for s, _ in split] == [1, 2, 3, 4, 5, 6]
+    for (step, loss), (_, resumed) in zip(whole, split):
+        assert resumed == pytest.approx(loss, rel=1e-6, abs=1e-7), step
+    orders = [(tmp_path / name / "data_order.jsonl").read_text() for name in ("whole", "split")]
+    assert orders[0] == orders[1] and orders[0].count("\n") == 6
