@@ -217,3 +217,45 @@ def test_frozen_vision_tower_keeps_the_projector_training(data: SFTData, tmp_pat
     w = worker(sft_config(tmp_path, "model.freeze_vision_tower=true", "model.freeze_aligner=true"))
     trainable, _ = changed_parameters(w, data)
     assert not any(".visual." in n for n in trainable)
+
+
+def test_text_only_rows_pack_apart_on_a_vision_model(tmp_path: Path) -> None:
+    """A VL model on text-only data: the packed sequence still keeps its samples apart (4-row positions)."""
+    config = sft_config(tmp_path, "data.image_key=null")
+    data = SFTData(config)
+    w = worker(config)
+    batch = uneven_batch(data, [0, 1, 2])
+    assert "pixel_values" not in batch and batch["position_ids"].dim() == 2
+    padded_loss, _ = accumulate_gradients(w.model, torch.Tensor.backward, [padded(batch)], 1.0, w.device)
+    padded_grads = grads(w.model)
+    packed_loss, _ = accumulate_gradients(w.model, torch.Tensor.backward, [w._inputs(batch)], 1.0, w.device)
+    assert w._inputs(batch)["position_ids"].shape[0] == 4
+    assert packed_loss == pytest.approx(padded_loss, rel=1e-5)
+    for name, g in grads(w.model).items():
+        torch.testing.assert_close(g, padded_grads[name], rtol=1e-4, atol=1e-6, msg=name)
+
+
+def test_blank_image_sample_changes_no_loss_and_runs_the_vision_tower(data: SFTData, tmp_path: Path) -> None:
+    """What the driver appends to a micro batch without images (so every rank runs the sharded vision tower)."""
+    w = worker(sft_config(tmp_path))
+    text_only = uneven_batch(data, [0, 1])
+    text_only.tensors["pixel_values"] = text_only["pixel_values"][:0]  # how a selected micro batch without
+    text_only.tensors["image_grid_thw"] = text_only["image_grid_thw"][:0]  # images holds them: empty
+    text_only.tensors["input_ids"] = torch.where(text_only["mm_token_type_ids"].bool(), 0, text_only["input_ids"])
+    text_only.tensors["mm_token_type_ids"] = torch.zeros_like(text_only["mm_token_type_ids"])
+    assert data.blank is not None
+    with_blank = Batch.concat([Batch(text_only.tensors, text_only.meta, torch.zeros(2, dtype=torch.long)),
+                               data.blank])
+    no_images = {k: v for k, v in text_only.tensors.items() if k not in ("pixel_values", "image_grid_thw")}
+    for inputs in (padded, flatten):
+        alone = accumulate_gradients(w.model, torch.Tensor.backward, [inputs(Batch(no_images, text_only.meta))],
+                                     1.0, w.device)
+        alone_grads = grads(w.model)
+        joined = accumulate_gradients(w.model, torch.Tensor.backward, [inputs(with_blank)], 1.0, w.device)
+        joined_grads = grads(w.model)
+        assert joined[1] == alone[1] and joined[0] == pytest.approx(alone[0], rel=1e-5)
+        visual = [n for n in joined_grads if ".visual." in n]
+        assert visual and all(n not in alone_grads for n in visual)  # the tower ran (and got zero gradient)
+        assert all(float(joined_grads[n].abs().max()) == 0.0 for n in visual)
+        for name, g in alone_grads.items():
+            torch.testing.assert_close(joined_grads[name], g, rtol=1e-4, atol=1e-6, msg=name)

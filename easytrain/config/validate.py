@@ -248,6 +248,9 @@ def _check_strategy(cfg: Config) -> None:
         raise ConfigError("worker.actor.offload.params" if a.offload.params else "worker.actor.offload.optimizer",
                           True, "worker.actor.offload.* are FSDP settings; DeepSpeed offloads through its own",
                           "use worker.actor.deepspeed.offload_params / offload_optimizer")
+    if sft and a.ulysses_size > 1:
+        raise ConfigError("worker.actor.ulysses_size", a.ulysses_size, "sequence parallelism is not built for the "
+                          "SFT trainer yet", "set worker.actor.ulysses_size=1")
     if a.padding_free and not sft:
         raise ConfigError("worker.actor.padding_free", True, "padding-free packing is built for the SFT trainer; "
                           "the RL actor takes fixed micro batches", "set worker.actor.padding_free=false")

@@ -51,14 +51,14 @@ def plan_micro_batches(lengths: Sequence[int], ranks: int, budget: int) -> Plan:
                              "sample (data.max_prompt_length / data.max_response_length, image max_pixels)")
     if len(sizes) < ranks:
         raise ValueError(f"{len(sizes)} samples cannot give each of {ranks} data-parallel ranks a micro batch; "
-                         f"use a global batch of at least {ranks} samples")
+                         f"use worker.actor.global_batch_size >= {ranks}")
     order = sorted(range(len(sizes)), key=lambda i: (-sizes[i], i))
     bins = [_first_fit_decreasing(share, sizes, budget) for share in _assign_to_ranks(order, sizes, ranks)]
     k = max(len(b) for b in bins)
     if len(sizes) < ranks * k:
         raise ValueError(f"{len(sizes)} samples cannot fill {k} micro batches on each of {ranks} ranks "
                          f"({ranks * k} needed, one sample at least per micro batch; {k} micro batches of at most "
-                         f"{budget} tokens are needed on the fullest rank); use a larger global batch, fewer "
+                         f"{budget} tokens are needed on the fullest rank); use a larger worker.actor.global_batch_size, fewer "
                          "ranks, or a larger worker.actor.max_token_len_per_device")
     _equalise_counts(bins, sizes, k)
     return [[sorted(b, key=lambda i: (-sizes[i], i)) for b in sorted(rank, key=lambda b: _order_key(b, sizes))]
@@ -74,7 +74,7 @@ def fixed_micro_batches(count: int, ranks: int, micro_size: int) -> Plan:
     _check_positive(count=count, ranks=ranks, micro_size=micro_size)
     if count % ranks:
         raise ValueError(f"{count} samples do not split evenly over {ranks} data-parallel ranks; "
-                         f"use a global batch that is a multiple of {ranks}")
+                         f"use a worker.actor.global_batch_size that is a multiple of {ranks}")
     share = count // ranks
     return [[list(range(start, min(start + micro_size, end))) for start in range(begin, end, micro_size)]
             for begin, end in ((r * share, (r + 1) * share) for r in range(ranks))]

@@ -63,6 +63,8 @@ def conversation_turns(messages: Any, num_images: int) -> list[dict[str, Any]]:
             raise BadSample("bad_messages", f"turn {i} is not a {{role, content}} dict with role in {ROLES}")
         content = turn.get("content")
         if isinstance(content, (list, tuple)):
+            if not all(isinstance(p, dict) and p.get("type") in ("text", "image") for p in content):
+                raise BadSample("bad_messages", f"turn {i}: content parts must be {{type: text|image}} dicts")
             parts = [dict(p) for p in content]
             placed += sum(p.get("type") == "image" for p in parts)
         else:
@@ -103,8 +105,9 @@ def render_conversation(tokenizer: Any, turns: list[dict[str, Any]], image_token
         header = tokenizer.apply_chat_template(turns[:i], tokenize=False, add_generation_prompt=True)
         full = tokenizer.apply_chat_template(turns[:i + 1], tokenize=False)
         if not (header.startswith(done) and full.startswith(header)):
-            raise DataError("the chat template does not render a conversation as a growing prefix "
-                            "(each turn appended to the previous text); SFT labels cannot be placed")
+            raise DataError("the chat template of model.path (or model.tokenizer_path) does not render a "
+                            "conversation as a growing prefix (each turn appended to the previous text); SFT labels "
+                            "cannot be placed: use a tokenizer whose template appends turns")
         answer = full[len(header):]
         trained = answer.rstrip("\n")
         pieces += [(header[len(done):], False), (trained, True), (answer[len(trained):], False)]
@@ -115,13 +118,14 @@ def render_conversation(tokenizer: Any, turns: list[dict[str, Any]], image_token
     labels: list[int] = []
     counts = list(image_tokens)
     prompt_len, prompt_text, prompt_images, used = 0, "", 0, 0
+    last_answer = max(i for i, (_, trained) in enumerate(pieces) if trained)
     for n, (text, trained) in enumerate(pieces):
         if not text:
             continue
         here = text.count(IMAGE_PAD)
         piece = tokenizer(expand_image_placeholders(text, counts[used:used + here]),
                           add_special_tokens=False)["input_ids"]
-        if trained and trained_index(pieces) == n:  # the last assistant turn: what came before is the prompt
+        if n == last_answer:  # the last assistant turn: what came before is the prompt
             prompt_len, prompt_images = len(ids), used
             prompt_text = "".join(t for t, _ in pieces[:n])
         used += here
@@ -132,21 +136,14 @@ def render_conversation(tokenizer: Any, turns: list[dict[str, Any]], image_token
     return RenderedConversation(ids, labels, prompt_len, prompt_text, prompt_images)
 
 
-def trained_index(pieces: list[tuple[str, bool]]) -> int:
-    """Index of the last trained (assistant) piece."""
-    return max(i for i, (_, trained) in enumerate(pieces) if trained)
-
-
 class SFTDataset(PromptDataset):
     """Usable SFT samples of ``files`` for one split (checked once, skips reported like prompts)."""
 
     def _check_columns(self, source: RowSource) -> None:
-        cfg = self.cfg
-        if cfg.messages_key in source.columns():
+        if self.cfg.messages_key in source.columns():
             require_columns(source, [("data.image_key", self.image_key)])
         else:
-            require_columns(source, [("data.prompt_key", cfg.prompt_key), ("data.answer_key", cfg.answer_key),
-                                     ("data.image_key", self.image_key)])
+            super()._check_columns(source)
 
     def _build(self, s: int, r: int) -> SFTSample:
         source, cfg = self.sources[s], self.cfg
@@ -175,9 +172,6 @@ class SFTDataset(PromptDataset):
         return SFTSample(uid=where, input_ids=rendered.ids[:rendered.prompt_len], vllm_text=rendered.prompt_text,
                          images=prompt_images, image_tokens=[vision_tokens(im.height, im.width) for im in prompt_images],
                          answer=answer, ids=rendered.ids, labels=rendered.labels, all_images=images)
-
-    def sample_length(self, index: int) -> int:
-        return self.prompt_lengths[index]
 
 
 @dataclass

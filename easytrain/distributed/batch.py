@@ -17,6 +17,9 @@ import torch
 
 PACKED_PATCH_KEYS = ("pixel_values",)
 PACKED_IMAGE_KEYS = ("image_grid_thw",)
+PAD_VALUES = {"targets": -100}
+"""What right padding holds per tensor when batches of different widths are joined (0 for the rest): SFT
+targets are ignored there (the label index cross-entropy skips)."""
 
 
 @dataclass
@@ -93,7 +96,8 @@ class Batch:
         for key in first.tensors:
             values = [b.tensors[key] for b in batches]
             dim = 0 if key in PACKED_PATCH_KEYS + PACKED_IMAGE_KEYS else Batch._sample_dim(key, values[0])
-            out.tensors[key] = torch.cat(_pad_last(values) if values[0].dim() > dim + 1 else values, dim=dim)
+            out.tensors[key] = torch.cat(_pad_last(values, PAD_VALUES.get(key, 0)) if values[0].dim() > dim + 1
+                                         else values, dim=dim)
         if first.image_counts is not None:
             out.image_counts = torch.cat([b.image_counts for b in batches])  # type: ignore[misc]
         return out
@@ -114,8 +118,8 @@ class Batch:
         return Batch({**self.tensors, **other.tensors}, {**self.meta, **other.meta}, self.image_counts)
 
 
-def _pad_last(values: list[torch.Tensor]) -> list[torch.Tensor]:
+def _pad_last(values: list[torch.Tensor], fill: int = 0) -> list[torch.Tensor]:
     """Right-pad along the last dim to the longest (only masked positions are added)."""
     longest = max(v.shape[-1] for v in values)
-    return [torch.nn.functional.pad(v, (0, longest - v.shape[-1])) if v.shape[-1] < longest else v
+    return [torch.nn.functional.pad(v, (0, longest - v.shape[-1]), value=fill) if v.shape[-1] < longest else v
             for v in values]

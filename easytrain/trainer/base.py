@@ -183,7 +183,8 @@ class Trainer:
         start = time.perf_counter()
         tmp = self.checkpoints.begin(self.step)
         self.roles.actor.call("save_checkpoint", str(tmp / ACTOR))
-        state = {"step": self.step, "data": self.loader.state_dict(), "rng": rng_state(),
+        state = {"step": self.step, "task": self.config.trainer.task, "strategy": self.config.worker.actor.strategy,
+                 "data": self.loader.state_dict(), "rng": rng_state(),
                  "actor_world_size": self.roles.actor.world_size, "model_signature": model_signature(self.config),
                  **self.driver_state()}
         folder = self.checkpoints.commit(tmp, self.step, state, OmegaConf.to_yaml(OmegaConf.structured(self.config)))

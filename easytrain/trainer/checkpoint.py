@@ -204,6 +204,13 @@ def model_signature(config: Config) -> dict[str, Any]:
 def check_compatible(folder: Path, config: Config) -> dict[str, Any]:
     """The checkpoint's driver state, after refusing one written for a different model or trainable set."""
     state = read_json(folder / STATE_FILE)
+    for key, now_value in (("task", config.trainer.task), ("strategy", config.worker.actor.strategy)):
+        saved_value = state.get(key, {"task": "rl", "strategy": "fsdp"}[key])  # older checkpoints: RL on FSDP
+        if saved_value != now_value:
+            name = "trainer.task" if key == "task" else "worker.actor.strategy"
+            raise CheckpointError(f"{folder} was written by a {name}={saved_value} run and this config has "
+                                  f"{name}={now_value}; resume with the same setting, or start a new run from its "
+                                  f"weights: `easytrain export {folder} --out DIR`, then model.path=DIR")
     saved, now = state.get("model_signature", {}), model_signature(config)
     for key, value in now.items():
         if key in saved and saved[key] != value and value is not None:

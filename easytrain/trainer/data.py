@@ -4,7 +4,7 @@ loaders, and decoding responses."""
 from __future__ import annotations
 
 import logging
-from typing import Any, Iterator
+from typing import Any, Iterator, Optional
 
 from easytrain.config.schema import Config
 from easytrain.config.validate import split_files
@@ -12,7 +12,7 @@ from easytrain.data.collate import PromptCollator
 from easytrain.data.dataset import PromptDataset
 from easytrain.data.loader import PromptLoader
 from easytrain.data.sft import SFTCollator, SFTDataset
-from easytrain.data.vision import IMAGE_PAD
+from easytrain.data.vision import IMAGE_PAD, expand_image_placeholders
 from easytrain.distributed.batch import Batch
 from easytrain.models.hf import load_image_processor, load_tokenizer, model_folder
 
@@ -91,6 +91,27 @@ class SFTData(RLData):
     """Conversations for SFT: global batches of padded samples with targets; prompts for generation samples."""
 
     dataset_class = SFTDataset
+
+    def __init__(self, config: Config) -> None:
+        super().__init__(config)
+        self.blank: Optional[Batch] = self.blank_sample() if self.vision else None
+        """One untrained sample with a blank image: joins a micro batch that has no image, so every rank runs
+        the vision tower (its sharded blocks' collectives need all ranks)."""
+
+    def blank_sample(self) -> Batch:
+        from PIL import Image
+
+        from easytrain.data.images import fit_image, vision_tokens
+        from easytrain.data.sft import IGNORE, SFTSample
+
+        d = self.config.data
+        image = fit_image(Image.new("RGB", (56, 56), (255, 255, 255)), d.min_pixels, d.max_pixels)
+        tokens = vision_tokens(image.height, image.width)
+        text = f"<|vision_start|>{expand_image_placeholders(IMAGE_PAD, [tokens])}<|vision_end|>"
+        ids = self.tokenizer(text, add_special_tokens=False)["input_ids"]
+        sample = SFTSample(uid="blank", input_ids=ids, vllm_text="", images=[image], image_tokens=[tokens], answer="",
+                           ids=ids, labels=[IGNORE] * len(ids), all_images=[image])
+        return sft_batch(self.loader.collator([sample]))
 
     def batch_size(self) -> int:
         return self.config.worker.actor.global_batch_size

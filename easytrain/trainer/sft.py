@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import logging
 import time
-from typing import Any, Iterator, Optional
+from typing import Iterator, Optional
 
 import torch
 
@@ -51,9 +51,7 @@ class SFTTrainer(Trainer):
         resume = check_resume(config)
         self.data = data or SFTData(config)
         super().__init__(config, self.data.loader)
-        t = config.trainer
-        per_epoch = self.data.loader.sampler.batches_per_epoch
-        self.total_steps = min(per_epoch * t.total_epochs, t.max_steps) if t.max_steps > 0 else per_epoch * t.total_epochs
+        self.total_steps = self.data.total_steps()
         self.reward = Reward(load_function(config.reward.function), config.reward.format_weight)
         self.stop_ids = stop_token_ids(self.data.tokenizer, config.worker.rollout.stop_tokens)
         self.announce()
@@ -77,15 +75,24 @@ class SFTTrainer(Trainer):
     def new_batches(self) -> Iterator[Batch]:
         return self.data.train_batches()
 
-    def plan(self, batch: Batch) -> list[list[Batch]]:
-        """Each rank's micro batches: fixed-size ones, or token-budget packs (padding_free)."""
+    def plan(self, batch: Batch, evaluate: bool = False) -> list[list[Batch]]:
+        """Each rank's micro batches: fixed-size ones, or token-budget packs (padding_free). Every rank gets the
+        same number (the sharded model's collectives need it): a validation batch that does not split evenly is
+        topped up with copies that train nothing, and in a vision run a micro batch without images gets an
+        untrained blank-image sample, so every rank runs the vision tower."""
         a, ranks = self.config.worker.actor, self.roles.actor.world_size
-        if a.padding_free:
+        if evaluate and len(batch) % ranks:
+            batch = Batch.concat([batch, untrained(batch.select(range((-len(batch)) % ranks)))])
+        if a.padding_free and not evaluate:
             lengths = batch["attention_mask"].sum(-1).tolist()
             layout = plan_micro_batches(lengths, ranks, a.max_token_len_per_device)
         else:
             layout = fixed_micro_batches(len(batch), ranks, a.micro_batch_size_per_device_for_update)
-        return [[batch.select(micro) for micro in rank] for rank in layout]
+        micro_batches = [[batch.select(micro) for micro in rank] for rank in layout]
+        if self.data.blank is not None and "pixel_values" in batch:
+            micro_batches = [[m if int(m.image_counts.sum()) else Batch.concat([m, self.data.blank])  # type: ignore[union-attr]
+                              for m in rank] for rank in micro_batches]
+        return micro_batches
 
     def train_step(self) -> dict[str, float]:
         timer, start = PhaseTimer(), time.perf_counter()
@@ -98,7 +105,7 @@ class SFTTrainer(Trainer):
         spans = [(phase, min(r[phase][0] for r in results), max(r[phase][1] for r in results))
                  for phase in ("forward_backward", "optimizer")]
         processed = sum(int(m["attention_mask"].sum()) if self.config.worker.actor.padding_free
-                        else m["attention_mask"].numel() for share in shares for m in share)
+                        else len(m) * int(m["attention_mask"].sum(-1).max()) for share in shares for m in share)
         metrics = {"train/loss": sum(r["loss_sum"] for r in results) / max(1, tokens),
                    "train/trained_tokens": float(tokens), "actor/grad_norm": results[0]["grad_norm"],
                    "actor/lr": results[0]["lr"], "train/micro_batches_per_rank": float(len(shares[0])),
@@ -117,7 +124,7 @@ class SFTTrainer(Trainer):
         with timer("validate"):
             loss_sum, tokens = 0.0, 0
             for batch in self.data.val_sft_batches():
-                results = self.roles.actor.call("sft_eval", self.plan(batch))
+                results = self.roles.actor.call("sft_eval", self.plan(batch, evaluate=True))
                 loss_sum += sum(r["loss_sum"] for r in results)
                 tokens += int(sum(r["tokens"] for r in results))
             metrics = {"val/loss": loss_sum / max(1, tokens)}
@@ -145,5 +152,9 @@ class SFTTrainer(Trainer):
         table = {key: torch.tensor([s.get(key, 0.0) for s in all_scores]) for key in all_scores[0]}
         return {f"val/{k}": v for k, v in reward_metrics(table).items()}
 
-    def driver_state(self) -> dict[str, Any]:
-        return {"task": "sft"}
+
+
+def untrained(batch: Batch) -> Batch:
+    """``batch`` with nothing to train (every target ignored): fills a rank's share without changing the loss."""
+    return Batch({**batch.tensors, "targets": torch.full_like(batch["targets"], IGNORE)}, dict(batch.meta),
+                 batch.image_counts)

@@ -35,14 +35,18 @@ from easytrain.workers.forward import MODEL_INPUTS, suppressed_tokens
 logger = logging.getLogger(__name__)
 
 
-def flatten(batch: Batch) -> dict[str, torch.Tensor]:
-    """Model inputs and targets of ``batch`` as one padding-free sequence (batch dimension 1)."""
+def flatten(batch: Batch, rope_rows: bool = True) -> dict[str, torch.Tensor]:
+    """Model inputs and targets of ``batch`` as one padding-free sequence (batch dimension 1). ``rope_rows``:
+    the model takes Qwen-VL's multi-row positions (only a 4-row form tells it where samples start, even for
+    text-only data)."""
     mask = batch["attention_mask"].bool()
     out = {"input_ids": batch["input_ids"][mask][None], "targets": batch["targets"][mask][None]}
     positions = batch["position_ids"]
-    if positions.dim() == 3:  # Qwen-VL: (3, B, L) rope axes, plus the text position that marks sample starts
-        text = (mask.long().cumsum(-1) - 1)[mask]
+    text = (mask.long().cumsum(-1) - 1)[mask]
+    if positions.dim() == 3:  # (3, B, L) rope axes, plus the text position that marks sample starts
         out["position_ids"] = torch.cat([text[None, None], positions[:, mask][:, None]], dim=0)
+    elif rope_rows:  # text-only rows for a VL model: every rope axis is the text position
+        out["position_ids"] = text[None, None].expand(4, 1, -1)
     else:
         out["position_ids"] = positions[mask][None]
     if "mm_token_type_ids" in batch:
@@ -97,7 +101,9 @@ class SFTWorker(ActorWorker):
     """The actor of an SFT run: same model building, strategy and checkpoints as the RL actor."""
 
     def _inputs(self, micro: Batch) -> dict[str, torch.Tensor]:
-        return flatten(micro) if self.cfg.padding_free else padded(micro)
+        if not self.cfg.padding_free:
+            return padded(micro)
+        return flatten(micro, rope_rows=getattr(self.model.config, "vision_config", None) is not None)
 
     @dispatch(Dispatch.EACH)
     def sft_update(self, micro_batches: list[Batch], global_tokens: int) -> dict[str, float]:
