@@ -88,3 +88,32 @@ def test_sft_resumes_exactly(ray_local: None, tmp_path: Path) -> None:
         assert resumed == pytest.approx(loss, rel=1e-6, abs=1e-7), step
     orders = [(tmp_path / name / "data_order.jsonl").read_text() for name in ("whole", "split")]
     assert orders[0] == orders[1] and orders[0].count("\n") == 6
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)  # a rank skipping the sharded vision tower would hang its peers' collectives
+def test_ranks_without_images_still_step_with_ranks_that_have_them(ray_local: None, tmp_path: Path) -> None:
+    """One image row in every four: with 4 samples over 2 ranks, one rank holds text only each step."""
+    from PIL import Image
+
+    image = tmp_path / "red.png"
+    Image.new("RGB", (56, 56), (220, 40, 40)).save(image)
+    rows = []
+    for i in range(16):
+        if i % 4 == 0:
+            rows.append({"messages": [{"role": "user", "content": "<image>What colour?"},
+                                      {"role": "assistant", "content": "red"}], "images": [str(image)]})
+        else:
+            rows.append({"messages": [{"role": "user", "content": f"Say {i}."},
+                                      {"role": "assistant", "content": str(i)}], "images": []})
+    data = tmp_path / "mixed.jsonl"
+    data.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    for padding_free in ("true", "false"):
+        run = tmp_path / f"run-{padding_free}"
+        fit(SFTTrainer(load(["+exp=tiny_sft", f"trainer.output_dir={run}", f"data.train_files={data}",
+                             f"data.val_files={data}", "data.shuffle=false", "worker.actor.global_batch_size=4",
+                             "worker.actor.micro_batch_size_per_device_for_update=2",
+                             f"worker.actor.padding_free={padding_free}", "trainer.max_steps=3",
+                             "trainer.export_final=false", "trainer.loggers=[jsonl]"])))
+        steps = [r for r in records(run) if "train/loss" in r]
+        assert len(steps) == 3 and all(r["train/loss"] > 0 for r in steps)
