@@ -137,12 +137,17 @@ class PromptDataset:
         s, r = self._index[index]
         return self._build(s, r)
 
-    def _build(self, s: int, r: int) -> Prompt:
-        source, cfg = self.sources[s], self.cfg
+    def _row(self, s: int, r: int) -> tuple[dict[str, Any], str]:
+        """Row ``r`` of source ``s`` and where it is (``<file>#<row>``); an unreadable row raises its BadSample."""
+        source = self.sources[s]
         row = source[r]
         if isinstance(row, BadSample):
             raise row
-        where = f"{source.name}#{r}"
+        return row, f"{source.name}#{r}"
+
+    def _build(self, s: int, r: int) -> Prompt:
+        cfg = self.cfg
+        row, where = self._row(s, r)
         problem = _text(row.get(cfg.prompt_key), "prompt")
         answer = _text(row.get(cfg.answer_key), "answer")
         if self.template is not None:

@@ -146,11 +146,8 @@ class SFTDataset(PromptDataset):
             super()._check_columns(source)
 
     def _build(self, s: int, r: int) -> SFTSample:
-        source, cfg = self.sources[s], self.cfg
-        row = source[r]
-        if isinstance(row, BadSample):
-            raise row
-        where = f"{source.name}#{r}"
+        cfg = self.cfg
+        row, where = self._row(s, r)
         images = [fit_image(im, cfg.min_pixels, cfg.max_pixels) for im in self._decoded_images(row, where)]
         if cfg.messages_key in row:
             turns = conversation_turns(row[cfg.messages_key], len(images))
