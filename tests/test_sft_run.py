@@ -37,6 +37,12 @@ def test_tiny_sft_learns_to_read_images_and_starts_grpo(ray_local: None, tmp_pat
     assert len(steps) == 96 and last < 0.25 * first, (first, last)  # ~6.9 (uniform over the vocabulary) -> ~0.5
     assert final["val/loss"] < 1.0 and final["val/reward/mean"] >= CHANCE + 0.15, final
     assert (run / "hf" / "model.safetensors").is_file() and (run / "samples.jsonl").is_file()
+    memory = [json.loads(line) for line in (run / "memory.jsonl").read_text().splitlines()]  # the watchdog
+    phases = {r["name"] for r in memory if r["kind"] == "phase"}
+    assert {"data", "forward_backward", "optimizer"} <= phases, phases
+    assert {(r["role"], r["rank"]) for r in memory if r["kind"] == "worker"} == {("actor", 0), ("actor", 1)}
+    assert {r["role"] for r in memory if r["kind"] == "process"} >= {"actor", "driver"}
+    assert not [r for r in memory if r["kind"] == "event"] and (run / "memory.png").is_file()
 
     blank = fit(SFTTrainer(load(["+exp=tiny_sft", f"trainer.output_dir={tmp_path / 'blank'}", "trainer.val_only=true",
                                  f"model.path={run / 'hf'}", "data.blank_images=true", "trainer.loggers=[jsonl]"])))
