@@ -1,0 +1,137 @@
+"""Ulysses sequence parallelism, first part: the text decoder on 2 gloo ranks equals the unsplit model."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Callable
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+from easytrain.data.sft import IGNORE
+from easytrain.distributed.ulysses import SequenceParallel, apply_ulysses, gather_sequence, sequence
+from easytrain.models.tiny import build_tiny
+
+LENGTHS = (7, 10, 5, 10)  # uneven packed samples; 32 tokens in 2 chunks of 16: the cut falls inside sample 2
+
+
+def packed_inputs(vocab: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    generator = torch.Generator().manual_seed(0)
+    ids = torch.randint(10, vocab, (1, sum(LENGTHS)), generator=generator)
+    positions = torch.cat([torch.arange(n) for n in LENGTHS])[None]
+    targets = torch.full_like(ids, IGNORE)
+    start = 0
+    for n in LENGTHS:  # next-token targets inside each sample
+        targets[0, start:start + n - 1] = ids[0, start + 1:start + n]
+        start += n
+    return ids, positions, targets
+
+
+def token_log_probs(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    return torch.log_softmax(logits.float(), -1).gather(-1, targets.clamp(min=0)[..., None])[..., 0]
+
+
+def run_rank(rank: int, folder: str, port: int) -> None:
+    from transformers import AutoModelForCausalLM
+
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
+    reference = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32, attn_implementation="sdpa")
+    model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32, attn_implementation="sdpa")
+    ids, positions, targets = packed_inputs(model.config.vocab_size)
+    trained = targets != IGNORE
+
+    ref_lp = token_log_probs(reference(input_ids=ids, position_ids=positions, use_cache=False).logits, targets)
+    (ref_lp * trained).sum().backward()
+
+    sp = SequenceParallel(group=dist.group.WORLD, size=2, rank=rank, recording=True)
+    apply_ulysses(model, sp)
+    part = sp.chunk(ids.shape[1])
+    with sequence(sp, positions):
+        local_logits = model(input_ids=ids, position_ids=positions, use_cache=False).logits
+    assert local_logits.shape[1] == ids.shape[1] // 2  # the head ran on this rank's chunk only
+    local_lp = token_log_probs(local_logits, targets[:, part])
+    (local_lp * trained[:, part]).sum().backward()
+    full_lp = gather_sequence(local_lp.detach(), sp)
+    torch.testing.assert_close(full_lp * trained, ref_lp.detach() * trained, rtol=1e-5, atol=1e-5)
+
+    heads, layers = model.config.num_attention_heads, model.config.num_hidden_layers
+    head_dim = model.config.hidden_size // heads
+    assert len(sp.record) == layers
+    for call in sp.record:  # before: this chunk with every head; inside attention: every position, half the heads
+        assert call["local_query"] == (1, heads, 16, head_dim)
+        assert call["attention_query"] == (1, heads // 2, 32, head_dim)
+        assert call["attention_key"][2] == 32 and call["collectives"] == ["all_to_all"] * 4
+
+    for (name, p), (_, ref) in zip(model.named_parameters(), reference.named_parameters()):
+        grad = p.grad.clone()
+        dist.all_reduce(grad)  # the group's gradients summed are the unsplit model's
+        torch.testing.assert_close(grad, ref.grad, rtol=1e-4, atol=1e-6, msg=name)
+    dist.destroy_process_group()
+
+
+@pytest.mark.parametrize("size", ["tiny", "small"])  # tiny: 2 heads over 1 KV head (repeated); small: 4 over 2
+def test_ulysses_two_ranks_equal_the_unsplit_qwen2(size: str, tmp_path: Path,
+                                                   tiny_model: Callable[..., Path]) -> None:
+    from easytrain.distributed.group import free_port
+
+    folder = tiny_model("qwen2", size)
+    mp.spawn(run_rank, args=(str(folder), free_port()), nprocs=2, join=True)
+
+
+def run_vl_rank(rank: int, run_dir: str, port: int) -> None:
+    """Qwen2.5-VL, packed samples with one image each: the vision tower and the 3-D rope positions run on the
+    whole sequence, the decoder on chunks."""
+    from easytrain.config import load
+    from easytrain.models.hf import model_folder
+    from easytrain.trainer.data import SFTData, sft_batch
+    from easytrain.workers.base import build_sharded_model
+    from easytrain.workers.sft import flatten
+
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
+    config = load(["+exp=tiny_sft", f"trainer.output_dir={run_dir}", "data.synthetic_size=16",
+                   "data.synthetic_val_size=8", "trainer.workers_per_node=1"])
+    data = SFTData(config)
+    samples = [data.train[i] for i in range(8)]
+    picks = next([a, b, c] for a in range(8) for b in range(a + 1, 8) for c in range(b + 1, 8)
+                 if (len(samples[a].ids) + len(samples[b].ids) + len(samples[c].ids)) % 2 == 0)
+    inputs = flatten(sft_batch(data.loader.collator([samples[i] for i in picks])))
+    targets = inputs.pop("targets")
+    trained = targets != IGNORE
+    assert inputs["position_ids"].shape[0] == 4 and inputs["pixel_values"].shape[0] > 0
+
+    folder = model_folder(config.model)
+
+    def build() -> torch.nn.Module:
+        return build_sharded_model(config, config.worker.actor, folder, torch.device("cpu"), 1, trainable=True,
+                                   shard=False)
+
+    reference, model = build(), build()
+    ref_lp = token_log_probs(reference(**inputs, use_cache=False).logits, targets)
+    (ref_lp * trained).sum().backward()
+
+    sp = SequenceParallel(group=dist.group.WORLD, size=2, rank=rank, recording=True)
+    apply_ulysses(model, sp)
+    part = sp.chunk(inputs["input_ids"].shape[1])
+    with sequence(sp, inputs["position_ids"][0]):
+        local_lp = token_log_probs(model(**inputs, use_cache=False).logits, targets[:, part])
+    (local_lp * trained[:, part]).sum().backward()
+    torch.testing.assert_close(gather_sequence(local_lp.detach(), sp) * trained, ref_lp.detach() * trained,
+                               rtol=1e-5, atol=1e-5)
+    assert len(sp.record) == model.config.text_config.num_hidden_layers  # every decoder layer went through Ulysses
+    assert all(call["attention_query"][2] == inputs["input_ids"].shape[1] for call in sp.record)
+    for (name, p), (_, ref) in zip(model.named_parameters(), reference.named_parameters()):
+        if ref.grad is None:
+            continue
+        grad = p.grad.clone()
+        dist.all_reduce(grad)
+        torch.testing.assert_close(grad, ref.grad, rtol=1e-4, atol=1e-6, msg=name)
+    dist.destroy_process_group()
+
+
+def test_ulysses_two_ranks_equal_the_unsplit_qwen25_vl_with_images(tmp_path: Path) -> None:
+    from easytrain.distributed.group import free_port
+
+    mp.spawn(run_vl_rank, args=(str(tmp_path), free_port()), nprocs=2, join=True)
