@@ -12,9 +12,10 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
-from typing import Callable, Iterator, Optional
+from typing import Any, Callable, Iterator, Optional
 
 import pytest
+import torch
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")  # tests never download
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
@@ -112,3 +113,26 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
             item.add_marker(skip_gpu)
     # The 2-node cluster replaces the shared local Ray: run those tests last.
     items.sort(key=lambda item: TWO_NODE_FIXTURE in getattr(item, "fixturenames", ()))
+
+
+@pytest.fixture
+def recorded_attention() -> Iterator[list[dict[str, Any]]]:
+    """Every language-model attention call through transformers' attention interface (the real sdpa runs)."""
+    from transformers import AttentionInterface
+    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+    original = ALL_ATTENTION_FUNCTIONS["sdpa"]
+    calls: list[dict[str, Any]] = []
+
+    def recording(module: Any, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                  attention_mask: Any, **kwargs: Any) -> Any:
+        if "Vision" not in type(module).__name__:
+            calls.append({"query": tuple(query.shape), "mask": None if attention_mask is None else
+                          attention_mask.detach().clone()})
+        return original(module, query, key, value, attention_mask, **kwargs)
+
+    AttentionInterface.register("sdpa", recording)
+    try:
+        yield calls
+    finally:
+        AttentionInterface.register("sdpa", original)

@@ -72,7 +72,8 @@ def test_text_model_without_images_is_valid() -> None:
 
 def test_ulysses_with_replicated_kv_heads_is_valid() -> None:
     # Qwen2.5-VL-7B: 28 query heads, 4 KV heads; ulysses 4 divides both.
-    config = _resolve(["+exp=qwen25vl_7b", "worker.actor.ulysses_size=4", "worker.ref.ulysses_size=4"])
+    config = _resolve(["+exp=qwen25vl_7b", "worker.actor.ulysses_size=4", "worker.ref.ulysses_size=4",
+                       "worker.actor.padding_free=true", "worker.actor.max_token_len_per_device=8192"])
     assert config.worker.actor.ulysses_size == 4
 
 
@@ -102,7 +103,13 @@ BAD = [
     (["worker.rollout.tensor_parallel_size=2"], "worker.rollout.tensor_parallel_size=2"),
     (["worker.rollout.engine=vllm", "worker.rollout.tensor_parallel_size=4"],
      "worker.rollout.tensor_parallel_size=4"),
-    (["+exp=qwen25vl_7b", "worker.actor.ulysses_size=8"], "worker.actor.ulysses_size=8"),
+    (["+exp=qwen25vl_7b", "worker.actor.ulysses_size=8", "worker.actor.padding_free=true",
+      "worker.actor.max_token_len_per_device=8192"], "worker.actor.ulysses_size=8: must divide the model's 28"),
+    (["worker.actor.ulysses_size=2"], "worker.actor.ulysses_size=2: Ulysses sequence parallelism splits padding-free"),
+    (["worker.ref.ulysses_size=2", "algorithm.kl_coef=0.1"],
+     "worker.ref.ulysses_size=2"),
+    (["+exp=tiny_sft", "worker.actor.ulysses_size=2", "worker.actor.strategy=deepspeed"],
+     "worker.actor.ulysses_size=2: sequence parallelism is built and tested with FSDP2"),
     (["data.limit_images=0"], "data.limit_images=0"),
     (["model.path=tiny:qwen2"], "data.image_key='images'"),
     (["worker.ref.offload.optimizer=true"], "worker.ref.offload.optimizer"),
@@ -132,7 +139,8 @@ BAD = [
     (["+exp=tiny_sft", "worker.actor.strategy=deepspeed", "model.dtype=float16"], "model.dtype='float16'"),
     (["+exp=tiny_sft", "worker.actor.strategy=deepspeed", "worker.actor.offload.params=true"],
      "worker.actor.offload.params=True"),
-    (["worker.actor.padding_free=true"], "worker.actor.padding_free=True"),
+    (["worker.actor.padding_free=true", "worker.actor.max_token_len_per_device=100"],
+     "worker.actor.max_token_len_per_device=100"),
     (["+exp=tiny_sft", "worker.actor.max_token_len_per_device=100"], "worker.actor.max_token_len_per_device=100"),
     (["+exp=tiny_sft", "worker.actor.padding_free=false", "worker.actor.micro_batch_size_per_device_for_update=3"],
      "worker.actor.micro_batch_size_per_device_for_update=3"),
@@ -153,7 +161,8 @@ def test_kv_heads_that_cannot_be_split(tmp_path: Path) -> None:
     with pytest.raises(ConfigError, match=r"worker.actor.ulysses_size=3: the model's 2 key/value heads"):
         _resolve([f"model.path={folder}", "data.image_key=null", "trainer.workers_per_node=6",
                   "data.rollout_batch_size=6", "worker.actor.global_batch_size=6",
-                  "worker.actor.micro_batch_size_per_device_for_update=1", "worker.actor.ulysses_size=3"])
+                  "worker.actor.micro_batch_size_per_device_for_update=1", "worker.actor.ulysses_size=3",
+                  "worker.actor.padding_free=true"])
 
 
 def test_suggestions_cover_every_schema_key() -> None:

@@ -142,3 +142,62 @@ def test_optimizer_step_peak_by_hand() -> None:
     # one short sequence: the optimizer step is the peak: the gradients plus AdamW's sqrt and denominator
     # temporaries of the embedding's shard, 2 x 544,997,376 / 8 x 4 bytes
     assert update == {"actor grads": 4_146_083_328, "optimizer temporaries": 544_997_376}
+
+
+PACKED = ["+exp=qwen25vl_7b", "worker.actor.padding_free=true", "worker.actor.max_token_len_per_device=8192"]
+"""The 7B GRPO preset padding-free: full-length samples are 2048 + 2048 tokens with one image of 2048 tokens."""
+
+
+def test_padding_free_rl_prices_the_token_budget_not_the_micro_batch_sizes() -> None:
+    config = load(PACKED)
+    hf = hf_config_for(config.model)
+    p, d = plan(config, hf), model_dims(hf)
+    # one flattened sequence of 8192 tokens: two full-length samples with their two images, logits at their
+    # 2 x 2048 response positions only
+    packed = MicroBatch(sequences=1, tokens=8192, response=4096, images=2, image_tokens=2048)
+    update = p.row("update").parts
+    assert update["activations"] == activation_bytes(d, packed, 2, grad=True, checkpointing=True, vision_grad=True)
+    assert update["logits"] == logits_bytes(1, 4096, d.vocab, 2, grad=True)
+    for phase in ("old_log_probs", "ref_log_probs"):
+        assert p.row(phase).parts["activations"] == activation_bytes(d, packed, 2, grad=False, checkpointing=True,
+                                                                     vision_grad=True)
+        assert p.row(phase).parts["logits"] == logits_bytes(1, 4096, d.vocab, 2, grad=False)
+    doubled = plan(load(PACKED[:-1] + ["worker.actor.max_token_len_per_device=16384"]))
+    for phase in ("update", "old_log_probs", "ref_log_probs"):
+        assert doubled.row(phase).parts["activations"] > p.row(phase).parts["activations"], phase
+    sizes = plan(load(PACKED + ["worker.actor.micro_batch_size_per_device_for_update=1",
+                                "worker.actor.micro_batch_size_per_device_for_experience=2"]))
+    for phase in ("update", "old_log_probs", "ref_log_probs"):
+        assert sizes.row(phase).parts == p.row(phase).parts, phase
+    assert any("one padding-free sequence of 8192 tokens" in n for n in p.notes)
+
+
+def test_ulysses_halves_the_per_token_activations_of_a_packed_update() -> None:
+    from easytrain.memory.activations import PATCH_VALUES
+    from easytrain.memory.planner import per_rank, shape_of
+
+    one, two = load(PACKED), load(PACKED + ["worker.actor.ulysses_size=2"])
+    assert two.trainer.workers_per_node * two.trainer.nnodes == 8
+    u1, u2 = plan(one).row("update").parts, plan(two).row("update").parts
+    pixels = 2 * 2048 * 4 * PATCH_VALUES * 4  # fp32 pixel values of the two images, held whole by every rank
+    assert abs(2 * (u2["activations"] - pixels) - (u1["activations"] - pixels)) <= 2  # integer rounding
+    assert 2 * u2["logits"] == u1["logits"]  # each rank's chunk: half the response positions
+    # 4 data-parallel groups of 2 ranks: each group's members update 128 x 5 / 4 sequences per optimizer step
+    hf = hf_config_for(two.model)
+    assert per_rank(two, shape_of(two, hf), "actor", 128) == 160
+    assert per_rank(one, shape_of(one, hf), "actor", 128) == 80
+
+
+def test_padding_free_suggestions_lower_the_token_budget() -> None:
+    args = PACKED[:-1] + ["worker.actor.max_token_len_per_device=16384", "trainer.gpu_memory_gb=40"]
+    config = load(args)
+    hf = hf_config_for(config.model)
+    p = plan(config, hf)
+    assert not p.fits
+    advice = suggestions(config, p, hf)
+    budget = [s for s in advice if "worker.actor.max_token_len_per_device" in s.overrides]
+    assert budget and budget[0].overrides == {"worker.actor.max_token_len_per_device": 8192}
+    assert budget[0].phase_deltas["update"] < 0
+    assert not any(k.startswith("worker.actor.micro_batch_size") for s in advice for k in s.overrides)
+    fitted = fit(config, hf, p.capacity)
+    assert fitted is not None and not any(k.startswith("worker.actor.micro_batch_size") for k in fitted)

@@ -14,7 +14,8 @@ from easytrain.data.images import BadSample
 from easytrain.data.sft import IGNORE, SFTDataset, conversation_turns, render_conversation
 from easytrain.distributed.batch import Batch
 from easytrain.trainer.data import SFTData, sft_batch
-from easytrain.workers.sft import SFTWorker, accumulate_gradients, flatten, padded
+from easytrain.workers.packed import flatten
+from easytrain.workers.sft import SFTWorker, accumulate_gradients, padded
 
 
 def sft_config(tmp: Path, *extra: str) -> Config:
@@ -100,29 +101,6 @@ def test_blank_images_are_white_and_same_size(tmp_path: Path) -> None:
 
 
 # ----------------------------------------------------------------------------- packed vs padded
-
-
-@pytest.fixture
-def recorded_attention() -> Iterator[list[dict[str, Any]]]:
-    """Every language-model attention call through transformers' attention interface (the real sdpa runs)."""
-    from transformers import AttentionInterface
-    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
-
-    original = ALL_ATTENTION_FUNCTIONS["sdpa"]
-    calls: list[dict[str, Any]] = []
-
-    def recording(module: Any, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
-                  attention_mask: Any, **kwargs: Any) -> Any:
-        if "Vision" not in type(module).__name__:
-            calls.append({"query": tuple(query.shape), "mask": None if attention_mask is None else
-                          attention_mask.detach().clone()})
-        return original(module, query, key, value, attention_mask, **kwargs)
-
-    AttentionInterface.register("sdpa", recording)
-    try:
-        yield calls
-    finally:
-        AttentionInterface.register("sdpa", original)
 
 
 def grads(model: torch.nn.Module) -> dict[str, torch.Tensor]:

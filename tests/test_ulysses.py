@@ -88,7 +88,7 @@ def run_vl_rank(rank: int, run_dir: str, port: int) -> None:
     from easytrain.models.hf import model_folder
     from easytrain.trainer.data import SFTData, sft_batch
     from easytrain.workers.base import build_sharded_model
-    from easytrain.workers.sft import flatten
+    from easytrain.workers.packed import flatten
 
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
     config = load(["+exp=tiny_sft", f"trainer.output_dir={run_dir}", "data.synthetic_size=16",

@@ -197,7 +197,7 @@ def _check_batches(cfg: Config) -> None:
                           f"make the sequence count a multiple of {dp}")
     per_rank = sequences // dp
     micro = actor.micro_batch_size_per_device_for_update
-    if per_rank % micro and not (actor.padding_free and not rl):
+    if per_rank % micro and not actor.padding_free:
         raise ConfigError("worker.actor.micro_batch_size_per_device_for_update", micro,
                           f"must divide the {per_rank} sequences each of {dp} data-parallel ranks "
                           f"updates on per optimizer step ({what})",
@@ -248,16 +248,18 @@ def _check_strategy(cfg: Config) -> None:
         raise ConfigError("worker.actor.offload.params" if a.offload.params else "worker.actor.offload.optimizer",
                           True, "worker.actor.offload.* are FSDP settings; DeepSpeed offloads through its own",
                           "use worker.actor.deepspeed.offload_params / offload_optimizer")
-    if sft and a.ulysses_size > 1:
-        raise ConfigError("worker.actor.ulysses_size", a.ulysses_size, "sequence parallelism is not built for the "
-                          "SFT trainer yet", "set worker.actor.ulysses_size=1")
-    if a.padding_free and not sft:
-        raise ConfigError("worker.actor.padding_free", True, "padding-free packing is built for the SFT trainer; "
-                          "the RL actor takes fixed micro batches", "set worker.actor.padding_free=false")
+    for name in ("actor",) if sft else ("actor", "ref"):
+        u = getattr(cfg.worker, name).ulysses_size
+        if u > 1 and not a.padding_free:
+            raise ConfigError(f"worker.{name}.ulysses_size", u, "Ulysses sequence parallelism splits padding-free "
+                              "(flattened) sequences", "set worker.actor.padding_free=true")
+        if u > 1 and name == "actor" and a.strategy == "deepspeed":
+            raise ConfigError("worker.actor.ulysses_size", u, "sequence parallelism is built and tested with "
+                              "FSDP2, not with DeepSpeed", "use worker.actor.strategy=fsdp or ulysses_size=1")
     longest = cfg.data.max_prompt_length + cfg.data.max_response_length
-    if sft and a.padding_free and a.max_token_len_per_device < longest:
+    if a.padding_free and a.max_token_len_per_device < longest:
         raise ConfigError("worker.actor.max_token_len_per_device", a.max_token_len_per_device,
-                          f"an SFT sample may hold data.max_prompt_length + data.max_response_length = {longest} "
+                          f"a sample may hold data.max_prompt_length + data.max_response_length = {longest} "
                           "tokens, more than one packed micro batch", f"set it to at least {longest}")
 
 

@@ -6,9 +6,11 @@ returns every result; ``SCATTER`` splits a :class:`Batch` by data-parallel
 rank (padding it to a multiple of the ranks first, and dropping the padding
 from the gathered result) and concatenates the ranks' result batches;
 ``RANK0`` calls every rank (collectives need all of them) and returns rank
-0's result; ``EACH`` takes a list with one first argument per rank (work the
-driver has already planned per rank, e.g. token-balanced micro batches) and
-returns every result. One remote call per rank per phase; tensors travel through Ray's
+0's result; ``EACH`` takes a list with one first argument per data-parallel
+member (work the driver has already planned, e.g. token-balanced micro
+batches) and returns each member's result. A member is a block of
+``block_size`` ranks that take the same input (a Ulysses sequence-parallel
+group, a tensor-parallel engine); the block leader's result stands for it. One remote call per rank per phase; tensors travel through Ray's
 object store.
 
 Workers are created with ``max_restarts=0`` on purpose: a restarted rank
@@ -116,6 +118,11 @@ class WorkerGroup:
     def world_size(self) -> int:
         return len(self.workers)
 
+    @property
+    def members(self) -> int:
+        """Data-parallel members: blocks of ``block_size`` ranks (a Ulysses group, a tensor-parallel engine)."""
+        return self.world_size // self.block_size
+
     def init_process_group(self) -> None:
         """One torch.distributed world for the role (``cpu:gloo,cuda:nccl``), rendezvous at rank 0."""
         address, port = self._rendezvous(0)
@@ -151,18 +158,18 @@ class WorkerGroup:
         mode = self._mode(method)
         if mode is Dispatch.EACH:
             shares, rest = args[0], args[1:]
-            if len(shares) != self.world_size:
-                raise ValueError(f"{self.role}.{method} takes one share per rank: {len(shares)} for "
-                                 f"{self.world_size} ranks")
-            return Pending(method, mode, [getattr(w, method).remote(share, *rest, **kwargs)
-                                          for w, share in zip(self.workers, shares)])
+            if len(shares) != self.members:
+                raise ValueError(f"{self.role}.{method} takes one share per data-parallel member: {len(shares)} "
+                                 f"for {self.members} ({self.world_size} ranks in blocks of {self.block_size})")
+            return Pending(method, mode, [getattr(w, method).remote(shares[rank // self.block_size], *rest, **kwargs)
+                                          for rank, w in enumerate(self.workers)], block_size=self.block_size)
         if mode is not Dispatch.SCATTER:
             refs = [getattr(w, method).remote(*args, **kwargs) for w in self.workers]
             return Pending(method, mode, refs)
         batch, rest = args[0], args[1:]
         if not isinstance(batch, Batch):
             raise TypeError(f"{self.role}.{method} scatters a Batch, got {type(batch).__name__}")
-        n, members = len(batch), self.world_size // self.block_size
+        n, members = len(batch), self.members
         pad = (-n) % members
         if pad:  # repeat leading samples; their results are dropped in collect
             batch = batch.select(list(range(n)) + [i % n for i in range(pad)])
@@ -179,7 +186,7 @@ class WorkerGroup:
         results = self._get(pending.refs, pending.method)
         if pending.mode is Dispatch.RANK0:
             return results[0]
-        if pending.mode is Dispatch.SCATTER:
+        if pending.mode in (Dispatch.SCATTER, Dispatch.EACH):
             results = results[::pending.block_size]  # one result per block: its leader's
         if pending.mode is Dispatch.SCATTER and all(isinstance(r, Batch) for r in results):
             kept = []

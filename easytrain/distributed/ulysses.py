@@ -1,6 +1,10 @@
-"""DeepSpeed-Ulysses sequence parallelism for transformers decoder models (first part: the text decoder).
+"""DeepSpeed-Ulysses sequence parallelism for transformers decoder models (Qwen2, Qwen2-VL, Qwen2.5-VL).
 
-The ranks of one sequence-parallel group hold the same micro batch. Each
+A role of ``world`` ranks with ``worker.<role>.ulysses_size = P`` forms a
+``(world / P) x P`` mesh: consecutive blocks of ``P`` ranks are one
+sequence-parallel group and hold the same micro batch (the driver replicates
+each data-parallel share to its block), while FSDP still shards the
+parameters over all ranks. Each
 computes the embeddings (and, for Qwen-VL, the image features and the 3-D
 rope positions) for the whole sequence; :func:`apply_ulysses` then makes
 every decoder layer work on the rank's contiguous chunk of ``S / P`` tokens:
@@ -24,7 +28,9 @@ averaging the strategies do over all ``dp x sp`` ranks, a loss scaled by
 global token mean.
 
 Sequences are padding-free (one flattened sequence, batch dimension 1), its
-length a multiple of ``P`` (pad with an untrained segment).
+length a multiple of ``P`` (padded with an untrained segment). Outside a
+:func:`sequence` context (generation) the hooks pass everything through and
+attention is plain sdpa.
 """
 
 from __future__ import annotations
@@ -114,6 +120,11 @@ def ulysses_attention(module: nn.Module, query: torch.Tensor, key: torch.Tensor,
                       **kwargs: Any) -> tuple[torch.Tensor, None]:
     """Attention over the full sequence with ``H / P`` heads per rank; takes and returns the chunk."""
     sp: SequenceParallel = module.ulysses  # type: ignore[assignment]
+    if sp.samples is None:  # not a packed training forward (generation): ordinary attention on every rank
+        from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+        return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
+                                      **kwargs)
     heads, kv_heads = query.shape[1], key.shape[1]
     if heads % sp.size:
         raise ValueError(f"{heads} attention heads do not split over ulysses_size={sp.size}")
@@ -121,7 +132,6 @@ def ulysses_attention(module: nn.Module, query: torch.Tensor, key: torch.Tensor,
         repeat = sp.size // kv_heads if sp.size % kv_heads == 0 else heads // kv_heads
         key, value = key.repeat_interleave(repeat, dim=1), value.repeat_interleave(repeat, dim=1)
     q, k, v = (all_to_all(t, sp, scatter_dim=1, gather_dim=2) for t in (query, key, value))
-    assert sp.samples is not None, "apply_ulysses' sequence context is not set"
     samples = sp.samples.to(q.device)
     length = q.shape[2]
     mask = (samples[:, None] == samples[None, :]) & torch.ones(length, length, dtype=torch.bool,
@@ -160,7 +170,8 @@ def apply_ulysses(model: nn.Module, sp: SequenceParallel) -> nn.Module:
     register_attention()
 
     def slice_inputs(layer: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[Any, Any]:
-        assert sp.samples is not None, "run the model inside sequence(sp, ...)"
+        if sp.samples is None:  # outside sequence(): generation, the whole sequence on every rank
+            return None
         full, part = sp.samples.shape[0], sp.chunk(sp.samples.shape[0])
         hidden = args[0] if args else kwargs["hidden_states"]
         if hidden.shape[1] == full:  # the first layer: the embeddings (and image features) of every position
@@ -182,6 +193,19 @@ def apply_ulysses(model: nn.Module, sp: SequenceParallel) -> nn.Module:
     text = getattr(config, "text_config", None) or config  # the vision tower keeps its own attention
     text._attn_implementation = ATTENTION  # noqa: SLF001 - transformers' own switch
     return model
+
+
+def sequence_parallel_group(world_size: int, size: int, rank: int) -> SequenceParallel:
+    """This rank's group among consecutive blocks of ``size`` ranks (every rank must call this: creating a
+    process group is collective)."""
+    if world_size % size:
+        raise ValueError(f"ulysses_size={size} does not divide the role's {world_size} ranks")
+    mine = None
+    for start in range(0, world_size, size):
+        group = dist.new_group(list(range(start, start + size)))
+        if start <= rank < start + size:
+            mine = group
+    return SequenceParallel(group=mine, size=size, rank=rank % size)
 
 
 @contextmanager

@@ -10,6 +10,19 @@ roles. On CPU the "device" is the node's RAM: each role is a process, and the
 node total adds them up. An SFT run (``trainer.task=sft``) is planned by
 :mod:`easytrain.memory.sft`: its one role, the actor, in its own phases.
 
+The actor's and reference's passes take micro batches of
+``micro_batch_size_per_device_for_update`` (update) or ``_for_experience``
+(log-probs) padded sequences of ``data.max_prompt_length +
+data.max_response_length`` tokens, or with ``worker.actor.padding_free`` one
+flattened sequence of up to ``worker.actor.max_token_len_per_device`` tokens
+(batch dimension 1, no padding) for all three, priced as full-length samples
+packed back to back (:func:`packed_micro`): as many as fit, with their images.
+The packed path computes logits only where a response token is predicted: the
+packed samples' response positions. A role's data-parallel size is the world
+over its ``ulysses_size``; under sequence parallelism each of the group's
+ranks holds 1/``ulysses_size`` of the sequence's activations and computes
+logits for its chunk, priced as an even share of the response positions.
+
 Assumptions (the per-process ones in :mod:`easytrain.memory.capacity`): vLLM
 reserves ``gpu_memory_utilization`` x the GPU while awake and, in sleep
 level 2, frees all of it between rollouts.
@@ -23,7 +36,7 @@ from typing import Any, Optional
 from easytrain.config.schema import Config
 from easytrain.config.validate import needs_reference
 from easytrain.memory.activations import (PATCH_VALUES, MicroBatch, activation_bytes, logits_bytes, model_dims,
-                                          shard_units)
+                                          packed_micro, shard_units)
 from easytrain.memory.budget import engine_budget, kv_bytes_per_token, sequence_shape
 from easytrain.memory.capacity import (CUDA_CONTEXT_BYTES, DRIVER_BYTES, FRAMEWORK_BYTES, GB, Capacity, Plan, Row,
                                        capacity_of, sum_parts)
@@ -73,8 +86,35 @@ def shape_of(config: Config, hf_config: dict[str, Any]) -> Shape:
                  old_log_probs=not (on_policy and a.reuse_log_probs_on_policy), on_gpu=t.device == "cuda")
 
 
-def _micro(config: Config, s: Shape, size: int, sequences_per_rank: int) -> MicroBatch:
-    return MicroBatch(min(size, max(1, sequences_per_rank)), s.seq_tokens, s.response, s.images, s.image_tokens)
+def per_rank(config: Config, s: Shape, role: str, prompts: int) -> int:
+    """Sequences of ``prompts`` x n one data-parallel member of ``role`` works on: the world over its
+    ``ulysses_size`` ranks, each group sharing its members' sequences."""
+    return max(1, prompts * config.worker.rollout.n // max(1, s.world // getattr(config.worker, role).ulysses_size))
+
+
+def _micro(config: Config, s: Shape, size: int, sequences: int) -> MicroBatch:
+    """A rank's micro batch among ``sequences``: ``size`` padded ones, or padding-free one flattened sequence of
+    ``max_token_len_per_device`` tokens (no more than the rank's sequences hold)."""
+    if config.worker.actor.padding_free:
+        budget = min(config.worker.actor.max_token_len_per_device, sequences * s.seq_tokens)
+        return packed_micro(budget, s.seq_tokens, s.response, s.images, s.image_tokens)
+    return MicroBatch(min(size, sequences), s.seq_tokens, s.response, s.images, s.image_tokens)
+
+
+def experience_micro(config: Config, s: Shape, role: str) -> MicroBatch:
+    """One log-prob pass's micro batch on a rank of ``role`` (actor or ref)."""
+    sequences = per_rank(config, s, role, config.data.rollout_batch_size)
+    return _micro(config, s, config.worker.actor.micro_batch_size_per_device_for_experience, sequences)
+
+
+def update_micro(config: Config, s: Shape) -> tuple[MicroBatch, bool]:
+    """The update's micro batch on an actor rank, and whether the rank accumulates gradients over several."""
+    a = config.worker.actor
+    sequences = per_rank(config, s, "actor", a.global_batch_size)
+    micro = _micro(config, s, a.micro_batch_size_per_device_for_update, sequences)
+    if a.padding_free:
+        return micro, sequences * s.seq_tokens > a.max_token_len_per_device
+    return micro, sequences > micro.sequences
 
 
 def _gathered(config: Config, s: Shape, hf_config: dict[str, Any], role: str, grad: bool) -> int:
@@ -109,13 +149,18 @@ def _vision_grad(s: Shape) -> bool:
 
 def forward_peak(config: Config, s: Shape, hf_config: dict[str, Any], *, grad: bool, micro: MicroBatch,
                  role: str) -> dict[str, int]:
-    """Transient bytes of one forward (+ backward) pass of ``micro`` on one device."""
+    """Transient bytes of one forward (+ backward) pass of ``micro`` on one device. Padded sequences keep the
+    logits of their last ``response + 1`` positions; a padding-free one only those predicting its response
+    tokens, each rank of a sequence-parallel group those of its chunk (an even share)."""
     dims = model_dims(hf_config)
-    role_cfg = getattr(config.worker, role)
+    u = getattr(config.worker, role).ulysses_size
     eager = config.model.attn_implementation == "eager"
     acts = activation_bytes(dims, micro, s.dtype_bytes, grad=grad, checkpointing=config.model.gradient_checkpointing,
-                            vision_grad=_vision_grad(s), eager=eager, ulysses=role_cfg.ulysses_size)
-    logits = logits_bytes(micro.sequences, micro.response + 1, dims.vocab, s.dtype_bytes, grad=grad)
+                            vision_grad=_vision_grad(s), eager=eager, ulysses=u)
+    if config.worker.actor.padding_free:
+        logits = logits_bytes(1, -(-micro.response // u), dims.vocab, s.dtype_bytes, grad=grad)
+    else:
+        logits = logits_bytes(micro.sequences, micro.response + 1, dims.vocab, s.dtype_bytes, grad=grad)
     return {"activations": acts, "logits": logits, "gathered": _gathered(config, s, hf_config, role, grad)}
 
 
@@ -165,13 +210,8 @@ def plan(config: Config, hf_config: Optional[dict[str, Any]] = None, capacity: O
     if config.trainer.task == "sft":
         return plan_sft(config, hf_config, capacity)
     s = shape_of(config, hf_config)
-    a, d, r = config.worker.actor, config.data, config.worker.rollout
     actor, ref = actor_states(config, s), ref_states(config, s)
-    exp_seqs = d.rollout_batch_size * r.n // s.world
-    update_seqs = a.global_batch_size * r.n // s.world
-    exp_micro = _micro(config, s, a.micro_batch_size_per_device_for_experience, exp_seqs)
-    upd_micro = _micro(config, s, a.micro_batch_size_per_device_for_update, update_seqs)
-    accumulates = update_seqs > upd_micro.sequences
+    upd_micro, accumulates = update_micro(config, s)
 
     idle = {"actor": {"actor params": actor.params if not actor.offloaded else 0,
                       "actor optimizer": actor.optimizer if not actor.offloaded else 0},
@@ -182,10 +222,11 @@ def plan(config: Config, hf_config: Optional[dict[str, Any]] = None, capacity: O
         "validation": ("rollout", rollout_phase(config, s, hf_config, capacity, validate=True)),
     }
     if s.with_ref:
-        work["ref_log_probs"] = ("ref", forward_peak(config, s, hf_config, grad=False, micro=exp_micro, role="ref"))
+        work["ref_log_probs"] = ("ref", forward_peak(config, s, hf_config, grad=False,
+                                                     micro=experience_micro(config, s, "ref"), role="ref"))
     if s.old_log_probs:
-        work["old_log_probs"] = ("actor", forward_peak(config, s, hf_config, grad=False, micro=exp_micro,
-                                                       role="actor"))
+        work["old_log_probs"] = ("actor", forward_peak(config, s, hf_config, grad=False,
+                                                       micro=experience_micro(config, s, "actor"), role="actor"))
     work["update"] = ("actor", update_transient(config, s, hf_config, upd_micro, accumulates,
                                                 0 if actor.offloaded else actor.grads, actor.offloaded))
     work["weight_sync"] = ("actor", _sync_device(config, s, hf_config))
@@ -196,7 +237,7 @@ def plan(config: Config, hf_config: Optional[dict[str, Any]] = None, capacity: O
             continue
         role, active = work[phase]
         rows.append(_row(config, s, capacity, phase, role, active, idle, actor, ref))
-    notes = _notes(config, s, hf_config, capacity, exp_micro)
+    notes = [micro_note(config, s, upd_micro), *_notes(config, s, hf_config, capacity)]
     return Plan(rows, capacity, s.on_gpu, notes)
 
 
@@ -277,7 +318,24 @@ def batch_bytes(config: Config, s: Shape) -> int:
     return sequences * (per_sequence + pixels)
 
 
-def _notes(config: Config, s: Shape, hf_config: dict[str, Any], capacity: Capacity, micro: MicroBatch) -> list[str]:
+def micro_note(config: Config, s: Shape, micro: MicroBatch) -> str:
+    """The actor's and reference's micro batch shape, in words."""
+    a = config.worker.actor
+    images = f", {micro.images} image(s) of {micro.image_tokens} tokens" if micro.images else ""
+    if not a.padding_free:
+        return (f"micro batch: update {micro.sequences} sequence(s) x {micro.tokens} tokens (max_prompt_length + "
+                f"max_response_length{images} each), log-probs {experience_micro(config, s, 'actor').sequences} "
+                "sequence(s) of the same shape, padded")
+    samples = micro.response // max(1, s.response)
+    split = (f"; each of worker.actor.ulysses_size={a.ulysses_size} ranks holds 1/{a.ulysses_size} of its "
+             "activations and logits" if a.ulysses_size > 1 else "")
+    return (f"micro batch: one padding-free sequence of {micro.tokens} tokens (max_token_len_per_device: "
+            f"{samples} full-length sample(s){images}, logits at their {micro.response} response positions) for the "
+            f"update and the log-prob passes; the {per_rank(config, s, 'actor', a.global_batch_size)} sequences of "
+            f"a data-parallel rank per optimizer step packed into as many as they need{split}")
+
+
+def _notes(config: Config, s: Shape, hf_config: dict[str, Any], capacity: Capacity) -> list[str]:
     r = config.worker.rollout
     notes = []
     if r.engine == "vllm" and s.on_gpu and capacity.gpu_bytes:
@@ -318,16 +376,14 @@ def worker_parts(config: Config, role: str, phase: str, hf_config: Optional[dict
     if config.trainer.task == "sft":
         return sft_worker_parts(config, phase, hf_config)
     s = shape_of(config, hf_config)
-    a, d, r = config.worker.actor, config.data, config.worker.rollout
     states = actor_states(config, s) if role == "actor" else ref_states(config, s)
     parts = {"params": states.params, "optimizer": states.optimizer,
              "batch share": batch_bytes(config, s) // s.world}
     if phase == "update":
-        seqs = a.global_batch_size * r.n // s.world
-        micro = _micro(config, s, a.micro_batch_size_per_device_for_update, seqs)
-        transient = update_transient(config, s, hf_config, micro, seqs > micro.sequences, states.grads, False)
+        micro, accumulates = update_micro(config, s)
+        transient = update_transient(config, s, hf_config, micro, accumulates, states.grads, False)
     else:
-        micro = _micro(config, s, a.micro_batch_size_per_device_for_experience, d.rollout_batch_size * r.n // s.world)
-        transient = forward_peak(config, s, hf_config, grad=False, micro=micro, role=role)
+        transient = forward_peak(config, s, hf_config, grad=False, micro=experience_micro(config, s, role),
+                                 role=role)
     parts.update(transient)
     return parts

@@ -35,8 +35,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from easytrain.config.schema import Config
-from easytrain.memory.activations import (PATCH_VALUES, MicroBatch, activation_bytes, model_dims, sft_logits_bytes,
-                                          shard_units)
+from easytrain.memory.activations import (PATCH_VALUES, MicroBatch, activation_bytes, model_dims, packed_micro,
+                                          sft_logits_bytes, shard_units)
 from easytrain.memory.budget import kv_bytes_per_token
 from easytrain.memory.capacity import CUDA_CONTEXT_BYTES, DRIVER_BYTES, FRAMEWORK_BYTES, Capacity, Plan, Row, sum_parts
 from easytrain.memory.params import count_parameters, hf_config_object, largest_trainable, trainable_by_component
@@ -93,8 +93,7 @@ def sft_shape(config: Config, hf_config: dict[str, Any]) -> SFTShape:
     images, per_image = sample_images(config, hf_config)
     per_rank = max(1, a.global_batch_size // (world // a.ulysses_size))
     if a.padding_free:  # one flattened sequence, with the image share of full-length samples
-        packed = max(1, a.max_token_len_per_device // tokens)
-        micro = MicroBatch(1, a.max_token_len_per_device, d.max_response_length, packed * images, per_image)
+        micro = packed_micro(a.max_token_len_per_device, tokens, d.max_response_length, images, per_image)
         accumulates = per_rank * tokens > a.max_token_len_per_device
     else:
         size = min(a.micro_batch_size_per_device_for_update, per_rank)

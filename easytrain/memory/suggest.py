@@ -13,6 +13,12 @@ valued first:
 5. the reference not offloaded,
 6. a higher ``gpu_memory_utilization`` (more sequences decoded at once).
 
+With ``worker.actor.padding_free`` the micro batches of the update and of
+the log-prob passes are token budgets: ``max_token_len_per_device`` (halved,
+never below one longest sample, ``data.max_prompt_length +
+data.max_response_length``) takes the place of both micro batch sizes, and
+without it packing is suggested (a budget of one longest sample).
+
 The first setting in that order that fits is the answer. Changes that alter
 what is trained (fewer image pixels, a frozen vision tower, LoRA) are
 suggested but never chosen by the search.
@@ -102,12 +108,7 @@ def candidates(config: Config, p: Plan) -> Iterator[tuple[dict[str, Any], str]]:
         if vllm_gpu and p.row("generation").device == p.device_peak and r.gpu_memory_utilization > 0.3:
             yield ({"worker.rollout.gpu_memory_utilization": round(r.gpu_memory_utilization - 0.1, 2)},
                    "fewer sequences decoded at once")
-        if a.micro_batch_size_per_device_for_experience > 1:
-            yield ({"worker.actor.micro_batch_size_per_device_for_experience":
-                    a.micro_batch_size_per_device_for_experience // 2}, "more, smaller log-prob passes")
-        if a.micro_batch_size_per_device_for_update > 1:
-            yield ({"worker.actor.micro_batch_size_per_device_for_update":
-                    a.micro_batch_size_per_device_for_update // 2}, "more gradient accumulation steps")
+        yield from micro_batch_candidates(config)
         if not m.gradient_checkpointing:
             yield {"model.gradient_checkpointing": True}, "recomputes activations: ~30% slower update"
         if vllm_gpu and r.sleep_level == 0 and config.trainer.colocate:
@@ -131,6 +132,28 @@ def candidates(config: Config, p: Plan) -> Iterator[tuple[dict[str, Any], str]]:
             yield {"data.num_workers": d.num_workers // 2}, "fewer loader processes: slower image preparation"
         if r.sync_bucket_mb > 16:
             yield {"worker.rollout.sync_bucket_mb": r.sync_bucket_mb / 4}, "more, smaller weight-sync transfers"
+
+
+def micro_batch_candidates(config: Config) -> Iterator[tuple[dict[str, Any], str]]:
+    """Smaller micro batches: padding-free, half the token budget (not below one longest sample); padded, half the
+    micro batch sizes (RL: the log-prob passes' too), or packing up to one longest sample's tokens."""
+    a, d, rl = config.worker.actor, config.data, config.trainer.task == "rl"
+    longest = d.max_prompt_length + d.max_response_length
+    if a.padding_free:
+        if a.max_token_len_per_device // 2 >= longest:
+            yield ({"worker.actor.max_token_len_per_device": a.max_token_len_per_device // 2},
+                   "smaller packs: more, shorter update and log-prob passes" if rl
+                   else "smaller packs: more micro batches per optimizer step")
+        return
+    if rl and a.micro_batch_size_per_device_for_experience > 1:
+        yield ({"worker.actor.micro_batch_size_per_device_for_experience":
+                a.micro_batch_size_per_device_for_experience // 2}, "more, smaller log-prob passes")
+    if a.micro_batch_size_per_device_for_update > 1:
+        yield ({"worker.actor.micro_batch_size_per_device_for_update":
+                a.micro_batch_size_per_device_for_update // 2}, "more gradient accumulation steps")
+    if a.micro_batch_size_per_device_for_update > 1 or (rl and a.micro_batch_size_per_device_for_experience > 1):
+        yield ({"worker.actor.padding_free": True, "worker.actor.max_token_len_per_device": longest},
+               "packs of at most one longest sample's tokens: short samples share a micro batch, no padding")
 
 
 def _changed(config: Config, overrides: dict[str, Any]) -> dict[str, Any]:
@@ -161,16 +184,8 @@ def sft_candidates(config: Config, p: Plan) -> Iterator[tuple[dict[str, Any], st
     a, m, d = config.worker.actor, config.model, config.data
     ds, z = a.strategy == "deepspeed", a.deepspeed
     device, host = _needs(p)
-    longest = d.max_prompt_length + d.max_response_length
     if device or not p.on_gpu:
-        if a.padding_free and a.max_token_len_per_device // 2 >= longest:
-            yield ({"worker.actor.max_token_len_per_device": a.max_token_len_per_device // 2},
-                   "smaller packs: more micro batches per optimizer step")
-        if not a.padding_free and a.micro_batch_size_per_device_for_update > 1:
-            yield ({"worker.actor.micro_batch_size_per_device_for_update":
-                    a.micro_batch_size_per_device_for_update // 2}, "more gradient accumulation steps")
-            yield ({"worker.actor.padding_free": True, "worker.actor.max_token_len_per_device": longest},
-                   "packs of at most one longest sample's tokens: short samples share a micro batch, no padding")
+        yield from micro_batch_candidates(config)
         if not m.gradient_checkpointing:
             yield {"model.gradient_checkpointing": True}, "recomputes activations: ~30% slower forward/backward"
         if p.on_gpu and ds and p.has("setup") and p.row("setup").device > (1 - TIGHT) * (p.capacity.gpu_bytes or 0):
@@ -247,17 +262,23 @@ def _halvings(value: int) -> list[int]:
     return out
 
 
+def update_knob(config: Config) -> tuple[str, list[Any]]:
+    """The update's micro batch, largest first: padding-free the token budget's halvings down to one longest
+    sample (which also sizes the log-prob passes), else the micro batch size's."""
+    a, d = config.worker.actor, config.data
+    if not a.padding_free:
+        return ("worker.actor.micro_batch_size_per_device_for_update",
+                _halvings(a.micro_batch_size_per_device_for_update))
+    longest = d.max_prompt_length + d.max_response_length
+    return ("worker.actor.max_token_len_per_device",
+            [v for v in _halvings(a.max_token_len_per_device) if v >= longest] or [a.max_token_len_per_device])
+
+
 def _sft_knobs(config: Config) -> list[tuple[str, list[Any]]]:
     """The SFT actor's search space, most valued first."""
-    a, d, z = config.worker.actor, config.data, config.worker.actor.deepspeed
+    a, z = config.worker.actor, config.worker.actor.deepspeed
     on_gpu = config.trainer.device == "cuda"
-    if a.padding_free:
-        longest = d.max_prompt_length + d.max_response_length
-        knobs = [("worker.actor.max_token_len_per_device",
-                  [v for v in _halvings(a.max_token_len_per_device) if v >= longest] or [a.max_token_len_per_device])]
-    else:
-        knobs = [("worker.actor.micro_batch_size_per_device_for_update",
-                  _halvings(a.micro_batch_size_per_device_for_update))]
+    knobs = [update_knob(config)]
     checkpointing = ("model.gradient_checkpointing", sorted({config.model.gradient_checkpointing, False, True}))
     both = [False, True] if on_gpu else [False]
     if a.strategy == "deepspeed":
@@ -286,11 +307,13 @@ def fit(config: Config, hf_config: dict[str, Any], capacity: Optional[Capacity] 
     offload = [False, True] if on_gpu else [False]
     utils = ([round(r.gpu_memory_utilization - 0.1 * i, 2) for i in range(4) if r.gpu_memory_utilization - 0.1 * i >= 0.3]
              if on_gpu and r.engine == "vllm" else [r.gpu_memory_utilization])
-    knobs = [("worker.actor.micro_batch_size_per_device_for_update", _halvings(a.micro_batch_size_per_device_for_update)),
+    experience = ([] if a.padding_free else  # padding-free, the token budget sizes the log-prob passes too
+                  [("worker.actor.micro_batch_size_per_device_for_experience",
+                    _halvings(a.micro_batch_size_per_device_for_experience))])
+    knobs = [update_knob(config),
              ("worker.actor.offload.params", sorted({a.offload.params, *offload})),
              ("model.gradient_checkpointing", sorted({config.model.gradient_checkpointing, False, True})),
-             ("worker.actor.micro_batch_size_per_device_for_experience",
-              _halvings(a.micro_batch_size_per_device_for_experience)),
+             *experience,
              ("worker.ref.offload.params", sorted({config.worker.ref.offload.params, *offload})),
              ("worker.rollout.gpu_memory_utilization", utils)]
     return _search(config, hf_config, capacity, knobs)

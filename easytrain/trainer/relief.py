@@ -145,8 +145,8 @@ class MemoryGuard:
                          "next launch (easytrain plan shows what it saves per GPU)")
 
     def halve_micro_batch(self, resources: set[str]) -> Relief:
-        """Halve the update micro batch (where the actor's activations and logits peak), or for padding-free SFT
-        its token budget; the planner prices it: the effect shows at the next update's peak, so the figure is
+        """Halve the update micro batch (where the actor's activations and logits peak), or when padding-free
+        its token budget (the driver plans micro batches from it); the planner prices it: the effect shows at the next update's peak, so the figure is
         planned, not measured."""
         assert self.roles is not None
         from easytrain.memory.planner import worker_bytes
@@ -154,7 +154,7 @@ class MemoryGuard:
 
         actor, sft = self.config.worker.actor, self.config.trainer.task == "sft"
         phase = "forward_backward" if sft else "update"
-        if sft and actor.padding_free:  # the driver packs micro batches up to this budget
+        if actor.padding_free:  # the driver packs micro batches up to this budget
             key, size = "worker.actor.max_token_len_per_device", actor.max_token_len_per_device
             floor = self.config.data.max_prompt_length + self.config.data.max_response_length
             if size // 2 < floor:
@@ -165,7 +165,7 @@ class MemoryGuard:
                 return Relief(0, "the update micro batch is already 1")
         before = worker_bytes(self.config, "actor", phase)
         after = worker_bytes(with_overrides(self.config, {key: size // 2}), "actor", phase)
-        if not sft:  # the RL actor splits its share itself; the SFT driver plans micro batches from this config
+        if not (sft or actor.padding_free):  # the RL actor cuts fixed micro batches itself; planned ones follow
             self.roles.actor.call("set_micro_batch", "update", size // 2)
         setattr(actor, key.rsplit(".", 1)[1], size // 2)
         return Relief(0, f"{key} {size} -> {size // 2} from the next update on (until the run restarts)",

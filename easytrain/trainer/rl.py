@@ -19,9 +19,11 @@ from easytrain.algorithms.advantages import compute_advantages, token_advantages
 from easytrain.algorithms.kl import KLController, kl_penalty
 from easytrain.config.schema import Config
 from easytrain.distributed.batch import Batch
+from easytrain.distributed.group import WorkerGroup
 from easytrain.trainer.base import RunFailed, Stopped, Trainer
 from easytrain.trainer.checkpoint import check_resume
 from easytrain.trainer.data import RLData
+from easytrain.trainer.dynamic import planned_log_probs, update_plan
 from easytrain.trainer.metrics import PhaseTimer
 from easytrain.trainer.roles import Roles, build_roles
 from easytrain.trainer.sampling import informative_count, keep_informative
@@ -70,11 +72,11 @@ class RLTrainer(Trainer):
                 self.roles.rollout.call("sleep")
         with timer("old_log_probs"):
             if not (self.on_policy and self.config.worker.actor.reuse_log_probs_on_policy):
-                batch = batch.union(self.roles.actor.call("compute_log_probs", batch))
+                batch = batch.union(self.log_probs(self.roles.actor, "compute_log_probs", batch))
         with timer("advantages"):
             batch = self.add_advantages(batch, scores)
         with timer("update"):
-            update = self.roles.actor.call("update", self.for_update(batch), self.kl.coef)
+            update = self.update(batch)
         with timer("sync"):
             synced = self.roles.transport.sync(self.roles.actor, self.roles.rollout)
         metrics = {**reward_metrics(scores), **response_metrics(batch, self.config.data.max_response_length),
@@ -120,7 +122,7 @@ class RLTrainer(Trainer):
         reference = self.roles.reference
         if not validate and reference is not None:
             with timer("ref"):  # runs while the reward actors score
-                batch = batch.union(reference.call("compute_ref_log_probs", batch))
+                batch = batch.union(self.log_probs(reference, "compute_ref_log_probs", batch))
         with timer("reward"):
             scores, errors = self.roles.rewards.collect(pending)
         table = {key: torch.tensor([s.get(key, 0.0) for s in scores]) for key in scores[0]}
@@ -140,9 +142,20 @@ class RLTrainer(Trainer):
         advantages = compute_advantages(a.adv_estimator, rewards, groups, a.norm_adv_by_std)
         return batch.union(Batch({"advantages": token_advantages(advantages, mask)}))
 
-    def for_update(self, batch: Batch) -> Batch:
-        per_step = self.config.worker.actor.global_batch_size * self.config.worker.rollout.n
-        return batch.interleave_for_ranks(per_step, self.roles.actor.world_size)
+    def log_probs(self, group: WorkerGroup, method: str, batch: Batch) -> Batch:
+        """Per-token log-probs from ``group``: fixed padded micro batches, or token-budget padding-free ones."""
+        a = self.config.worker.actor
+        if a.padding_free:
+            return planned_log_probs(group, method, batch, a.max_token_len_per_device)
+        return group.call(method, batch)
+
+    def update(self, batch: Batch) -> dict[str, float]:
+        a, actor = self.config.worker.actor, self.roles.actor
+        per_step = a.global_batch_size * self.config.worker.rollout.n
+        if a.padding_free:
+            steps, _ = update_plan(batch, per_step, actor.members, a.max_token_len_per_device)
+            return actor.call("update_planned", steps, self.kl.coef)
+        return actor.call("update", batch.interleave_for_ranks(per_step, actor.members), self.kl.coef)
 
     def validate(self) -> dict[str, float]:
         timer = PhaseTimer()

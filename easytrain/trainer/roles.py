@@ -66,7 +66,8 @@ def build_sft_roles(config: Config, total_optimizer_steps: int) -> Roles:
     t = config.trainer
     pool = ResourcePool("sft", t.nnodes, t.workers_per_node, t.device)
     actor = WorkerGroup(SFTWorker, "actor", pool, num_cpus=1.0, num_gpus=1.0 if t.device == "cuda" else 0.0,
-                        init_args=(config,), env={"TOKENIZERS_PARALLELISM": "false"})
+                        init_args=(config,), env={"TOKENIZERS_PARALLELISM": "false"},
+                        block_size=config.worker.actor.ulysses_size)
     actor.init_process_group()
     sizes = actor.call("setup", total_optimizer_steps)
     logger.info("actor: %s parameters (%s trainable) on %d rank(s), strategy %s", sizes[0]["total"],
@@ -90,14 +91,14 @@ def build_roles(config: Config, total_optimizer_steps: int) -> Roles:
         cpus, gpus = 1.0, gpu
     env = {"TOKENIZERS_PARALLELISM": "false"}
     actor = WorkerGroup(ActorWorker, "actor", pools["actor"], num_cpus=cpus, num_gpus=gpus, init_args=(config,),
-                        env=env)
+                        env=env, block_size=config.worker.actor.ulysses_size)
     tp = config.worker.rollout.tensor_parallel_size
     rollout = WorkerGroup(RolloutWorker, "rollout", pools["rollout"], num_cpus=cpus, num_gpus=gpus,
                           init_args=(config,), env=env, block_size=tp)
     if tp > 1:
         rollout.init_blocks()
     ref = (WorkerGroup(ReferenceWorker, "ref", pools["ref"], num_cpus=cpus, num_gpus=gpus, init_args=(config,),
-                       env=env) if with_ref else None)
+                       env=env, block_size=config.worker.ref.ulysses_size) if with_ref else None)
     training = [g for g in (actor, ref) if g is not None]
     for group in training:
         group.init_process_group()

@@ -41,7 +41,7 @@ logger = logging.getLogger(__name__)
 def gradient_accumulation(config: Config) -> int:
     """Micro batches per rank per optimizer step with a fixed micro batch (validation made it divide)."""
     a = config.worker.actor
-    return a.global_batch_size // (world_size(config) * a.micro_batch_size_per_device_for_update)
+    return a.global_batch_size // (world_size(config) // a.ulysses_size * a.micro_batch_size_per_device_for_update)
 
 
 class SFTTrainer(Trainer):
@@ -58,7 +58,8 @@ class SFTTrainer(Trainer):
         self.start(resume)
 
     def announce(self) -> None:
-        a, ranks = self.config.worker.actor, world_size(self.config)
+        a = self.config.worker.actor
+        ranks = world_size(self.config) // a.ulysses_size
         if a.padding_free:
             layout = (f"padding-free micro batches of up to {a.max_token_len_per_device} tokens per device, "
                       "balanced over ranks by tokens")
@@ -80,7 +81,7 @@ class SFTTrainer(Trainer):
         same number (the sharded model's collectives need it): a validation batch that does not split evenly is
         topped up with copies that train nothing, and in a vision run a micro batch without images gets an
         untrained blank-image sample, so every rank runs the vision tower."""
-        a, ranks = self.config.worker.actor, self.roles.actor.world_size
+        a, ranks = self.config.worker.actor, self.roles.actor.members
         if evaluate and len(batch) % ranks:
             batch = Batch.concat([batch, untrained(batch.select(range((-len(batch)) % ranks)))])
         if a.padding_free and not evaluate:

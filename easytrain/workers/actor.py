@@ -17,7 +17,7 @@ from easytrain.distributed.batch import Batch
 from easytrain.distributed.group import Dispatch, dispatch
 from easytrain.distributed.strategy import TrainStrategy, build_strategy
 from easytrain.workers.base import WorkerBase, build_sharded_model
-from easytrain.workers.forward import batch_log_probs, micro_batches, response_log_probs
+from easytrain.workers.forward import batch_log_probs, log_probs_of, micro_batches, planned_log_probs
 from easytrain.workers.weight_sync import push_weights, to_hf_names
 
 logger = logging.getLogger(__name__)
@@ -33,7 +33,7 @@ class ActorWorker(WorkerBase):
     @dispatch(Dispatch.BROADCAST)
     def setup(self, total_optimizer_steps: int) -> dict[str, int]:
         model = build_sharded_model(self.config, self.cfg, self.folder, self.device, self.world_size,
-                                    trainable=True, shard=self.cfg.strategy == "fsdp")
+                                    trainable=True, shard=self.cfg.strategy == "fsdp", sp=self.sp)
         params = [p for p in model.parameters() if p.requires_grad]
         counts = {"trainable": sum(p.numel() for p in params), "total": sum(p.numel() for p in model.parameters())}
         self.strategy = build_strategy(model, self.cfg, total_optimizer_steps, compute_dtype=self.config.model.dtype)
@@ -46,7 +46,7 @@ class ActorWorker(WorkerBase):
         self.model.eval()
         return Batch({"old_log_probs": self._log_probs(batch)})
 
-    def _log_probs(self, batch: Batch) -> torch.Tensor:
+    def _log_probs(self, batch: Batch) -> torch.Tensor:  # padded micro batches of a fixed size
         return batch_log_probs(self.model, batch, self.cfg.micro_batch_size_per_device_for_experience,
                                self.config.worker.rollout.temperature, self.device)
 
@@ -59,16 +59,41 @@ class ActorWorker(WorkerBase):
         with self.model.disable_adapter():
             return Batch({"ref_log_probs": self._log_probs(batch)})
 
+    @dispatch(Dispatch.EACH)
+    def compute_log_probs_planned(self, micro_batches: list[Batch]) -> list[torch.Tensor]:
+        """Old log-probs of this rank's padding-free micro batches (planned by the driver), one (B, R) each."""
+        self.model.eval()
+        return planned_log_probs(self.model, micro_batches, self.config.worker.rollout.temperature, self.device,
+                                 self.sp)
+
+    @dispatch(Dispatch.EACH)
+    def compute_ref_log_probs_planned(self, micro_batches: list[Batch]) -> list[torch.Tensor]:
+        """compute_ref_log_probs (LoRA adapters off) over planned padding-free micro batches."""
+        self.model.eval()
+        with self.model.disable_adapter():
+            return planned_log_probs(self.model, micro_batches, self.config.worker.rollout.temperature,
+                                     self.device, self.sp)
+
     @dispatch(Dispatch.SCATTER)
     def update(self, batch: Batch, kl_coef: float) -> dict[str, float]:
         """PPO epochs over the local share of the rollout batch; returns summed metrics for the driver."""
-        self.model.train()
         per_step = len(batch) // self.steps_per_rollout()
+        size = self.cfg.micro_batch_size_per_device_for_update
+        steps = [list(micro_batches(batch.select(range(start, start + per_step)), size))
+                 for start in range(0, len(batch), per_step)]
+        return self._update(steps, kl_coef)
+
+    @dispatch(Dispatch.EACH)
+    def update_planned(self, steps: list[list[Batch]], kl_coef: float) -> dict[str, float]:
+        """``update`` over padding-free micro batches the driver planned: per optimizer step, this rank's list."""
+        return self._update(steps, kl_coef)
+
+    def _update(self, steps: list[list[Batch]], kl_coef: float) -> dict[str, float]:
+        self.model.train()
         sums: dict[str, float] = defaultdict(float)
         for _ in range(self.cfg.ppo_epochs):
-            for start in range(0, len(batch), per_step):
-                mini = batch.select(range(start, start + per_step))
-                for key, value in self._optimizer_step(mini, kl_coef).items():
+            for micros in steps:
+                for key, value in self._optimizer_step(micros, kl_coef).items():
                     sums[key] += value
         self.strategy.zero_grad()  # type: ignore[union-attr]
         return dict(sums)
@@ -84,22 +109,25 @@ class ActorWorker(WorkerBase):
     def steps_per_rollout(self) -> int:
         return self.config.data.rollout_batch_size // self.cfg.global_batch_size
 
-    def _optimizer_step(self, mini: Batch, kl_coef: float) -> dict[str, float]:
+    def _optimizer_step(self, micros: list[Batch], kl_coef: float) -> dict[str, float]:
         algo, temperature = self.config.algorithm, self.config.worker.rollout.temperature
         mode = self.cfg.loss_agg_mode
-        local = float(mini["response_mask"].sum()) if mode == "token-mean" else float(len(mini))
+        local = sum(float(m["response_mask"].sum()) if mode == "token-mean" else float(len(m)) for m in micros)
         normaliser = torch.tensor([local], dtype=torch.float64)
-        dp = self.world_size
-        if dp > 1:
+        if self.world_size > 1:
             dist.all_reduce(normaliser)
-        scale = float(normaliser) / dp  # FSDP averages gradients over ranks; undo it for a global mean
+        # The strategies average gradients over all ranks; the ranks of a sequence-parallel group hold the same
+        # samples (counted once each) and their gradients add up to the sample's: scale for a global mean.
+        sp_size = self.sp.size if self.sp is not None else 1
+        scale = float(normaliser) / sp_size / self.world_size
         sums: dict[str, float] = defaultdict(float)
         strategy = self.strategy
         assert strategy is not None
         strategy.zero_grad()
-        for micro in micro_batches(mini, self.cfg.micro_batch_size_per_device_for_update):
+        for micro in micros:
             mask = micro["response_mask"].to(self.device, torch.float32)
-            log_probs, entropy = response_log_probs(self.model, micro, temperature, self.device, with_entropy=True)
+            log_probs, entropy = log_probs_of(self.model, micro, temperature, self.device, self.cfg.padding_free,
+                                              self.sp, with_entropy=True)
             old = micro["old_log_probs"].to(self.device) if "old_log_probs" in micro else log_probs.detach()
             advantages = micro["advantages"].to(self.device)
             token_loss, info = policy_loss(log_probs, old, advantages, self.cfg.clip_ratio_low,

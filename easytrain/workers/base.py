@@ -15,6 +15,7 @@ from torch import nn
 from easytrain.config.schema import Config, RoleConfig
 from easytrain.distributed.fsdp import apply_activation_checkpointing, apply_fsdp, build_mesh
 from easytrain.distributed.group import Dispatch, dispatch, free_port
+from easytrain.distributed.ulysses import SequenceParallel, apply_ulysses, sequence_parallel_group
 from easytrain.memory.readings import process_info, release_process_memory, torch_allocator
 from easytrain.models.hf import load_model, model_folder
 
@@ -45,6 +46,8 @@ class WorkerBase:
             torch.cuda.set_device(self.device)
         torch.manual_seed(config.trainer.seed + 1000 * rank)
         self.folder = model_folder(config.model)
+        self.sp: Optional[SequenceParallel] = None
+        """This rank's Ulysses group (``worker.<role>.ulysses_size`` > 1), set with the process group."""
 
     @dispatch(Dispatch.BROADCAST)
     def node_ip(self) -> str:
@@ -60,6 +63,12 @@ class WorkerBase:
     def init_process_group(self, address: str, port: int) -> None:
         dist.init_process_group(backend(), init_method=f"tcp://{address}:{port}", rank=self.rank,
                                 world_size=self.world_size, timeout=timedelta(minutes=30))
+        role = getattr(self.config.worker, self.role, None)
+        size = getattr(role, "ulysses_size", 1) if self.role in ("actor", "ref") else 1
+        if size > 1:
+            self.sp = sequence_parallel_group(self.world_size, size, self.rank)
+            logger.info("%s rank %d: Ulysses group of %d ranks (position %d)", self.role, self.rank, size,
+                        self.sp.rank)
 
     def busy_times(self, reset: bool = True) -> dict[str, float]:
         """Seconds spent inside each dispatched method since the last reset."""
@@ -97,12 +106,16 @@ class WorkerBase:
 
 
 def build_sharded_model(config: Config, role: RoleConfig, folder: str, device: torch.device,
-                        world_size: int, trainable: bool, shard: bool = True) -> nn.Module:
-    """The role's model: loaded in fp32 master precision, frozen parts set, checkpointing, then FSDP2
-    (``shard=False`` leaves it whole for a strategy that distributes it itself: DeepSpeed)."""
+                        world_size: int, trainable: bool, shard: bool = True,
+                        sp: Optional[SequenceParallel] = None) -> nn.Module:
+    """The role's model: loaded in fp32 master precision, frozen parts set, checkpointing, Ulysses attention
+    when ``sp`` is given, then FSDP2 over all ranks (``shard=False`` leaves it whole for a strategy that
+    distributes it itself: DeepSpeed)."""
     model_cfg = config.model
     model = load_model(model_cfg, folder, dtype="float32")
     model.config.use_cache = False
+    if sp is not None:
+        apply_ulysses(model, sp)
     if not trainable:
         model.requires_grad_(False)
         model.eval()

@@ -2,13 +2,15 @@
 
 from __future__ import annotations
 
-from typing import Any, Iterator
+from typing import Any, Iterator, Optional
 
 import torch
 from torch import nn
 
 from easytrain.algorithms.losses import entropy_from_logits, gather_log_probs, sampling_logits
 from easytrain.distributed.batch import Batch
+from easytrain.distributed.ulysses import SequenceParallel
+from easytrain.workers.packed import packed_response_log_probs
 
 MODEL_INPUTS = ("input_ids", "attention_mask", "position_ids", "pixel_values", "image_grid_thw", "mm_token_type_ids")
 
@@ -38,6 +40,24 @@ def response_log_probs(model: nn.Module, batch: Batch, temperature: float, devic
     log_probs = gather_log_probs(scaled, responses)
     entropy = entropy_from_logits(scaled) if with_entropy else None
     return log_probs, entropy
+
+
+def log_probs_of(model: nn.Module, micro: Batch, temperature: float, device: torch.device, packed: bool,
+                 sp: Optional[SequenceParallel] = None,
+                 with_entropy: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Response log-probs (and entropy) of a micro batch, (B, R): padded, or padding-free (``packed``, which
+    sequence parallelism needs)."""
+    if not packed:
+        return response_log_probs(model, micro, temperature, device, with_entropy)
+    return packed_response_log_probs(model, micro, temperature, device, suppressed_tokens(model.config), sp,
+                                     with_entropy)
+
+
+@torch.no_grad()
+def planned_log_probs(model: nn.Module, micro_batches: list[Batch], temperature: float, device: torch.device,
+                      sp: Optional[SequenceParallel]) -> list[torch.Tensor]:
+    """Response log-probs of micro batches the driver planned (padding-free), one (B, R) tensor each, on CPU."""
+    return [log_probs_of(model, micro, temperature, device, True, sp)[0].cpu() for micro in micro_batches]
 
 
 @torch.no_grad()

@@ -3,13 +3,10 @@
 A micro batch arrives as a right-padded :class:`Batch` (``targets`` holds each
 token's next-token label, -100 where nothing is trained). Padded, it goes to
 the model as it is; padding-free (``worker.actor.padding_free``),
-:func:`flatten` turns it into one sequence of exactly the summed lengths:
-the tokens of every sample back to back, position ids restarting at 0 for
-each sample and no attention mask, from which transformers builds attention
-that keeps samples apart (block-diagonal causal masks for ``sdpa``/``eager``
-on CPU, variable-length kernels for ``flash_attention_2`` on GPU). Qwen-VL
-takes four rows of positions then: the text position (which marks sample
-boundaries) and the three rope axes.
+:func:`~easytrain.workers.packed.flatten` turns it into one sequence of
+exactly the summed lengths, which Ulysses sequence parallelism
+(``worker.actor.ulysses_size``) splits over the ranks of a group: each rank's
+loss covers the trained tokens of its chunk.
 
 Logits are computed only where a target exists (``logits_to_keep`` with the
 indices), so an answer of a few tokens after a long multimodal prompt does
@@ -20,9 +17,10 @@ from __future__ import annotations
 
 import logging
 import time
-from typing import Callable
+from typing import Callable, Optional
 
 import torch
+import torch.distributed as dist
 from torch import nn
 
 from easytrain.data.sft import IGNORE
@@ -30,31 +28,11 @@ from easytrain.distributed.batch import Batch
 from easytrain.distributed.fsdp import gathered
 from easytrain.distributed.group import Dispatch, dispatch
 from easytrain.workers.actor import ActorWorker
+from easytrain.distributed.ulysses import SequenceParallel
 from easytrain.workers.forward import MODEL_INPUTS, suppressed_tokens
+from easytrain.workers.packed import flatten, is_vision_model, pad_sequence, token_loss_sum
 
 logger = logging.getLogger(__name__)
-
-
-def flatten(batch: Batch, rope_rows: bool = True) -> dict[str, torch.Tensor]:
-    """Model inputs and targets of ``batch`` as one padding-free sequence (batch dimension 1). ``rope_rows``:
-    the model takes Qwen-VL's multi-row positions (only a 4-row form tells it where samples start, even for
-    text-only data)."""
-    mask = batch["attention_mask"].bool()
-    out = {"input_ids": batch["input_ids"][mask][None], "targets": batch["targets"][mask][None]}
-    positions = batch["position_ids"]
-    text = (mask.long().cumsum(-1) - 1)[mask]
-    if positions.dim() == 3:  # (3, B, L) rope axes, plus the text position that marks sample starts
-        out["position_ids"] = torch.cat([text[None, None], positions[:, mask][:, None]], dim=0)
-    elif rope_rows:  # text-only rows for a VL model: every rope axis is the text position
-        out["position_ids"] = text[None, None].expand(4, 1, -1)
-    else:
-        out["position_ids"] = positions[mask][None]
-    if "mm_token_type_ids" in batch:
-        out["mm_token_type_ids"] = batch["mm_token_type_ids"][mask][None]
-    for key in ("pixel_values", "image_grid_thw"):
-        if key in batch:
-            out[key] = batch[key]
-    return out
 
 
 def padded(batch: Batch) -> dict[str, torch.Tensor]:
@@ -67,33 +45,22 @@ def padded(batch: Batch) -> dict[str, torch.Tensor]:
     return out
 
 
-def token_loss_sum(model: nn.Module, inputs: dict[str, torch.Tensor], device: torch.device) -> tuple[torch.Tensor, int]:
-    """Summed next-token cross-entropy over the trained positions, and how many there are."""
-    targets = inputs["targets"].to(device)
-    columns = (targets != IGNORE).any(0).nonzero().squeeze(-1)
-    if columns.numel() == 0:  # nothing trained here: a zero that still takes part in backward
-        logits = model(**{k: v.to(device) for k, v in inputs.items() if k != "targets"},
-                       logits_to_keep=1, use_cache=False).logits
-        return logits.sum() * 0.0, 0
-    model_inputs = {k: v.to(device) for k, v in inputs.items() if k != "targets"}
-    logits = model(**model_inputs, logits_to_keep=columns, use_cache=False).logits.float()
-    kept = targets[:, columns]
-    loss = nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), kept.reshape(-1),
-                                       ignore_index=IGNORE, reduction="sum")
-    return loss, int((kept != IGNORE).sum())
-
-
-def accumulate_gradients(model: nn.Module, backward: Callable[[torch.Tensor], None],
-                         micro_batches: list[dict[str, torch.Tensor]], scale: float,
-                         device: torch.device) -> tuple[float, int]:
-    """Forward and backward every micro batch with its summed token loss times ``scale``; returns the summed
-    loss and the trained tokens."""
+def accumulate_gradients(model: nn.Module, backward: Optional[Callable[[torch.Tensor], None]],
+                         micro_batches: list[dict[str, torch.Tensor]], scale: float, device: torch.device,
+                         sp: Optional[SequenceParallel] = None) -> tuple[float, int]:
+    """Forward (and, given ``backward``, backward) every micro batch with its summed token loss times ``scale``;
+    returns the summed loss and the trained tokens, over the whole sequence-parallel group."""
     loss_sum, tokens = 0.0, 0
     for inputs in micro_batches:
-        loss, count = token_loss_sum(model, inputs, device)
-        backward(loss * scale)
+        loss, count = token_loss_sum(model, inputs, device, sp)
+        if backward is not None:
+            backward(loss * scale)
         loss_sum += float(loss.detach())
         tokens += count
+    if sp is not None:  # each rank saw its chunk's tokens; the group leader reports the whole share
+        totals = torch.tensor([loss_sum, float(tokens)], dtype=torch.float64)
+        dist.all_reduce(totals, group=sp.group)
+        loss_sum, tokens = float(totals[0]), int(totals[1])
     return loss_sum, tokens
 
 
@@ -103,7 +70,8 @@ class SFTWorker(ActorWorker):
     def _inputs(self, micro: Batch) -> dict[str, torch.Tensor]:
         if not self.cfg.padding_free:
             return padded(micro)
-        return flatten(micro, rope_rows=getattr(self.model.config, "vision_config", None) is not None)
+        inputs = flatten(micro, rope_rows=is_vision_model(self.model))
+        return pad_sequence(inputs, self.sp.size) if self.sp is not None else inputs
 
     @dispatch(Dispatch.EACH)
     def sft_update(self, micro_batches: list[Batch], global_tokens: int) -> dict[str, float]:
@@ -117,7 +85,7 @@ class SFTWorker(ActorWorker):
         scale = self.world_size / max(1, global_tokens)  # the strategies average gradients over ranks
         started = time.time()
         loss_sum, tokens = accumulate_gradients(self.model, strategy.backward,
-                                                [self._inputs(m) for m in micro_batches], scale, self.device)
+                                                [self._inputs(m) for m in micro_batches], scale, self.device, self.sp)
         stepped = time.time()
         norm = strategy.step()
         return {"loss_sum": loss_sum, "tokens": float(tokens), "grad_norm": norm, "lr": strategy.lr,
@@ -128,10 +96,8 @@ class SFTWorker(ActorWorker):
     def sft_eval(self, micro_batches: list[Batch]) -> dict[str, float]:
         """Summed loss and trained tokens of this rank's micro batches (validation loss)."""
         self.model.eval()
-        loss_sum, tokens = 0.0, 0
-        for micro in micro_batches:
-            loss, count = token_loss_sum(self.model, self._inputs(micro), self.device)
-            loss_sum, tokens = loss_sum + float(loss), tokens + count
+        loss_sum, tokens = accumulate_gradients(self.model, None, [self._inputs(m) for m in micro_batches], 1.0,
+                                                self.device, self.sp)
         return {"loss_sum": loss_sum, "tokens": float(tokens)}
 
     @dispatch(Dispatch.SCATTER)

@@ -1,0 +1,155 @@
+"""The RL actor's update with fixed micro batches vs padding-free token-budget ones, on a skewed length mix.
+
+Run:  python bench/dynamic_batching.py [--repeats 5] [--size small]
+
+One actor worker (the real ``ActorWorker``, one rank, fp32, CPU) updates on
+the same rollout batch both ways, alternately, ``--repeats`` times:
+
+- fixed: ``worker.actor.micro_batch_size_per_device_for_update`` sequences per
+  forward/backward, each padded to the batch's prompt width plus
+  ``data.max_response_length`` (the layout the rollout returns);
+- dynamic: micro batches the driver plans up to
+  ``worker.actor.max_token_len_per_device`` tokens, each one flattened
+  sequence without padding.
+
+The batch: the synthetic task's image prompts, ``n`` responses each, response
+lengths drawn from a skewed mix (most short, a few up to the maximum), as
+RL rollouts often are. Tokens/s counts real (unpadded) tokens only, so both
+layouts are measured on the same work. Padding waste = padded positions /
+processed positions. Rank balance for 8 data-parallel ranks is computed from
+the plans (no extra run). Writes ``bench/results/dynamic_batching.json``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import platform
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from easytrain.config import load  # noqa: E402
+from easytrain.data.packing import fixed_micro_batches, plan_micro_batches, plan_stats  # noqa: E402
+from easytrain.distributed.batch import Batch  # noqa: E402
+from easytrain.models.tiny import SPECIAL_TOKENS, VOCAB_SIZE  # noqa: E402
+from easytrain.trainer.data import RLData  # noqa: E402
+from easytrain.trainer.dynamic import token_lengths, update_plan  # noqa: E402
+from easytrain.workers.actor import ActorWorker  # noqa: E402
+from easytrain.workers.sequences import assemble  # noqa: E402
+
+RESULTS = ROOT / "bench" / "results" / "dynamic_batching.json"
+
+
+def skewed_lengths(count: int, longest: int, generator: torch.Generator) -> list[int]:
+    """80% short responses (1 to longest/8 tokens), 20% long ones (longest/2 to longest)."""
+    short = torch.randint(1, max(2, longest // 8) + 1, (count,), generator=generator)
+    long = torch.randint(longest // 2, longest + 1, (count,), generator=generator)
+    is_long = torch.rand(count, generator=generator) < 0.2
+    return torch.where(is_long, long, short).tolist()
+
+
+def rollout_batch(config, seed: int) -> Batch:  # type: ignore[no-untyped-def]
+    prompts = next(RLData(config).train_batches())
+    n, width = config.worker.rollout.n, config.data.max_response_length
+    generator = torch.Generator().manual_seed(seed)
+    rows = len(prompts) * n
+    lengths = torch.tensor(skewed_lengths(rows, width, generator))
+    responses = torch.randint(len(SPECIAL_TOKENS) + 10, VOCAB_SIZE, (rows, width), generator=generator)
+    mask = (torch.arange(width)[None] < lengths[:, None]).long()
+    batch = assemble(prompts, Batch({"responses": responses * mask, "response_mask": mask}), n)
+    return batch.union(Batch({"advantages": torch.randn(rows, generator=generator)[:, None] * mask}))
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--size", default="small", choices=["tiny", "small"], help="tiny-model factory size")
+    parser.add_argument("--prompts", type=int, default=16)
+    parser.add_argument("--n", type=int, default=4)
+    parser.add_argument("--max-response", type=int, default=256)
+    parser.add_argument("--micro", type=int, default=4, help="fixed micro batch (sequences per device)")
+    parser.add_argument("--budget", type=int, default=2048, help="max_token_len_per_device (tokens)")
+    args = parser.parse_args()
+    logging.basicConfig(level=logging.WARNING)
+    torch.manual_seed(0)
+
+    with tempfile.TemporaryDirectory() as tmp:
+        common = [f"trainer.output_dir={tmp}", f"model.tiny_size={args.size}", "data.num_workers=0",
+                  f"data.synthetic_size={args.prompts}", "data.synthetic_val_size=4", "trainer.workers_per_node=1",
+                  f"data.rollout_batch_size={args.prompts}", f"worker.actor.global_batch_size={args.prompts}",
+                  f"worker.rollout.n={args.n}", f"data.max_response_length={args.max_response}",
+                  f"worker.actor.micro_batch_size_per_device_for_update={args.micro}",
+                  "algorithm.use_kl_loss=false"]
+        fixed_cfg = load(common)
+        dynamic_cfg = load([*common, "worker.actor.padding_free=true",
+                            f"worker.actor.max_token_len_per_device={args.budget}"])
+        batch = rollout_batch(fixed_cfg, seed=0)
+        lengths = token_lengths(batch)
+        rows, width = batch["attention_mask"].shape
+        steps, plans = update_plan(batch, len(batch), 1, args.budget)
+
+        workers = {}
+        for name, cfg in (("fixed", fixed_cfg), ("dynamic", dynamic_cfg)):
+            workers[name] = ActorWorker(cfg, role="actor", rank=0, world_size=1)
+            workers[name].setup(10 * args.repeats)
+        runs = {"fixed": lambda: workers["fixed"].update(batch, 0.0),
+                "dynamic": lambda: workers["dynamic"].update_planned(steps[0], 0.0)}
+        for run in runs.values():  # warm-up (allocator, first-call overheads)
+            run()
+        seconds: dict[str, list[float]] = {name: [] for name in runs}
+        for _ in range(args.repeats):
+            for name, run in runs.items():
+                start = time.perf_counter()
+                run()
+                seconds[name].append(time.perf_counter() - start)
+
+    real = sum(lengths)
+    fixed_processed = rows * width  # every fixed micro batch holds the batch's full padded width
+    fixed_plan = fixed_micro_batches(rows, 1, args.micro)
+    ranks8 = {"fixed": plan_stats(lengths, fixed_micro_batches(rows, 8, max(1, args.micro // 4)), padded=True),
+              "dynamic": plan_stats(lengths, plan_micro_batches(lengths, 8, args.budget // 4), padded=False)}
+    dynamic_stats = plan_stats(lengths, plans[0], padded=False)
+    result = {
+        "command": "python bench/dynamic_batching.py " + " ".join(sys.argv[1:]),
+        "machine": f"{platform.machine()}, {torch.get_num_threads()} torch threads, CPU, fp32",
+        "model": f"tiny-model factory qwen2_5_vl '{args.size}'",
+        "batch": {"sequences": rows, "real_tokens": real, "padded_width": width,
+                  "response_lengths": batch["response_mask"].sum(-1).tolist(),
+                  "length_mix": "80% 1..max/8, 20% max/2..max response tokens"},
+        "fixed": {"micro_batch": args.micro, "micro_batches": len(fixed_plan[0]),
+                  "median_s": statistics.median(seconds["fixed"]), "runs_s": seconds["fixed"],
+                  "tokens_per_s": real / statistics.median(seconds["fixed"]),
+                  "padding_waste": 1 - real / fixed_processed},
+        "dynamic": {"max_token_len_per_device": args.budget, "micro_batches": len(plans[0][0]),
+                    "median_s": statistics.median(seconds["dynamic"]), "runs_s": seconds["dynamic"],
+                    "tokens_per_s": real / statistics.median(seconds["dynamic"]),
+                    "padding_waste": dynamic_stats.padding_waste},
+        "eight_ranks_plan": {name: {"padding_waste": s.padding_waste, "rank_imbalance": s.rank_imbalance,
+                                    "sync_efficiency": s.sync_efficiency}
+                             for name, s in ranks8.items()},
+    }
+    result["speedup"] = result["dynamic"]["tokens_per_s"] / result["fixed"]["tokens_per_s"]
+    RESULTS.parent.mkdir(parents=True, exist_ok=True)
+    RESULTS.write_text(json.dumps(result, indent=2) + "\n")
+    print(f"{rows} sequences, {real} real tokens, padded width {width}")
+    for name in ("fixed", "dynamic"):
+        r = result[name]
+        print(f"{name:8s} {r['micro_batches']:3d} micro batches  median {r['median_s']:.2f} s  "
+              f"{r['tokens_per_s']:.0f} tokens/s  padding waste {r['padding_waste']:.1%}")
+    print(f"dynamic / fixed tokens/s: {result['speedup']:.2f}x   (goal: padding waste <= 5%)")
+    for name, s in ranks8.items():
+        print(f"8 ranks, {name}: padding waste {s.padding_waste:.1%}, rank imbalance {s.rank_imbalance:.3f}")
+    print(f"wrote {RESULTS.relative_to(ROOT)}")
+
+
+if __name__ == "__main__":
+    main()
