@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 from pathlib import Path
 from typing import Callable
@@ -81,26 +82,46 @@ def test_ulysses_two_ranks_equal_the_unsplit_qwen2(size: str, tmp_path: Path,
     mp.spawn(run_rank, args=(str(folder), free_port()), nprocs=2, join=True)
 
 
+def multi_image_chats(folder: Path) -> Path:
+    """Three conversations with 1, 2 and 3 images of different sizes and uneven text: uneven lengths."""
+    from PIL import Image
+
+    sizes = [(56, 56), (84, 56), (56, 112)]
+    for i, size in enumerate(sizes):
+        Image.new("RGB", size, (40 * i, 200, 90)).save(folder / f"{i}.png")
+    rows = []
+    for count in (1, 2, 3):
+        question = " ".join(["<image>"] * count) + " Which colour is the first one?" + " Look closely." * count
+        rows.append({"messages": [{"role": "user", "content": question},
+                                  {"role": "assistant", "content": "green" if count % 2 else "a green square"}],
+                     "images": [str(folder / f"{i}.png") for i in range(count)]})
+    path = folder / "chats.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return path
+
+
 def run_vl_rank(rank: int, run_dir: str, port: int) -> None:
-    """Qwen2.5-VL, packed samples with one image each: the vision tower and the 3-D rope positions run on the
+    """Qwen2.5-VL, packed samples with 1, 2 and 3 images: the vision tower and the 3-D rope positions run on the
     whole sequence, the decoder on chunks."""
     from easytrain.config import load
+    from easytrain.data.sft import SFTDataset
     from easytrain.models.hf import model_folder
     from easytrain.trainer.data import SFTData, sft_batch
     from easytrain.workers.base import build_sharded_model
-    from easytrain.workers.packed import flatten
+    from easytrain.workers.packed import flatten, pad_sequence
 
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
     config = load(["+exp=tiny_sft", f"trainer.output_dir={run_dir}", "data.synthetic_size=16",
-                   "data.synthetic_val_size=8", "trainer.workers_per_node=1"])
+                   "data.synthetic_val_size=8", "trainer.workers_per_node=1", "data.limit_images=3"])
     data = SFTData(config)
-    samples = [data.train[i] for i in range(8)]
-    picks = next([a, b, c] for a in range(8) for b in range(a + 1, 8) for c in range(b + 1, 8)
-                 if (len(samples[a].ids) + len(samples[b].ids) + len(samples[c].ids)) % 2 == 0)
-    inputs = flatten(sft_batch(data.loader.collator([samples[i] for i in picks])))
+    chats = SFTDataset([str(multi_image_chats(Path(run_dir)))], config.data, data.tokenizer, "train", vision=True,
+                       progress=False)
+    samples = [chats[i] for i in range(len(chats))]
+    assert [len(s.images) for s in samples] == [1, 2, 3] and len({len(s.ids) for s in samples}) == 3
+    inputs = pad_sequence(flatten(sft_batch(data.loader.collator(samples))), 2)
     targets = inputs.pop("targets")
     trained = targets != IGNORE
-    assert inputs["position_ids"].shape[0] == 4 and inputs["pixel_values"].shape[0] > 0
+    assert inputs["position_ids"].shape[0] == 4 and inputs["image_grid_thw"].shape[0] == 6
 
     folder = model_folder(config.model)
 
@@ -121,7 +142,11 @@ def run_vl_rank(rank: int, run_dir: str, port: int) -> None:
     torch.testing.assert_close(gather_sequence(local_lp.detach(), sp) * trained, ref_lp.detach() * trained,
                                rtol=1e-5, atol=1e-5)
     assert len(sp.record) == model.config.text_config.num_hidden_layers  # every decoder layer went through Ulysses
-    assert all(call["attention_query"][2] == inputs["input_ids"].shape[1] for call in sp.record)
+    length, heads = inputs["input_ids"].shape[1], model.config.text_config.num_attention_heads
+    for call in sp.record:  # half the sequence with every head before the all-to-all, all of it with half after
+        assert call["local_query"][1:3] == (heads, length // 2)
+        assert call["attention_query"][1:3] == (heads // 2, length)
+        assert call["collectives"] == ["all_to_all"] * 4
     for (name, p), (_, ref) in zip(model.named_parameters(), reference.named_parameters()):
         if ref.grad is None:
             continue
