@@ -62,15 +62,15 @@ def grads(model: torch.nn.Module) -> dict[str, torch.Tensor]:
     return out
 
 
-@pytest.mark.parametrize("family", ["qwen2_5_vl", "qwen2"])
+@pytest.mark.parametrize("family", ["qwen2_5_vl", "qwen2_vl", "qwen2"])
 def test_packed_log_probs_and_gradients_equal_padded(family: str, tmp_path: Path,
                                                      recorded_attention: list[dict[str, Any]]) -> None:
-    extra = [] if family == "qwen2_5_vl" else ["model.path=tiny:qwen2", "data.image_key=null"]
+    extra = [f"model.path=tiny:{family}"] + (["data.image_key=null"] if family == "qwen2" else [])
     config = rl_config(tmp_path, *extra)
     batch = rollout_batch(config)
     model = actor(config).model
     mask = batch["response_mask"].bool()
-    if family == "qwen2_5_vl":
+    if family != "qwen2":
         assert batch["pixel_values"].shape[0] > 0 and "mm_token_type_ids" in batch
 
     padded_lp, padded_entropy = response_log_probs(model, batch, 1.0, torch.device("cpu"), with_entropy=True)

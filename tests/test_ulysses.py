@@ -100,7 +100,7 @@ def multi_image_chats(folder: Path) -> Path:
     return path
 
 
-def run_vl_rank(rank: int, run_dir: str, port: int) -> None:
+def run_vl_rank(rank: int, run_dir: str, port: int, family: str) -> None:
     """Qwen2.5-VL, packed samples with 1, 2 and 3 images: the vision tower and the 3-D rope positions run on the
     whole sequence, the decoder on chunks."""
     from easytrain.config import load
@@ -112,7 +112,8 @@ def run_vl_rank(rank: int, run_dir: str, port: int) -> None:
 
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
     config = load(["+exp=tiny_sft", f"trainer.output_dir={run_dir}", "data.synthetic_size=16",
-                   "data.synthetic_val_size=8", "trainer.workers_per_node=1", "data.limit_images=3"])
+                   "data.synthetic_val_size=8", "trainer.workers_per_node=1", "data.limit_images=3",
+                   f"model.path=tiny:{family}"])
     data = SFTData(config)
     chats = SFTDataset([str(multi_image_chats(Path(run_dir)))], config.data, data.tokenizer, "train", vision=True,
                        progress=False)
@@ -156,7 +157,8 @@ def run_vl_rank(rank: int, run_dir: str, port: int) -> None:
     dist.destroy_process_group()
 
 
-def test_ulysses_two_ranks_equal_the_unsplit_qwen25_vl_with_images(tmp_path: Path) -> None:
+@pytest.mark.parametrize("family", ["qwen2_5_vl", "qwen2_vl"])
+def test_ulysses_two_ranks_equal_the_unsplit_vl_model_with_images(family: str, tmp_path: Path) -> None:
     from easytrain.distributed.group import free_port
 
-    mp.spawn(run_vl_rank, args=(str(tmp_path), free_port()), nprocs=2, join=True)
+    mp.spawn(run_vl_rank, args=(str(tmp_path), free_port(), family), nprocs=2, join=True)
