@@ -23,12 +23,8 @@ TOLERANCE = 1e-6  # fp32; the same operations in the same order give equal bits 
 
 
 @pytest.fixture(scope="module")
-def reference(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    run_dir = tmp_path_factory.mktemp("resume") / "uninterrupted"
-    run = Run(run_dir).start()
-    assert run.wait() == 0, run.tail()
-    assert logged_steps(run_dir) == list(range(1, STEPS + 1))
-    return run_dir
+def reference(uninterrupted_run: tuple[Path, int]) -> Path:
+    return uninterrupted_run[0]
 
 
 def assert_same_run(run_dir: Path, reference: Path) -> None:

@@ -24,13 +24,8 @@ from resume_harness import STEPS, Run, data_order, final_weights, logged_steps, 
 pytestmark = pytest.mark.slow
 
 @pytest.fixture(scope="module")
-def reference(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, int]:
-    run_dir = tmp_path_factory.mktemp("pressure") / "uninterrupted"
-    run = Run(run_dir, *WATCH).start()
-    assert run.wait() == 0, run.tail()
-    peak = max(r["ram_used_bytes"] for r in records(run_dir, "node"))
-    assert not [e for e in records(run_dir, "event") if e["level"] in ("soft", "hard")]
-    return run_dir, peak
+def reference(uninterrupted_run: tuple[Path, int]) -> tuple[Path, int]:
+    return uninterrupted_run
 
 
 def assert_same_run(run_dir: Path, reference: Path) -> None:
