@@ -10,6 +10,17 @@
     easytrain memory RUN_DIR [--out PNG]
                                         draw the run's memory.jsonl (RAM and GPU per node, phases, events)
                                         as a PNG (default RUN_DIR/memory.png)
+    easytrain report RUN_DIR            the run's plots (reward, response length, KL, phase times) and
+                                        RUN_DIR/index.html showing them with the final config
+    easytrain submit [--address URL] [--working-dir DIR] [--follow | --wait] [overrides...]
+                                        submit the run to a Ray cluster (Ray Jobs); prints the job id and
+                                        the dashboard URL
+    easytrain submit --kuberay [--dry-run] [--cluster] [overrides...]
+                                        the KubeRay RayJob (or with --cluster a long-lived RayCluster) for
+                                        the config: printed as YAML (--dry-run) or created with the
+                                        kubernetes client
+    easytrain status|logs|stop JOB_ID [--address URL] [--follow]
+                                        a submitted job's status, its driver log, or stop it
 
 Overrides are Hydra's: ``+exp=qwen25vl_7b worker.rollout.n=8``.
 """
@@ -66,6 +77,42 @@ def _export(args: argparse.Namespace) -> int:
     return 0
 
 
+def _report(args: argparse.Namespace) -> int:
+    import logging
+
+    from easytrain.trainer.report import write_report
+
+    logging.basicConfig(level=logging.INFO, format="%(message)s")
+    try:
+        written = write_report(args.run_dir)
+    except FileNotFoundError as err:
+        sys.stderr.write(f"easytrain report: {err}\n")
+        return 2
+    sys.stdout.write("".join(f"{path}\n" for path in written))
+    return 0
+
+
+def _submit(args: argparse.Namespace) -> int:
+    if args.kuberay:
+        from easytrain.launch.kuberay import submit_kuberay
+
+        return submit_kuberay(list(args.overrides), dry_run=args.dry_run, cluster=args.cluster)
+    if args.dry_run or args.cluster:
+        sys.stderr.write("easytrain submit: --dry-run and --cluster are KubeRay options; use them with --kuberay\n")
+        return 2
+    from easytrain.launch.jobs import submit
+
+    return submit(args.overrides, args.address, args.working_dir, follow=args.follow, wait=args.wait)
+
+
+def _job(args: argparse.Namespace) -> int:
+    from easytrain.launch import jobs
+
+    if args.command == "logs":
+        return jobs.logs(args.job_id, args.address, follow=args.follow)
+    return int(getattr(jobs, args.command)(args.job_id, args.address))
+
+
 def _memory(args: argparse.Namespace) -> int:
     import logging
 
@@ -97,6 +144,26 @@ def build_parser() -> argparse.ArgumentParser:
     memory = sub.add_parser("memory", help="draw a run's memory timeline (memory.jsonl) as a PNG")
     memory.add_argument("run_dir", type=Path, help="the run folder holding memory.jsonl")
     memory.add_argument("--out", type=Path, default=None, help="PNG to write (default: RUN_DIR/memory.png)")
+    report = sub.add_parser("report", help="plots of a run's metrics and an index.html showing them")
+    report.add_argument("run_dir", type=Path, help="the run folder holding metrics.jsonl")
+    submit = sub.add_parser("submit", help="submit the run to a Ray cluster (Ray Jobs), or render/apply KubeRay")
+    submit.add_argument("--address", default=None, help="Ray dashboard, http://HEAD:8265 (default: RAY_ADDRESS, "
+                                                       "else http://127.0.0.1:8265)")
+    submit.add_argument("--working-dir", default=".", help="uploaded as the job's working directory (default: .)")
+    submit.add_argument("--follow", action="store_true", help="stream the driver's log until the job ends")
+    submit.add_argument("--wait", action="store_true", help="wait until the job ends (exit 0 if it SUCCEEDED)")
+    submit.add_argument("--kuberay", action="store_true", help="KubeRay RayJob/RayCluster manifests instead")
+    submit.add_argument("--dry-run", action="store_true", help="with --kuberay: print the manifest as YAML")
+    submit.add_argument("--cluster", action="store_true", help="with --kuberay: a long-lived RayCluster instead "
+                                                              "of the RayJob")
+    submit.add_argument("overrides", nargs=argparse.REMAINDER, help="Hydra overrides, e.g. +exp=qwen25vl_7b")
+    for name, help_text in (("status", "a submitted job's status"), ("logs", "a submitted job's driver log"),
+                            ("stop", "stop a submitted job")):
+        job = sub.add_parser(name, help=help_text)
+        job.add_argument("job_id")
+        job.add_argument("--address", default=None, help="Ray dashboard (default: RAY_ADDRESS, else local)")
+        if name == "logs":
+            job.add_argument("--follow", action="store_true", help="stream until the job ends")
     for name, help_text in (("config", "print the composed and validated config"),
                             ("run", "run training (python -m easytrain.main)"),
                             ("plan", "memory per role and phase, per GPU and node, checked against capacity")):
@@ -119,6 +186,12 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
             code = _export(args)
         elif args.command == "memory":
             code = _memory(args)
+        elif args.command == "report":
+            code = _report(args)
+        elif args.command == "submit":
+            code = _submit(args)
+        elif args.command in ("status", "logs", "stop"):
+            code = _job(args)
         else:
             code = COMMANDS[args.command](args.overrides)
     except ConfigError as err:

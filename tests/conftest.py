@@ -4,6 +4,8 @@
 - ``ray_two_nodes``: a 2-node Ray cluster on this machine (``ray.cluster_utils.Cluster``, 2 CPUs each);
   tests using it run last, because only one Ray can be connected at a time.
 - ``tiny_model``: ``tiny_model(family, size)`` builds a tiny model once per session.
+- ``default_run``: the default run shortened to ``DEFAULT_RUN_STEPS`` steps, once per session (its own
+  Ray, in a subprocess); the watchdog, logger and report tests read its run folder.
 - markers: ``slow`` (end-to-end; ``pytest -m 'not slow'`` skips them), ``gpu``
   (skipped without CUDA).
 """
@@ -154,3 +156,24 @@ def uninterrupted_run(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, i
     peak = max(r["ram_used_bytes"] for r in records(run_dir, "node"))
     assert not [e for e in records(run_dir, "event") if e["level"] in ("soft", "hard")]
     return run_dir, peak
+
+
+DEFAULT_RUN_STEPS = 10
+
+
+@pytest.fixture(scope="session")
+def default_run(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """``python -m easytrain.main`` as it ships (watchdog, loggers, report), ``DEFAULT_RUN_STEPS`` steps, no
+    validation before training and no dashboard; its run folder."""
+    import subprocess
+    import sys
+
+    run_dir = tmp_path_factory.mktemp("default") / "run"
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
+    env.pop("RAY_ADDRESS", None)
+    proc = subprocess.run([sys.executable, "-m", "easytrain.main", f"trainer.max_steps={DEFAULT_RUN_STEPS}",
+                           "trainer.val_before_train=false", "ray.include_dashboard=false", f"hydra.run.dir={run_dir}"],
+                          cwd=Path(__file__).resolve().parents[1], env=env, capture_output=True, text=True,
+                          timeout=900)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return run_dir

@@ -4,28 +4,17 @@ run on its node, memory.png is drawn, and nothing is flagged on a healthy run.""
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
+from conftest import DEFAULT_RUN_STEPS as STEPS
+
 pytestmark = pytest.mark.slow
 
-ROOT = Path(__file__).resolve().parents[1]
-STEPS = 10
 
-
-def test_default_run_writes_a_memory_timeline_covering_every_worker(tmp_path: Path) -> None:
-    run_dir = tmp_path / "run"
-    env = {**os.environ, "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
-    env.pop("RAY_ADDRESS", None)
-    proc = subprocess.run([sys.executable, "-m", "easytrain.main", f"trainer.max_steps={STEPS}",
-                           "trainer.val_before_train=false", "ray.include_dashboard=false", f"hydra.run.dir={run_dir}"],
-                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-
+def test_default_run_writes_a_memory_timeline_covering_every_worker(default_run: Path) -> None:
+    run_dir = default_run
     png = run_dir / "memory.png"
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and png.stat().st_size > 20_000
     records = [json.loads(line) for line in (run_dir / "memory.jsonl").read_text().splitlines()]

@@ -361,8 +361,10 @@ class TrainerConfig:
     """Export the final checkpoint as a Hugging Face folder to <output_dir>/hf (easytrain export)."""
     export_merge: bool = False
     """With LoRA, export_final writes the merged full model instead of the adapter."""
-    loggers: list[str] = field(default_factory=lambda: ["console", "jsonl"])
-    """Where metrics go: console, jsonl, tensorboard, wandb."""
+    loggers: list[str] = field(default_factory=lambda: ["console", "jsonl", "tensorboard"])
+    """Where metrics go: console, jsonl (metrics.jsonl), tensorboard (<output_dir>/tensorboard), wandb (offline
+    into the run folder unless WANDB_MODE or WANDB_API_KEY say otherwise), mlflow (a file store in
+    <output_dir>/mlruns unless MLFLOW_TRACKING_URI is set). wandb and mlflow need their packages."""
     seed: int = 1
     """Seed for data order, sampling and initialisation."""
     output_dir: str = "${hydra:runtime.output_dir}"
@@ -433,6 +435,65 @@ class RayConfig:
     """Start the dashboard with a local Ray."""
 
 
+# ----------------------------------------------------------------------------- launch
+
+
+@dataclass
+class LaunchConfig:
+    """How the run is launched on a cluster: Ray Jobs (``easytrain submit``) and KubeRay (``--kuberay``)."""
+
+    image: str = "easytrain:latest"
+    """KubeRay: container image of every Ray pod (docker/Dockerfile, pushed where the cluster pulls from)."""
+    image_pull_policy: str = choice("IfNotPresent", "IfNotPresent", "Always", "Never")
+    """KubeRay: when the kubelet pulls the image."""
+    ray_version: str = "2.60.0"
+    """KubeRay: Ray version inside the image (RayCluster spec.rayVersion); docker/Dockerfile's base has the same."""
+    namespace: str = "default"
+    """KubeRay: Kubernetes namespace of the RayJob / RayCluster."""
+    name: Optional[str] = None
+    """KubeRay: name of the RayJob / RayCluster (lowercase letters, digits and '-', at most 47 characters);
+    null = trainer.experiment_name made into such a name. Runs go to <volume_mount_path>/runs/<name>."""
+    service_account: Optional[str] = None
+    """KubeRay: service account of the Ray pods; null = the namespace's default."""
+    volume_claim: str = "easytrain-shared"
+    """KubeRay: PersistentVolumeClaim mounted on every pod (ReadWriteMany when trainer.nnodes > 1): run folders
+    with checkpoints, and the Hugging Face cache (models, data sets)."""
+    volume_mount_path: str = "/mnt/easytrain"
+    """KubeRay: where the claim is mounted; the run folder (hydra.run.dir) is <path>/runs/<name> unless
+    trainer.output_dir is already on it, HF_HOME is <path>/cache/huggingface."""
+    secret_env: dict[str, str] = field(default_factory=lambda: {"HF_TOKEN": "hf-token/token",
+                                                                "WANDB_API_KEY": "wandb/api-key"})
+    """KubeRay: environment variables read from Kubernetes Secrets, NAME: secret/key (secretKeyRef, optional: a
+    missing Secret leaves the variable unset). Tokens never appear in the manifests."""
+    auth_secret: Optional[str] = None
+    """KubeRay: Secret holding Ray's token under the key auth_token; null = KubeRay generates one per cluster.
+    Token authentication is always on (authOptions.mode=token)."""
+    env_vars: dict[str, str] = field(default_factory=dict)
+    """Plain environment variables of the run (Ray Jobs runtime env; every KubeRay pod); no secrets here."""
+    pip: list[str] = field(default_factory=list)
+    """Extra pip requirements Ray installs for the job (runtime env of Ray Jobs and of the RayJob)."""
+    ttl_seconds_after_finished: int = bounded(3600, low=0)
+    """KubeRay RayJob: seconds the finished job's cluster stays (for logs) before it is deleted."""
+    backoff_limit: int = bounded(1, low=0)
+    """KubeRay RayJob: retries, each on a new cluster; a retry resumes from the latest checkpoint of the run
+    folder on the shared volume (trainer.resume=auto)."""
+    head_cpu: float = bounded(8.0, low=0.0, low_open=True)
+    """KubeRay: CPUs of the head pod (driver, data loader processes, reward actors; no GPUs)."""
+    head_memory_gb: float = bounded(64.0, low=0.0, low_open=True)
+    """KubeRay: memory of the head pod, GB."""
+    worker_cpu: Optional[float] = bounded(None, low=0.0, low_open=True)
+    """KubeRay: CPUs of a worker pod (one per node); null = 8 per worker process (trainer.workers_per_node)."""
+    worker_memory_gb: Optional[float] = bounded(None, low=0.0, low_open=True)
+    """KubeRay: memory of a worker pod, GB; null = 90% of trainer.node_memory_gb (the rest for the kubelet and
+    system daemons). The watchdog's and Ray's fractions are then of this limit (the pod's cgroup)."""
+    object_store_gb: Optional[float] = bounded(None, low=0.0, low_open=True)
+    """KubeRay: Ray object store per worker pod, GB; null = Ray's default, 30% of the pod's memory, at most 200."""
+    shm_headroom_gb: float = bounded(8.0, low=0.0)
+    """KubeRay: /dev/shm (a memory-backed emptyDir) holds the object store plus this much, at most 10% of the
+    pod's memory (NCCL, vLLM, data loader buffers); a /dev/shm smaller than the object store makes Ray fall
+    back to disk."""
+
+
 @dataclass
 class Config:
     model: ModelConfig = field(default_factory=ModelConfig)
@@ -443,3 +504,4 @@ class Config:
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
     watchdog: WatchdogConfig = field(default_factory=WatchdogConfig)
     ray: RayConfig = field(default_factory=RayConfig)
+    launch: LaunchConfig = field(default_factory=LaunchConfig)

@@ -14,12 +14,15 @@ import importlib.util
 
 import dataclasses
 import os
+import re
 from dataclasses import dataclass
 from typing import Any, Optional, Sequence
 
 from easytrain.config.schema import CHOICES, HIGH, LOW, LOW_OPEN, Config
 
-LOGGERS = ("console", "jsonl", "tensorboard", "wandb")
+LOGGERS = ("console", "jsonl", "tensorboard", "wandb", "mlflow")
+LOGGER_PACKAGES = {"tensorboard": "tensorboard", "wandb": "wandb", "mlflow": "mlflow"}
+"""Loggers that need a package beyond easytrain's own: logger -> module (also the pip name)."""
 ESTIMATORS_NEEDING_GROUPS = ("grpo", "rloo")
 
 
@@ -109,6 +112,7 @@ def validate(cfg: Config, shape: Optional[ModelShape] = None) -> None:
     _check_model(cfg)
     _check_trainer(cfg)
     _check_watchdog(cfg)
+    _check_launch(cfg)
     _check_reward(cfg)
     if shape is not None:
         _check_against_shape(cfg, shape)
@@ -333,6 +337,10 @@ def _check_trainer(cfg: Config) -> None:
     for i, name in enumerate(t.loggers):
         if name not in LOGGERS:
             raise ConfigError(f"trainer.loggers[{i}]", name, "unknown logger", f"use any of {', '.join(LOGGERS)}")
+        package = LOGGER_PACKAGES.get(name)
+        if package is not None and importlib.util.find_spec(package) is None:
+            raise ConfigError(f"trainer.loggers[{i}]", name, f"the {package} package is not installed",
+                              f"pip install {package}, or leave {name} out of trainer.loggers")
     for key in ("max_steps", "val_freq", "save_freq", "save_limit"):
         if getattr(t, key) == 0:
             raise ConfigError(f"trainer.{key}", 0, "0 is not allowed", "use -1 to turn it off, or a positive number")
@@ -372,6 +380,68 @@ def _check_watchdog(cfg: Config) -> None:
         if action not in RELIEF_ACTIONS:
             raise ConfigError("watchdog.actions", action, "not a relief action",
                               f"use any of {', '.join(RELIEF_ACTIONS)}")
+
+
+DNS_LABEL = re.compile(r"[a-z]([-a-z0-9]*[a-z0-9])?")
+"""A Kubernetes DNS-1035 label (names of RayJobs and RayClusters; KubeRay refuses other names)."""
+DNS_SUBDOMAIN = re.compile(r"[a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*")
+"""A Kubernetes DNS-1123 subdomain (names of Secrets and PersistentVolumeClaims)."""
+ENV_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
+SECRET_KEY = re.compile(r"[-._a-zA-Z0-9]+")
+RAYJOB_NAME_MAX = 47
+"""KubeRay appends '-xxxxx' to a RayJob's name for its cluster and '-serve-svc' style suffixes to that."""
+SECRET_WORDS = ("TOKEN", "SECRET", "PASSWORD", "PASSWD", "CREDENTIALS")
+
+
+def looks_secret(name: str) -> bool:
+    """Whether an environment variable name looks like it holds a credential (HF_TOKEN, WANDB_API_KEY, ...)."""
+    words = name.upper().split("_")
+    return any(w in SECRET_WORDS for w in words) or words[-1] == "KEY"
+
+
+def _check_launch(cfg: Config) -> None:
+    la = cfg.launch
+    if la.name is not None and (not DNS_LABEL.fullmatch(la.name) or len(la.name) > RAYJOB_NAME_MAX):
+        raise ConfigError("launch.name", la.name, f"not a valid RayJob name (lowercase letters, digits and '-', "
+                          f"starting with a letter, at most {RAYJOB_NAME_MAX} characters)",
+                          "e.g. launch.name=qwen-grpo")
+    if not DNS_LABEL.fullmatch(la.namespace) or len(la.namespace) > 63:
+        raise ConfigError("launch.namespace", la.namespace, "not a valid Kubernetes namespace", "e.g. default")
+    for key in ("volume_claim", "auth_secret", "service_account"):
+        value = getattr(la, key)
+        if value is not None and (not DNS_SUBDOMAIN.fullmatch(value) or len(value) > 253):
+            raise ConfigError(f"launch.{key}", value, "not a valid Kubernetes name",
+                              "use lowercase letters, digits, '-' and '.'")
+    path = la.volume_mount_path
+    if not path.startswith("/") or os.path.normpath(path) in ("/", "/dev/shm", "/tmp"):
+        raise ConfigError("launch.volume_mount_path", path, "must be an absolute folder other than /, /tmp and "
+                          "/dev/shm", "e.g. /mnt/easytrain")
+    if not la.image.strip():
+        raise ConfigError("launch.image", la.image, "is empty", "name the image built from docker/Dockerfile")
+    for env, ref in la.secret_env.items():
+        secret, _, key = str(ref).partition("/")
+        if not ENV_NAME.fullmatch(env):
+            raise ConfigError(f"launch.secret_env.{env}", ref, "not a valid environment variable name")
+        if not (DNS_SUBDOMAIN.fullmatch(secret) and SECRET_KEY.fullmatch(key)):
+            raise ConfigError(f"launch.secret_env.{env}", ref, "must be SECRET/KEY: a Kubernetes Secret's name "
+                              "and the key within it", f"e.g. +launch.secret_env.{env}=my-secret/token")
+    for env, value in la.env_vars.items():
+        if not ENV_NAME.fullmatch(env):
+            raise ConfigError(f"launch.env_vars.{env}", value, "not a valid environment variable name")
+        if looks_secret(env) or env.startswith("RAY_AUTH_"):
+            raise ConfigError(f"launch.env_vars.{env}", NO_VALUE, "looks like a credential; it would be stored in "
+                              "plain text in the job's runtime env and the manifests",
+                              f"put it in a Kubernetes Secret and name it in launch.secret_env.{env}=SECRET/KEY, or "
+                              "for Ray Jobs export it on the cluster's nodes")
+        if env == "RAY_memory_usage_threshold":
+            raise ConfigError(f"launch.env_vars.{env}", value, "is set on the nodes, not per job: easytrain takes "
+                              "Ray's kill threshold from the environment it is launched from, where the watchdog "
+                              "checks watchdog.ram_hard against it", f"export {env}={value} before launching")
+    t = cfg.trainer
+    if la.worker_memory_gb is not None and t.node_memory_gb is not None and la.worker_memory_gb > t.node_memory_gb:
+        raise ConfigError("launch.worker_memory_gb", la.worker_memory_gb,
+                          f"a worker pod cannot have more memory than its node (trainer.node_memory_gb="
+                          f"{t.node_memory_gb})", "lower it, or leave it null (90% of the node)")
 
 
 def _check_reward(cfg: Config) -> None:

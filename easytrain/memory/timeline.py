@@ -16,7 +16,7 @@ import json
 import logging
 from collections import defaultdict
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Optional
+from typing import TYPE_CHECKING, Any, Callable, Optional
 
 if TYPE_CHECKING:
     from matplotlib.axes import Axes
@@ -45,11 +45,11 @@ ROW_HEIGHT_IN = 2.8
 WIDTH_IN = 12.0
 
 
-def read_records(path: Path) -> list[dict[str, Any]]:
-    """The records of a ``memory.jsonl``, in file order.
+def read_jsonl(path: Path, keep: Callable[[Any], bool]) -> list[dict[str, Any]]:
+    """The JSON objects of a ``.jsonl`` that ``keep`` accepts, in file order.
 
-    Lines that do not parse as a JSON object are skipped: the watchdog appends while the run lives, so a
-    run killed mid-write (the OOM this file is meant to explain) leaves a torn last line.
+    Lines that do not parse, or that ``keep`` refuses, are skipped with one warning: the run appends while it
+    lives, so a run killed mid-write (the OOM such a file is meant to explain) leaves a torn last line.
     """
     records, skipped = [], 0
     with open(path, encoding="utf-8") as f:
@@ -61,13 +61,18 @@ def read_records(path: Path) -> list[dict[str, Any]]:
             except json.JSONDecodeError:
                 skipped += 1
                 continue
-            if isinstance(record, dict) and "kind" in record:
+            if isinstance(record, dict) and keep(record):
                 records.append(record)
             else:
                 skipped += 1
     if skipped:
         logger.warning("%s: skipped %d unreadable line(s)", path, skipped)
     return records
+
+
+def read_records(path: Path) -> list[dict[str, Any]]:
+    """The records of a ``memory.jsonl``, in file order (torn lines skipped: :func:`read_jsonl`)."""
+    return read_jsonl(path, lambda record: "kind" in record)
 
 
 def _start_time(records: list[dict[str, Any]]) -> float:

@@ -20,9 +20,10 @@ from tqdm import tqdm
 from easytrain.config.schema import Config
 from easytrain.distributed.checkpoint import rng_state, set_rng_state
 from easytrain.distributed.group import WorkerError
-from easytrain.trainer.checkpoint import (ACTOR, PREFIX, CheckpointWriter, check_compatible, checkpoint_root, latest,
-                                          model_signature)
+from easytrain.trainer.checkpoint import (ACTOR, CONFIG_FILE, PREFIX, CheckpointWriter, check_compatible,
+                                          checkpoint_root, latest, model_signature)
 from easytrain.trainer.metrics import MetricsLogger
+from easytrain.trainer.ray_metrics import RayMetrics
 from easytrain.trainer.relief import MemoryGuard
 from easytrain.trainer.roles import Roles
 from easytrain.trainer.signals import resume_hint, stop_on_sigterm
@@ -42,6 +43,13 @@ class RunFailed(Exception):
     """Workers died more often than ``trainer.max_failures`` allows; the message says how to resume."""
 
 
+def ray_metrics(run_name: str) -> Optional[RayMetrics]:
+    """Step metrics as Ray gauges (dashboard, Prometheus) when this process is connected to Ray."""
+    import ray
+
+    return RayMetrics(run_name) if ray.is_initialized() else None
+
+
 class Trainer:
     name = "train"
     """Progress bar label."""
@@ -56,7 +64,12 @@ class Trainer:
         t = config.trainer
         self.config, self.loader = config, loader
         self.fresh_data_state = loader.state_dict()
-        self.metrics = MetricsLogger(t.output_dir, t.loggers, t.experiment_name)
+        self.metrics = MetricsLogger(t.output_dir, t.loggers, t.experiment_name, t.project_name,
+                                     OmegaConf.to_container(OmegaConf.structured(config)))  # type: ignore[arg-type]
+        (Path(t.output_dir) / CONFIG_FILE).write_text(OmegaConf.to_yaml(OmegaConf.structured(config)))
+        self.ray_metrics = ray_metrics(t.experiment_name)
+        if self.ray_metrics is not None:
+            self.metrics.add(self.ray_metrics)
         self.checkpoints = CheckpointWriter(checkpoint_root(t.output_dir), t.save_limit)
         self.step, self.saved_step = 0, -1
         self.spans: list[tuple[str, float, float]] = []
@@ -159,6 +172,8 @@ class Trainer:
             self.worker_readings += [r.pop("watch") for r in readings]
             for key in readings[0]:
                 out[f"memory/{name}_{key}_max"] = max(r[key] for r in readings)
+        if self.ray_metrics is not None:
+            self.ray_metrics.workers(self.worker_readings)
         return out
 
     # ------------------------------------------------------------------ checkpoints and recovery
@@ -235,3 +250,17 @@ class Trainer:
             self.guard.close(plot=self.config.watchdog.plot)
         if hasattr(self, "roles"):
             self.roles.shutdown()
+        self.write_report()
+
+    def write_report(self) -> None:
+        """Plots and index.html of the run folder (after the memory timeline, which they show); a failure is
+        a warning, never the run's."""
+        run_dir = Path(self.config.trainer.output_dir)
+        if not (run_dir / "metrics.jsonl").is_file():
+            return
+        try:
+            from easytrain.trainer.report import write_report
+
+            write_report(run_dir)
+        except Exception as err:  # noqa: BLE001 - the report is a by-product; the run's result stands
+            logger.warning("run report not written: %s: %s", type(err).__name__, err, exc_info=True)

@@ -1,4 +1,5 @@
-"""Metrics: named phase timers, and loggers (console, metrics.jsonl, TensorBoard).
+"""Metrics: named phase timers, and the logger that sends each step's metrics to the sinks of
+``trainer.loggers`` (console, metrics.jsonl, TensorBoard, W&B, MLflow: :mod:`easytrain.trainer.loggers`).
 
 Keys are ``group/name`` (``reward/mean``, ``time/generate``); every record
 carries ``step``.
@@ -13,11 +14,11 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, Iterator, Optional
 
+from easytrain.trainer.loggers import CONSOLE, Sink, make_sink
+
 logger = logging.getLogger("easytrain.metrics")
 
-CONSOLE = ("reward/mean", "reward/accuracy", "response_length/mean", "actor/pg_loss", "actor/kl_loss",
-           "actor/entropy", "train/loss", "val/loss", "actor/grad_norm", "perf/tokens_per_s", "time/step")
-"""What the console line shows; metrics.jsonl and TensorBoard get everything."""
+__all__ = ["CONSOLE", "STEP_LOGS", "MetricsLogger", "PhaseTimer", "truncate_jsonl"]
 
 
 class PhaseTimer:
@@ -66,29 +67,34 @@ def truncate_jsonl(path: Path, step: int) -> int:
 
 
 class MetricsLogger:
-    def __init__(self, output_dir: str, loggers: list[str], run_name: str) -> None:
-        self.console = "console" in loggers
+    """Sends each record to the sinks of ``loggers`` and to any added with :meth:`add`; also writes the
+    run folder's ``samples.jsonl`` and ``data_order.jsonl``.
+
+    ``config`` (the resolved config as a plain dict) goes to W&B and MLflow as the run's config.
+    """
+
+    def __init__(self, output_dir: str, loggers: list[str], run_name: str, project: str = "easytrain",
+                 config: Optional[dict[str, Any]] = None) -> None:
         self.loggers, self.run_name = loggers, run_name
         self.folder = Path(output_dir)
         self.folder.mkdir(parents=True, exist_ok=True)
-        self.jsonl: Optional[Any] = None
-        self.tensorboard: Optional[Any] = None
-        self._open()
+        self.sinks: list[Sink] = [make_sink(name, self.folder, project, run_name, config) for name in loggers]
 
-    def _open(self, purge_step: Optional[int] = None) -> None:
-        self.jsonl = (self.folder / "metrics.jsonl").open("a") if "jsonl" in self.loggers else None
-        if "tensorboard" in self.loggers:
-            from torch.utils.tensorboard import SummaryWriter
-
-            self.tensorboard = SummaryWriter(str(self.folder / "tensorboard" / self.run_name), purge_step=purge_step)
+    def add(self, sink: Sink) -> Sink:
+        """Send every later record to ``sink`` too: any object with ``log(step, metrics)`` and ``close()``
+        (and, if it can forget, ``rewind(step)``). Returns it."""
+        self.sinks.append(sink)
+        return sink
 
     def rewind(self, step: int) -> None:
         """Forget what was logged after ``step`` (a run resuming from the checkpoint of ``step``)."""
-        self.close()
+        for sink in self.sinks:
+            rewind = getattr(sink, "rewind", None)
+            if rewind is not None:
+                rewind(step)
         dropped = sum(truncate_jsonl(self.folder / name, step) for name in STEP_LOGS)
         if dropped:
             logger.info("resuming at step %d: dropped %d log record(s) written after it", step, dropped)
-        self._open(purge_step=step + 1)
 
     def log_order(self, step: int, uids: list[Any]) -> None:
         """The prompts a step consumed, in order (``data_order.jsonl``): the record resumes are checked by."""
@@ -96,16 +102,9 @@ class MetricsLogger:
             f.write(json.dumps({"step": step, "uids": uids}) + "\n")
 
     def log(self, step: int, metrics: dict[str, float]) -> None:
-        record = {"step": step, **{k: float(v) for k, v in metrics.items()}}
-        if self.jsonl is not None:
-            self.jsonl.write(json.dumps(record) + "\n")
-            self.jsonl.flush()
-        if self.tensorboard is not None:
-            for key, value in metrics.items():
-                self.tensorboard.add_scalar(key, value, step)
-        if self.console:
-            shown = {k: v for k, v in metrics.items() if k in CONSOLE or k.startswith("val/reward/mean")}
-            logger.info("step %d: %s", step, " ".join(f"{k}={v:.4g}" for k, v in shown.items()))
+        record = {k: float(v) for k, v in metrics.items()}
+        for sink in self.sinks:
+            sink.log(step, record)
 
     def write_samples(self, step: int, samples: list[dict[str, Any]]) -> None:
         with (self.folder / "samples.jsonl").open("a") as f:
@@ -113,9 +112,9 @@ class MetricsLogger:
                 f.write(json.dumps({"step": step, **sample}) + "\n")
 
     def close(self) -> None:
-        if self.jsonl is not None:
-            self.jsonl.close()
-            self.jsonl = None
-        if self.tensorboard is not None:
-            self.tensorboard.close()
-            self.tensorboard = None
+        """Close every sink; one that fails is logged and the others are still closed."""
+        for sink in self.sinks:
+            try:
+                sink.close()
+            except Exception as err:  # noqa: BLE001 - the others still need closing, the run is done
+                logger.warning("closing metrics sink %s failed: %s", type(sink).__name__, err)

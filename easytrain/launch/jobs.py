@@ -1,0 +1,162 @@
+"""Runs on a Ray cluster you already have, through Ray's Job Submission SDK.
+
+    easytrain submit [--address http://HEAD:8265] [--working-dir .] [--follow] [--no-wait] [overrides...]
+    easytrain status JOB_ID | logs JOB_ID [--follow] | stop JOB_ID      [--address ...]
+
+``submit`` composes and validates the config here first (a bad override is
+reported before anything reaches the cluster), then submits
+``python -m easytrain.main <overrides>`` with a runtime environment: the
+working directory (uploaded by Ray, without virtualenvs, run outputs and
+caches), ``launch.env_vars`` and ``launch.pip``. It prints the job id and the
+dashboard URL and, with ``--follow``, streams the driver's log until the job
+ends (exit 0 only when it SUCCEEDED).
+
+The address is ``--address``, else ``RAY_ADDRESS``, else the local head's
+dashboard (``http://127.0.0.1:8265``). Ray's token authentication stays on:
+every request carries the cluster token from ``RAY_AUTH_TOKEN``,
+``RAY_AUTH_TOKEN_PATH`` or ``~/.ray/auth_token`` (what ``ray start`` and
+``ray get-auth-token`` use); a refused request says so.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import shlex
+import sys
+import time
+from pathlib import Path
+from typing import Any, Optional, Sequence, TextIO
+
+logger = logging.getLogger(__name__)
+
+DEFAULT_ADDRESS = "http://127.0.0.1:8265"
+EXCLUDES = [".venv", "venv", ".git", "outputs", "runs", "multirun", "**/__pycache__", "*.egg-info", ".pytest_cache",
+            ".mypy_cache", "bench/results/*.png", "*.safetensors", "*.pt", "*.bin", "checkpoints"]
+"""What the upload of the working directory leaves out (Ray caps a working_dir at a few hundred MB)."""
+TERMINAL = ("SUCCEEDED", "FAILED", "STOPPED")
+
+
+def address_of(address: Optional[str]) -> str:
+    return address or os.environ.get("RAY_ADDRESS") or DEFAULT_ADDRESS
+
+
+def client(address: Optional[str]) -> Any:
+    """A Job Submission client for ``address`` (see the module docstring for the order of sources)."""
+    from ray.job_submission import JobSubmissionClient
+
+    where = address_of(address)
+    token = auth_token()
+    headers = {"Authorization": f"Bearer {token}"} if token else None
+    try:
+        return JobSubmissionClient(where, headers=headers)
+    except Exception as err:  # noqa: BLE001 - the SDK raises ConnectionError, RuntimeError or its own
+        raise SystemExit(f"easytrain: cannot reach the Ray dashboard at {where}: {err}. Start a head with "
+                         "`ray start --head` (or see launcher/README.md), or pass --address http://HEAD:8265 / "
+                         "set RAY_ADDRESS") from err
+
+
+def auth_token() -> Optional[str]:
+    """The cluster token, from where Ray's own tools read it: ``RAY_AUTH_TOKEN``, the file
+    ``RAY_AUTH_TOKEN_PATH`` names, or ``~/.ray/auth_token`` (``ray start`` and ``ray get-auth-token --generate``
+    write it there). The SDK sends it only in a process started with ``RAY_AUTH_MODE=token``; easytrain sends it
+    whenever it is found (a cluster without authentication ignores the header)."""
+    if os.environ.get("RAY_AUTH_TOKEN"):
+        return os.environ["RAY_AUTH_TOKEN"].strip()
+    path = Path(os.environ.get("RAY_AUTH_TOKEN_PATH") or Path.home() / ".ray" / "auth_token")
+    if path.is_file():
+        return path.read_text().strip() or None
+    if os.environ.get("RAY_AUTH_TOKEN_PATH"):
+        raise SystemExit(f"easytrain: RAY_AUTH_TOKEN_PATH={path} is not a readable file")
+    return None
+
+
+def dashboard_url(address: str, job_id: str) -> str:
+    base = address if address.startswith("http") else f"http://{address}"
+    return f"{base.rstrip('/')}/#/jobs/{job_id}"
+
+
+def runtime_env(config: Any, working_dir: str) -> dict[str, Any]:
+    """The job's runtime environment: the working directory, ``launch.env_vars`` and ``launch.pip``."""
+    launch = getattr(config, "launch", None)
+    env_vars = {str(k): str(v) for k, v in dict(getattr(launch, "env_vars", None) or {}).items()}
+    env_vars.setdefault("TOKENIZERS_PARALLELISM", "false")
+    env: dict[str, Any] = {"working_dir": working_dir, "excludes": EXCLUDES, "env_vars": env_vars}
+    pip = list(getattr(launch, "pip", None) or [])
+    if pip:
+        env["pip"] = pip
+    return env
+
+
+def entrypoint(overrides: Sequence[str]) -> str:
+    return " ".join(["python", "-m", "easytrain.main", *(shlex.quote(o) for o in overrides)])
+
+
+def submit(overrides: Sequence[str], address: Optional[str] = None, working_dir: str = ".", follow: bool = False,
+           wait: bool = False, out: TextIO = sys.stdout) -> int:
+    """Validate the config, submit the run, print its id and dashboard URL; ``follow`` streams its log and
+    ``wait`` polls until it ends; both return 0 only when it SUCCEEDED."""
+    from easytrain.config import compose, with_default_preset
+    from easytrain.main import resolve
+
+    config = resolve(compose(with_default_preset(list(overrides))))  # ConfigError before anything is sent
+    if not os.path.isdir(working_dir):
+        raise SystemExit(f"easytrain: --working-dir {working_dir!r} is not a directory")
+    where = address_of(address)
+    jobs = client(where)
+    job_id = jobs.submit_job(entrypoint=entrypoint(overrides),
+                             runtime_env=runtime_env(config, os.path.abspath(working_dir)),
+                             metadata={"easytrain": "1", "experiment": str(config.trainer.experiment_name)})
+    out.write(f"submitted {job_id}\ndashboard: {dashboard_url(where, job_id)}\n"
+              f"follow: easytrain logs {job_id} --follow --address {where}\n")
+    out.flush()
+    if follow:
+        return logs(job_id, where, follow=True, out=out)
+    if wait:
+        return 0 if wait_for(job_id, where) == "SUCCEEDED" else 1
+    return 0
+
+
+def wait_for(job_id: str, address: Optional[str] = None, timeout: float = 24 * 3600.0,
+             poll: float = 2.0) -> str:
+    """Poll until the job is SUCCEEDED, FAILED or STOPPED (or ``timeout``); returns the last status."""
+    jobs, deadline = client(address), time.monotonic() + timeout
+    while True:
+        state = str(jobs.get_job_status(job_id).value)
+        if state in TERMINAL or time.monotonic() > deadline:
+            return state
+        time.sleep(poll)
+
+
+def status(job_id: str, address: Optional[str] = None, out: TextIO = sys.stdout) -> int:
+    info = client(address).get_job_info(job_id)
+    out.write(f"{job_id}: {info.status.value}")
+    if info.message:
+        out.write(f" ({info.message})")
+    out.write("\n")
+    return 0
+
+
+def logs(job_id: str, address: Optional[str] = None, follow: bool = False, out: TextIO = sys.stdout) -> int:
+    """The driver's log so far, or streamed until the job ends (``follow``; exit 0 only when it SUCCEEDED)."""
+    jobs = client(address)
+    if not follow:
+        out.write(jobs.get_job_logs(job_id))
+        return 0
+
+    async def stream() -> None:
+        async for chunk in jobs.tail_job_logs(job_id):
+            out.write(chunk)
+            out.flush()
+
+    asyncio.run(stream())
+    state = wait_for(job_id, address, timeout=60.0, poll=0.5)  # the log ends a moment before the status flips
+    out.write(f"{job_id}: {state}\n")
+    return 0 if state == "SUCCEEDED" else 1
+
+
+def stop(job_id: str, address: Optional[str] = None, out: TextIO = sys.stdout) -> int:
+    stopped = client(address).stop_job(job_id)
+    out.write(f"{job_id}: {'stop requested' if stopped else 'already finished'}\n")
+    return 0

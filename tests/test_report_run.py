@@ -1,0 +1,38 @@
+"""The default run, shortened (conftest's ``default_run``), as it ships: TensorBoard event files hold every
+step's metrics, the run folder keeps its resolved config, and the report's PNGs (beside memory.png) and
+index.html are written when the run closes."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from conftest import DEFAULT_RUN_STEPS as STEPS
+from report_helpers import assert_nontrivial_png, image_sources, read_scalars
+
+pytestmark = pytest.mark.slow
+
+
+def test_tensorboard_event_files_hold_the_runs_step_metrics(default_run: Path) -> None:
+    scalars = read_scalars(default_run / "tensorboard" / "tiny")
+    records = [json.loads(line) for line in (default_run / "metrics.jsonl").read_text().splitlines()]
+    train = [r for r in records if "reward/mean" in r]
+    assert [r["step"] for r in train] == list(range(1, STEPS + 1))
+    for key in ("reward/mean", "response_length/mean", "actor/pg_loss", "time/generate", "time/update",
+                "perf/tokens_per_s"):
+        assert [s for s, _ in scalars[key]] == list(range(1, STEPS + 1)), key
+        assert [v for _, v in scalars[key]] == pytest.approx([r[key] for r in train], rel=1e-6, abs=1e-6), key
+    assert [s for s, _ in scalars["val/reward/mean"]] == [STEPS]
+
+
+def test_the_report_shows_the_runs_plots_and_config(default_run: Path) -> None:
+    page = (default_run / "index.html").read_text()
+    shown = image_sources(page)
+    assert {"reward.png", "response_length.png", "kl.png", "time.png", "memory.png"} <= set(shown), shown
+    for name in shown:
+        assert_nontrivial_png(default_run / name)
+    config = (default_run / "config.yaml").read_text()
+    assert "experiment_name: tiny" in config and f"max_steps: {STEPS}" in config
+    assert "<h1>tiny (run)</h1>" in page and f"max_steps: {STEPS}" in page and "<td>reward/mean</td>" in page

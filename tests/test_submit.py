@@ -1,0 +1,91 @@
+"""``easytrain submit`` against a real Ray head on loopback (``ray start --head``, token authentication on):
+the tiny run is accepted, reaches SUCCEEDED, its logs are fetched, its run folder is written, and while it
+runs the head's Prometheus endpoint serves easytrain's gauges."""
+
+from __future__ import annotations
+
+import io
+import json
+import os
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from pathlib import Path
+from typing import Any, Iterator
+
+import pytest
+
+from easytrain.distributed.group import free_port
+from easytrain.launch import jobs
+
+pytestmark = pytest.mark.slow
+ROOT = Path(__file__).resolve().parents[1]
+RAY = str(Path(sys.executable).with_name("ray"))
+
+
+@pytest.fixture
+def ray_head(ray_clusters: Any, tmp_path: Path) -> Iterator[dict[str, Any]]:
+    """A head node started the way a user starts one (token authentication is Ray 2.60's default)."""
+    ray_clusters.stop()  # no in-process Ray beside it
+    ports = {"gcs": free_port(), "dashboard": free_port(), "metrics": free_port()}
+    env = {**os.environ, "RAY_metrics_report_interval_ms": "1000",  # export every second, not every 10 s
+           "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}"}  # the job's `python`
+    env.pop("RAY_ADDRESS", None)
+    start = [RAY, "start", "--head", "--node-ip-address=127.0.0.1", f"--port={ports['gcs']}",
+             "--dashboard-host=127.0.0.1", f"--dashboard-port={ports['dashboard']}",
+             f"--metrics-export-port={ports['metrics']}", "--num-cpus=8", "--disable-usage-stats"]
+    done = subprocess.run(start, env=env, capture_output=True, text=True, timeout=180)
+    assert done.returncode == 0, done.stdout + done.stderr
+    address = f"http://127.0.0.1:{ports['dashboard']}"
+    try:
+        yield {"address": address, "metrics": f"http://127.0.0.1:{ports['metrics']}/metrics", "env": env}
+    finally:
+        subprocess.run([RAY, "stop", "--force"], env=env, capture_output=True, timeout=120)
+
+
+def scrape(url: str) -> str:
+    try:
+        with urllib.request.urlopen(url, timeout=5) as response:
+            return response.read().decode()
+    except (urllib.error.URLError, OSError):
+        return ""
+
+
+def test_submit_the_tiny_run_to_a_ray_head_with_token_auth(ray_head: dict[str, Any], tmp_path: Path) -> None:
+    address = ray_head["address"]
+    with pytest.raises(urllib.error.HTTPError) as refused:  # token authentication is on: no token, no jobs
+        urllib.request.urlopen(f"{address}/api/jobs/", timeout=10)
+    assert refused.value.code in (401, 403)
+
+    run_dir = tmp_path / "run"
+    overrides = ["+exp=tiny", f"hydra.run.dir={run_dir}", "trainer.max_steps=3", "data.synthetic_size=16",
+                 "data.synthetic_val_size=4", "data.rollout_batch_size=4", "worker.actor.global_batch_size=4",
+                 "worker.rollout.n=2", "worker.actor.micro_batch_size_per_device_for_update=2",
+                 "data.max_response_length=4", "trainer.val_before_train=false"]
+    out = io.StringIO()
+    assert jobs.submit(overrides, address, working_dir=str(ROOT), out=out) == 0
+    lines = out.getvalue().splitlines()
+    job_id = lines[0].split()[-1]
+    assert lines[1] == f"dashboard: {address}/#/jobs/{job_id}"
+
+    gauges, deadline = "", time.monotonic() + 900
+    while time.monotonic() < deadline:  # the gauges appear while the run goes on
+        state = str(jobs.client(address).get_job_status(job_id).value)
+        text = scrape(ray_head["metrics"])
+        if "easytrain_reward_mean" in text:
+            gauges = text
+        if state in jobs.TERMINAL:
+            break
+        time.sleep(1.0)
+    status = io.StringIO()
+    jobs.status(job_id, address, out=status)
+    logs = io.StringIO()
+    jobs.logs(job_id, address, out=logs)
+    assert status.getvalue().startswith(f"{job_id}: SUCCEEDED"), logs.getvalue()[-3000:]
+    assert "step 3:" in logs.getvalue()  # the driver's console metrics line, fetched through the SDK
+    assert "easytrain_reward_mean" in gauges and "easytrain_worker_rss_bytes" in gauges, gauges[-2000:]
+    assert 'run="tiny"' in gauges
+    records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in records if "reward/mean" in r] == [1, 2, 3]
