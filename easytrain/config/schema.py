@@ -68,6 +68,10 @@ class ModelConfig:
     """transformers attention kernel."""
     gradient_checkpointing: bool = False
     """Recompute activations in the backward pass: less memory, ~30% more compute."""
+    dedupe_images: bool = True
+    """Run the vision tower once per distinct image in a forward (a prompt's n responses share its images) and
+    give every copy its features: same values, a fraction of the vision compute (rollout with the hf engine,
+    reference, actor)."""
     freeze_vision_tower: bool = False
     """Do not train the vision encoder (saves its gradients and optimizer states)."""
     freeze_aligner: bool = False

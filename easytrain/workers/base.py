@@ -18,6 +18,7 @@ from easytrain.distributed.group import Dispatch, dispatch, free_port
 from easytrain.distributed.ulysses import SequenceParallel, apply_ulysses, sequence_parallel_group
 from easytrain.memory.readings import process_info, release_process_memory, torch_allocator
 from easytrain.models.hf import load_model, model_folder
+from easytrain.models.image_dedup import dedupe_images
 
 logger = logging.getLogger(__name__)
 
@@ -114,6 +115,8 @@ def build_sharded_model(config: Config, role: RoleConfig, folder: str, device: t
     model_cfg = config.model
     model = load_model(model_cfg, folder, dtype="float32")
     model.config.use_cache = False
+    if model_cfg.dedupe_images:
+        dedupe_images(model)
     if sp is not None:
         apply_ulysses(model, sp)
     if not trainable:

@@ -10,6 +10,7 @@ import torch
 from easytrain.algorithms.losses import token_log_probs
 from easytrain.workers.forward import suppressed_tokens
 from easytrain.distributed.batch import Batch
+from easytrain.models.image_dedup import dedupe_images
 from easytrain.workers.rollout.engine import EngineSpec, RolloutEngine, SamplingParams, response_mask
 
 logger = logging.getLogger(__name__)
@@ -27,6 +28,8 @@ class HFEngine(RolloutEngine):
         from easytrain.models.hf import load_model
 
         model = load_model(config.model, spec.folder).to(spec.device)
+        if config.model.dedupe_images:  # the prompts' n copies share their images: one prefill of each
+            dedupe_images(model)
         return cls(model, spec.stop_ids, spec.pad_id, spec.device)
 
     @torch.no_grad()

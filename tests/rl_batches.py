@@ -1,0 +1,36 @@
+"""RL rollout batches for in-process tests: the synthetic task's prompts with random responses."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+from easytrain.config import Config, load
+from easytrain.distributed.batch import Batch
+from easytrain.models.tiny import SPECIAL_TOKENS, VOCAB_SIZE
+from easytrain.trainer.data import RLData
+from easytrain.workers.sequences import assemble
+
+RESPONSE_LENGTHS = [1, 12, 2, 12, 3, 9, 1, 12]  # skewed: a few long responses among short ones
+
+
+def rl_config(tmp: Path, *extra: str) -> Config:
+    return load([f"trainer.output_dir={tmp}", "data.num_workers=0", "data.synthetic_size=16",
+                 "data.synthetic_val_size=4", "trainer.workers_per_node=1", "worker.rollout.n=2",
+                 "data.rollout_batch_size=4", "worker.actor.global_batch_size=4", "data.max_response_length=12",
+                 "worker.actor.micro_batch_size_per_device_for_update=2", "worker.actor.optim.lr=1e-3", *extra])
+
+
+def rollout_batch(config: Config, seed: int = 0) -> Batch:
+    """Prompts of the synthetic image task (text-only for a text model) with random responses of skewed lengths."""
+    data = RLData(config)
+    prompts = next(data.train_batches())
+    n, width = config.worker.rollout.n, config.data.max_response_length
+    generator = torch.Generator().manual_seed(seed)
+    rows = len(prompts) * n
+    responses = torch.randint(len(SPECIAL_TOKENS) + 10, VOCAB_SIZE, (rows, width), generator=generator)
+    mask = (torch.arange(width)[None] < torch.tensor([RESPONSE_LENGTHS[i % len(RESPONSE_LENGTHS)] for i in range(rows)])[:, None]).long()
+    batch = assemble(prompts, Batch({"responses": responses * mask, "response_mask": mask}), n)
+    advantages = torch.randn(rows, generator=generator)[:, None] * mask
+    return batch.union(Batch({"advantages": advantages}))
