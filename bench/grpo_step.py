@@ -38,6 +38,10 @@ def main() -> None:
     parser.add_argument("--size", choices=["tiny", "small"], default="tiny")
     parser.add_argument("--steps", type=int, default=6)
     parser.add_argument("--warmup", type=int, default=2)
+    parser.add_argument("--override", action="append", default=[], metavar="KEY=VALUE",
+                        help="an extra config override (repeatable), e.g. model.dedupe_images=false")
+    parser.add_argument("--out", type=Path, default=None,
+                        help="results file (default: bench/results/grpo_step_<size>.json)")
     args = parser.parse_args()
 
     import ray
@@ -52,7 +56,8 @@ def main() -> None:
     config = load([f"trainer.output_dir={out_dir}", f"model.tiny_size={args.size}", "data.num_workers=0",
                    "data.rollout_batch_size=8", "worker.rollout.n=4", "data.max_response_length=32",
                    "worker.actor.global_batch_size=8", "algorithm.kl_coef=0.04", "trainer.loggers=[jsonl]",
-                   "data.synthetic_size=128", f"trainer.max_steps={args.warmup + args.steps}"])
+                   "data.synthetic_size=128", f"trainer.max_steps={args.warmup + args.steps}",
+                   *args.override])
     init_ray(config.ray)
     trainer = RLTrainer(config)
     groups = {"actor": trainer.roles.actor, "ref": trainer.roles.ref, "rollout": trainer.roles.rollout}
@@ -82,12 +87,13 @@ def main() -> None:
     step_s = median(r["step_s"] for r in records)
     overhead = median(r["orchestration_s"] / r["step_s"] for r in records)
     summary = {
-        "benchmark": "grpo_step", "command": f"python bench/grpo_step.py --size {args.size} --steps {args.steps}",
+        "benchmark": "grpo_step", "command": " ".join(["python bench/grpo_step.py", *sys.argv[1:]]),
         "measured": time.strftime("%Y-%m-%d %H:%M:%S %Z"),
         "machine": {"cpus": __import__("os").cpu_count(), "platform": platform.platform()},
         "versions": {"torch": torch.__version__, "transformers": transformers.__version__, "ray": ray.__version__},
         "settings": {"model": f"tiny:qwen2_5_vl ({args.size})", "prompts": 8, "n": 4, "new_tokens": 32,
-                     "workers": 2, "kl_coef": 0.04, "dtype": "float32", "warmup_steps": args.warmup},
+                     "workers": 2, "kl_coef": 0.04, "dtype": "float32", "warmup_steps": args.warmup,
+                     "overrides": args.override},
         "median_step_s": round(step_s, 3),
         "median_phase_s": {p: round(median(r["phases_s"].get(p, 0.0) for r in records), 4)
                            for p in records[0]["phases_s"]},
@@ -98,7 +104,7 @@ def main() -> None:
                                  for name, readings in memory.items()},
         "steps": records,
     }
-    path = ROOT / "bench" / "results" / f"grpo_step_{args.size}.json"
+    path = args.out or ROOT / "bench" / "results" / f"grpo_step_{args.size}.json"
     path.write_text(json.dumps(summary, indent=2) + "\n")
     print(f"median step {step_s:.3f} s; orchestration {summary['median_orchestration_s']:.3f} s "
           f"({summary['median_orchestration_pct']}% of the step); "

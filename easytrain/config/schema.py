@@ -252,6 +252,9 @@ class RolloutConfig(RoleConfig):
     """Nucleus sampling mass."""
     top_k: int = bounded(-1, low=-1)
     """Top-k sampling; -1 = off."""
+    share_prefill: bool = True
+    """hf engine: prefill each prompt once and copy its KV cache to its n samples, instead of n prefills (vLLM
+    shares the prefix by itself)."""
     gpu_memory_utilization: float = bounded(0.6, low=0.0, high=1.0, low_open=True)
     """Fraction of each GPU's memory vLLM may reserve (weights + KV cache)."""
     tensor_parallel_size: int = bounded(1, low=1)

@@ -19,8 +19,11 @@ GENERATE_INPUTS = ("input_ids", "attention_mask", "pixel_values", "image_grid_th
 
 
 class HFEngine(RolloutEngine):
-    def __init__(self, model: Any, stop_ids: list[int], pad_id: int, device: torch.device) -> None:
+    def __init__(self, model: Any, stop_ids: list[int], pad_id: int, device: torch.device,
+                 share_prefill: bool = True) -> None:
         self.model, self.eos_ids, self.pad_id, self.device = model.eval(), stop_ids, pad_id, device
+        self.share_prefill = share_prefill
+        """Prefill each prompt once for its n samples (worker.rollout.share_prefill)."""
         self.suppressed = suppressed_tokens(model.config)
 
     @classmethod
@@ -30,12 +33,14 @@ class HFEngine(RolloutEngine):
         model = load_model(config.model, spec.folder).to(spec.device)
         if config.model.dedupe_images:  # the prompts' n copies share their images: one prefill of each
             dedupe_images(model)
-        return cls(model, spec.stop_ids, spec.pad_id, spec.device)
+        return cls(model, spec.stop_ids, spec.pad_id, spec.device, config.worker.rollout.share_prefill)
 
     @torch.no_grad()
     def generate(self, prompts: Batch, params: SamplingParams) -> Batch:
         expanded = prompts.repeat_interleave(params.n)
         inputs = {k: expanded[k].to(self.device) for k in GENERATE_INPUTS if k in expanded}
+        if self.share_prefill and params.n > 1 and inputs["input_ids"].shape[1] > 1:
+            inputs = self._prefilled(prompts, params.n, inputs)
         sample = params.temperature > 0
         torch.manual_seed(params.seed)
         out = self.model.generate(
@@ -52,6 +57,29 @@ class HFEngine(RolloutEngine):
         log_probs = token_log_probs(logits, responses, params.temperature, self.suppressed) * mask
         return Batch({"responses": responses.cpu(), "response_mask": mask.cpu(),
                       "rollout_log_probs": log_probs.cpu()})
+
+    def _prefilled(self, prompts: Batch, n: int, expanded: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """Prefill every prompt but its last token once, then hand ``generate`` the cache repeated for the
+        prompt's ``n`` rows: it feeds the last prompt token and samples from there, as it would have after
+        its own prefill of each row (images and prompt tokens computed once instead of ``n`` times)."""
+        from transformers import DynamicCache
+
+        once = {k: prompts[k].to(self.device) for k in GENERATE_INPUTS if k in prompts}
+        head = {k: v[:, :-1] if k in ("input_ids", "attention_mask", "mm_token_type_ids") else v
+                for k, v in once.items()}
+        if "mm_token_type_ids" not in head:  # text model: positions that skip the left padding, as generate's
+            mask = head["attention_mask"].long()
+            head["position_ids"] = (mask.cumsum(-1) - 1).masked_fill(mask == 0, 1)
+        cache = DynamicCache(config=self.model.config)
+        inner: Any = getattr(self.model, "model", None)
+        if inner is not None and hasattr(inner, "rope_deltas"):
+            inner.rope_deltas = None  # computed afresh from this batch's images by the prefill
+        self.model(**head, past_key_values=cache, use_cache=True, logits_to_keep=1)
+        cache.batch_repeat_interleave(n)
+        if inner is not None and getattr(inner, "rope_deltas", None) is not None:
+            inner.rope_deltas = inner.rope_deltas.repeat_interleave(n, dim=0)
+        return {"input_ids": expanded["input_ids"], "attention_mask": expanded["attention_mask"],
+                "past_key_values": cache}
 
     @torch.no_grad()
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> int:
