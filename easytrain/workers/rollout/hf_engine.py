@@ -39,7 +39,10 @@ class HFEngine(RolloutEngine):
     def generate(self, prompts: Batch, params: SamplingParams) -> Batch:
         expanded = prompts.repeat_interleave(params.n)
         inputs = {k: expanded[k].to(self.device) for k in GENERATE_INPUTS if k in expanded}
-        if self.share_prefill and params.n > 1 and inputs["input_ids"].shape[1] > 1:
+        # A VL model computes its 3-D positions in the prefill only from images; without any it would not skip
+        # the left padding, so such batches prefill each row.
+        vision_ok = "image_grid_thw" in inputs or "mm_token_type_ids" not in inputs
+        if self.share_prefill and params.n > 1 and inputs["input_ids"].shape[1] > 1 and vision_ok:
             inputs = self._prefilled(prompts, params.n, inputs)
         sample = params.temperature > 0
         torch.manual_seed(params.seed)
