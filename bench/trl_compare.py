@@ -142,7 +142,8 @@ class ThreadWatch:
                     cmd = proc.cmdline()
                     if not cmd or not cmd[0].startswith("ray::") or "Worker" not in cmd[0]:
                         continue
-                    name = cmd[0].split()[0].split(".")[0]
+                    # "ray::ActorWorker.update" or, once named, "ray::easytrain-actor-0-...:ActorWorker"
+                    name = cmd[0].split()[0].split(":")[-1].split(".")[0]
                     entry = self.seen.setdefault(name, {"omp_num_threads_environ": set(), "os_threads_max": 0,
                                                         "processes": set()})
                     entry["omp_num_threads_environ"].add(proc.environ().get("OMP_NUM_THREADS"))
