@@ -1,8 +1,12 @@
 """easytrain against Hugging Face TRL's GRPOTrainer: the same GRPO step, run alternately, side by side.
 
-    .venv/bin/python bench/trl_compare.py --sizes tiny  --repeats 3     # -> bench/results/trl_compare.json
-    .venv/bin/python bench/trl_compare.py --sizes small --repeats 3     # (merged into the same file)
-    .venv/bin/python bench/trl_compare.py --family qwen2 --sizes tiny small   # the text-only Qwen2 instead
+    # what produced bench/results/trl_compare.json (~9 min each; the second merges into the file):
+    .venv/bin/python bench/trl_compare.py --sizes tiny --repeats 4 \
+        --variants easytrain easytrain_1w easytrain_1w_2t trl
+    .venv/bin/python bench/trl_compare.py --sizes small --repeats 3 \
+        --variants easytrain easytrain_1w easytrain_1w_2t trl
+    # the text-only Qwen2 of the same sizes on both sides (data.image_key=null), if TRL's VL path fails:
+    .venv/bin/python bench/trl_compare.py --family qwen2 --sizes tiny small
 
 What runs, for each model size, ``--repeats`` times, in rotating order:
 
@@ -39,8 +43,11 @@ process's per-thread CPU time while it runs and counts the threads that
 compute (see ``ThreadWatch``), next to the ``OMP_NUM_THREADS`` it inherited.
 
 Before each run it waits (up to ``--max-wait`` s) until no ``ray::`` process
-and no pytest runs on the machine, since concurrent load ruins timings; a run
-that started on a busy machine is flagged ``busy_at_start``.
+and no pytest runs on the machine, since concurrent load ruins timings, and
+while the run goes on it polls for such processes that are not the run's own;
+a run that saw any is ``disturbed``: it is listed under ``discarded_runs`` and
+run again (``--retries``), and kept (flagged, left out of the medians unless
+all runs were) only when the retries are used up.
 
 The bench environment (TRL must never be an easytrain dependency nor enter
 ``.venv``), made once:
@@ -113,6 +120,40 @@ def wait_quiet(max_wait: float) -> tuple[float, bool, dict[str, int]]:
             print(f"  machine busy ({state}); waiting ({waited:.0f} s so far)", flush=True)
 
 
+class ForeignLoadWatch:
+    """Polls, while a run goes on, for pytest or ``ray::`` processes that are not the run's own."""
+
+    def __init__(self) -> None:
+        self.own_root: Optional[int] = None
+        self.seen: dict[str, int] = {"ray": 0, "pytest": 0}
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        import psutil
+
+        while True:
+            for key, pattern in (("ray", "ray::"), ("pytest", "pytest")):
+                out = subprocess.run(["pgrep", "-f", pattern], capture_output=True, text=True).stdout.split()
+                foreign = 0
+                for pid in map(int, out):
+                    try:
+                        ancestors = {p.pid for p in psutil.Process(pid).parents()}
+                    except psutil.Error:
+                        continue  # gone already: a transient process, not load
+                    if pid != os.getpid() and self.own_root not in ancestors:
+                        foreign += 1
+                self.seen[key] = max(self.seen[key], foreign)
+            if self._stop.wait(3.0):
+                return
+
+    def stop(self) -> dict[str, int]:
+        self._stop.set()
+        self._thread.join()
+        return dict(self.seen)
+
+
 class ThreadWatch:
     """Watches the Ray worker processes under a subprocess: their OMP_NUM_THREADS and compute threads.
 
@@ -166,7 +207,8 @@ class ThreadWatch:
                 for name, e in sorted(self.seen.items())}
 
 
-def run_easytrain(size: str, family: str, variant: str, steps: int, warmup: int) -> dict[str, Any]:
+def run_easytrain(size: str, family: str, variant: str, steps: int, warmup: int,
+                  load: ForeignLoadWatch) -> dict[str, Any]:
     overrides = FAMILY_OVERRIDES[family] + VARIANTS[variant]
     env = dict(os.environ)
     if variant == "easytrain_1w_2t":
@@ -179,6 +221,7 @@ def run_easytrain(size: str, family: str, variant: str, steps: int, warmup: int)
         proc = subprocess.Popen(command, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                                 text=True)
         watch = ThreadWatch(proc.pid)
+        load.own_root = proc.pid  # the run's own Ray processes are not foreign load
         log, _ = proc.communicate()
         threads = watch.stop()
         wall = time.perf_counter() - start
@@ -201,7 +244,8 @@ def run_easytrain(size: str, family: str, variant: str, steps: int, warmup: int)
     }
 
 
-def run_trl(size: str, family: str, folder: Path, steps: int, warmup: int, python: str) -> dict[str, Any]:
+def run_trl(size: str, family: str, folder: Path, steps: int, warmup: int, python: str,
+            load: ForeignLoadWatch) -> dict[str, Any]:
     with tempfile.TemporaryDirectory() as tmp:
         out = Path(tmp) / "result.json"
         command = [python, str(ROOT / "bench" / "_trl_side.py"), "--model", str(folder), "--family", family,
@@ -248,7 +292,7 @@ def summarise(runs: dict[str, list[dict[str, Any]]]) -> dict[str, Any]:
     median = statistics.median
     out: dict[str, Any] = {}
     for variant, results in runs.items():
-        ok = [r for r in results if not r.get("busy_at_start")] or results
+        ok = [r for r in results if not r.get("disturbed")] or results
         out[variant] = {
             "runs": len(results), "runs_used": len(ok),
             "median_step_s": round(median(r["median_step_s"] for r in ok), 4),
@@ -288,6 +332,8 @@ def main() -> None:
                         help="python of the bench venv that has TRL (default: %(default)s)")
     parser.add_argument("--max-wait", type=float, default=600.0,
                         help="seconds to wait for a quiet machine before each run")
+    parser.add_argument("--retries", type=int, default=2,
+                        help="times a run disturbed by other processes is run again (it is kept, flagged, after)")
     parser.add_argument("--out", type=Path, default=RESULT)
     parser.add_argument("--fresh", action="store_true", help="do not keep other entries of --out")
     args = parser.parse_args()
@@ -303,17 +349,29 @@ def main() -> None:
         folder = build_tiny(args.family, size, seed=0)
         key = f"{args.family}/{size}"
         runs: dict[str, list[dict[str, Any]]] = {v: [] for v in args.variants}
+        discarded: list[dict[str, Any]] = []
         for repeat in range(args.repeats):
             k = repeat % len(args.variants)
             for variant in args.variants[k:] + args.variants[:k]:  # rotate so no variant always follows another
-                waited, still_busy, state = wait_quiet(args.max_wait)
-                load1 = os.getloadavg()[0]
-                if variant == "trl":
-                    result = run_trl(size, args.family, folder, args.steps, args.warmup, args.bench_python)
-                else:
-                    result = run_easytrain(size, args.family, variant, args.steps, args.warmup)
-                result.update({"repeat": repeat, "waited_s": round(waited, 1), "busy_at_start": still_busy,
-                               "busy_state": state, "loadavg_1m_at_start": round(load1, 2)})
+                for attempt in range(1 + args.retries):
+                    waited, still_busy, state = wait_quiet(args.max_wait)
+                    load1 = os.getloadavg()[0]
+                    load = ForeignLoadWatch()
+                    if variant == "trl":
+                        result = run_trl(size, args.family, folder, args.steps, args.warmup, args.bench_python, load)
+                    else:
+                        result = run_easytrain(size, args.family, variant, args.steps, args.warmup, load)
+                    foreign = load.stop()
+                    result.update({"repeat": repeat, "attempt": attempt, "waited_s": round(waited, 1),
+                                   "busy_at_start": still_busy, "busy_state_at_start": state,
+                                   "foreign_processes_during_run": foreign,
+                                   "disturbed": still_busy or any(foreign.values()),
+                                   "loadavg_1m_at_start": round(load1, 2)})
+                    if not result["disturbed"]:
+                        break
+                    discarded.append({"variant": variant, **result})
+                    print(f"  {variant} run {repeat + 1} disturbed by other processes ({foreign}); "
+                          f"{'again' if attempt < args.retries else 'kept, flagged'}", flush=True)
                 runs[variant].append(result)
                 print(f"{key} {variant:16s} run {repeat + 1}: {result['median_step_s']:.3f} s/step, "
                       f"{result['median_tokens_per_s']:.0f} tok/s (wall {result['run_wall_s']} s)", flush=True)
@@ -321,7 +379,8 @@ def main() -> None:
                  "model": f"tiny:{args.family} ({size})", "model_folder": str(folder),
                  "parameters": count_parameters(folder), "weights_sha256": sha256(folder / "model.safetensors"),
                  "repeats": args.repeats, "steps_per_run": args.steps, "warmup_steps_per_run": args.warmup,
-                 "easytrain_git": git_state(), **summarise(runs), "runs": runs}
+                 "easytrain_git": git_state(), **summarise(runs), "runs": runs,
+                 "discarded_runs": discarded}
         entries[key] = entry
         trl_versions = next((r["versions"] for r in runs.get("trl", [])), None)
         et_versions = next((r["versions"] for v, rs in runs.items() if v != "trl" for r in rs), None)
@@ -339,7 +398,8 @@ def main() -> None:
                          "data": "synthetic:shapes/colour, 128 train rows, seed 1, difficulty 0",
                          "reward": "easytrain answer reward on both sides",
                          "easytrain": "bench/grpo_step.py: local Ray, colocated actor/ref/rollout, HF engine, "
-                                      "2 workers (easytrain_1w: 1 worker)",
+                                      "2 workers (easytrain_1w: 1 worker; easytrain_1w_2t: 1 worker, "
+                                      "OMP_NUM_THREADS=2 in the driver env)",
                          "trl": "bench/_trl_side.py: GRPOTrainer, one process, HF generate, no vLLM, no "
                                 "gradient checkpointing",
                          "step_s": "wall time of a whole step; median over a run's measured steps, then median "
