@@ -217,6 +217,10 @@ class ActorConfig(RoleConfig):
     to each other), micro batches filled up to max_token_len_per_device tokens instead of a fixed count."""
     max_token_len_per_device: int = bounded(4096, low=1)
     """Token budget of one packed micro batch (padding_free); a longer sample is refused by validation."""
+    share_prompt: bool = True
+    """Actor and reference forward passes: run the samples of one prompt in a micro batch as one row, the
+    prompt (and its images) once and each response attending to it (same values up to float rounding); with
+    sdpa/eager attention and no sequence parallelism (flash_attention_2 takes no such mask)."""
     reuse_log_probs_on_policy: bool = True
     """Skip the old-log-prob pass when the update is exactly on-policy (ppo_epochs=1 and one optimizer
     step per rollout batch): the old log-probs then equal the detached current ones."""

@@ -48,7 +48,7 @@ class ActorWorker(WorkerBase):
 
     def _log_probs(self, batch: Batch) -> torch.Tensor:  # padded micro batches of a fixed size
         return batch_log_probs(self.model, batch, self.cfg.micro_batch_size_per_device_for_experience,
-                               self.config.worker.rollout.temperature, self.device)
+                               self.config.worker.rollout.temperature, self.device, self.cfg.share_prompt)
 
     @dispatch(Dispatch.SCATTER)
     def compute_ref_log_probs(self, batch: Batch) -> Batch:
@@ -64,7 +64,7 @@ class ActorWorker(WorkerBase):
         """Old log-probs of this rank's padding-free micro batches (planned by the driver), one (B, R) each."""
         self.model.eval()
         return planned_log_probs(self.model, micro_batches, self.config.worker.rollout.temperature, self.device,
-                                 self.sp)
+                                 self.sp, self.cfg.share_prompt)
 
     @dispatch(Dispatch.EACH)
     def compute_ref_log_probs_planned(self, micro_batches: list[Batch]) -> list[torch.Tensor]:
@@ -72,7 +72,7 @@ class ActorWorker(WorkerBase):
         self.model.eval()
         with self.model.disable_adapter():
             return planned_log_probs(self.model, micro_batches, self.config.worker.rollout.temperature,
-                                     self.device, self.sp)
+                                     self.device, self.sp, self.cfg.share_prompt)
 
     @dispatch(Dispatch.SCATTER)
     def update(self, batch: Batch, kl_coef: float) -> dict[str, float]:
@@ -127,7 +127,7 @@ class ActorWorker(WorkerBase):
         for micro in micros:
             mask = micro["response_mask"].to(self.device, torch.float32)
             log_probs, entropy = log_probs_of(self.model, micro, temperature, self.device, self.cfg.padding_free,
-                                              self.sp, with_entropy=True)
+                                              self.sp, with_entropy=True, share_prompt=self.cfg.share_prompt)
             old = micro["old_log_probs"].to(self.device) if "old_log_probs" in micro else log_probs.detach()
             advantages = micro["advantages"].to(self.device)
             token_loss, info = policy_loss(log_probs, old, advantages, self.cfg.clip_ratio_low,

@@ -11,6 +11,7 @@ from easytrain.algorithms.losses import entropy_from_logits, gather_log_probs, s
 from easytrain.distributed.batch import Batch
 from easytrain.distributed.ulysses import SequenceParallel
 from easytrain.workers.packed import packed_response_log_probs
+from easytrain.workers.shared_prompt import prompt_groups, shared_response_log_probs, supports_shared_prompt, worth_sharing
 
 MODEL_INPUTS = ("input_ids", "attention_mask", "position_ids", "pixel_values", "image_grid_thw", "mm_token_type_ids")
 
@@ -43,10 +44,16 @@ def response_log_probs(model: nn.Module, batch: Batch, temperature: float, devic
 
 
 def log_probs_of(model: nn.Module, micro: Batch, temperature: float, device: torch.device, packed: bool,
-                 sp: Optional[SequenceParallel] = None,
-                 with_entropy: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
+                 sp: Optional[SequenceParallel] = None, with_entropy: bool = False,
+                 share_prompt: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Response log-probs (and entropy) of a micro batch, (B, R): padded, or padding-free (``packed``, which
-    sequence parallelism needs)."""
+    sequence parallelism needs), or with each repeated prompt run once (``share_prompt``, where the attention
+    takes a mask and there is no sequence parallelism; see :mod:`easytrain.workers.shared_prompt`)."""
+    if share_prompt and sp is None and supports_shared_prompt(model):
+        groups = prompt_groups(micro)
+        if worth_sharing(groups):
+            return shared_response_log_probs(model, micro, groups, temperature, device,
+                                             suppressed_tokens(model.config), with_entropy)
     if not packed:
         return response_log_probs(model, micro, temperature, device, with_entropy)
     return packed_response_log_probs(model, micro, temperature, device, suppressed_tokens(model.config), sp,
@@ -55,16 +62,17 @@ def log_probs_of(model: nn.Module, micro: Batch, temperature: float, device: tor
 
 @torch.no_grad()
 def planned_log_probs(model: nn.Module, micro_batches: list[Batch], temperature: float, device: torch.device,
-                      sp: Optional[SequenceParallel]) -> list[torch.Tensor]:
+                      sp: Optional[SequenceParallel], share_prompt: bool = False) -> list[torch.Tensor]:
     """Response log-probs of micro batches the driver planned (padding-free), one (B, R) tensor each, on CPU."""
-    return [log_probs_of(model, micro, temperature, device, True, sp)[0].cpu() for micro in micro_batches]
+    return [log_probs_of(model, micro, temperature, device, True, sp, share_prompt=share_prompt)[0].cpu()
+            for micro in micro_batches]
 
 
 @torch.no_grad()
 def batch_log_probs(model: nn.Module, batch: Batch, micro_size: int, temperature: float,
-                    device: torch.device) -> torch.Tensor:
+                    device: torch.device, share_prompt: bool = False) -> torch.Tensor:
     """Response log-probs of a whole batch, micro batch by micro batch, without gradients (on CPU)."""
-    return torch.cat([response_log_probs(model, micro, temperature, device)[0].cpu()
+    return torch.cat([log_probs_of(model, micro, temperature, device, False, share_prompt=share_prompt)[0].cpu()
                       for micro in micro_batches(batch, micro_size)])
 
 

@@ -27,11 +27,12 @@ class ReferenceWorker(WorkerBase):
     @dispatch(Dispatch.SCATTER)
     def compute_ref_log_probs(self, batch: Batch) -> Batch:
         size = self.config.worker.actor.micro_batch_size_per_device_for_experience
-        log_probs = batch_log_probs(self.model, batch, size, self.config.worker.rollout.temperature, self.device)
+        log_probs = batch_log_probs(self.model, batch, size, self.config.worker.rollout.temperature, self.device,
+                                    self.config.worker.actor.share_prompt)
         return Batch({"ref_log_probs": log_probs})
 
     @dispatch(Dispatch.EACH)
     def compute_ref_log_probs_planned(self, micro_batches: list[Batch]) -> list[torch.Tensor]:
         """Reference log-probs of this rank's padding-free micro batches (planned by the driver)."""
         return planned_log_probs(self.model, micro_batches, self.config.worker.rollout.temperature, self.device,
-                                 self.sp)
+                                 self.sp, self.config.worker.actor.share_prompt)

@@ -1,0 +1,180 @@
+"""Prompt-shared forward passes: a prompt's samples run as one row, the prompt (and its images) once.
+
+GRPO scores n responses to every prompt, so a micro batch usually holds a
+prompt n times over. Instead of n rows of ``prompt + response_i`` this lays
+each distinct prompt out once, followed by all of its responses::
+
+    [ prompt | response_1 | response_2 | ... | response_k ]
+
+with an attention mask under which a response token sees the prompt and the
+earlier tokens of its own response only, and position ids under which every
+response continues from the end of the prompt (Qwen-VL's rope rows
+included). Every response token then sees exactly what it sees in its own
+row, so log-probs, entropy and gradients are those of the plain forward, up
+to float rounding, while the prompt's tokens and its images' vision-tower
+work are paid once instead of k times. Distinct prompts of a micro batch are
+separate rows, right-padded to the longest.
+
+Used when ``worker.actor.share_prompt`` is on, the attention is ``sdpa`` or
+``eager`` (they take an explicit mask; flash-attention's kernels do not) and
+there is no sequence parallelism; :func:`prompt_groups` finds the repeats
+(equal prompt tokens and equal image pixels), in any order within the micro
+batch.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+from torch import nn
+
+from easytrain.algorithms.losses import entropy_from_logits, gather_log_probs, sampling_logits
+from easytrain.distributed.batch import Batch
+
+MASKED_ATTENTION = ("sdpa", "eager")
+
+
+def supports_shared_prompt(model: nn.Module) -> bool:
+    """Whether the model's attention takes an explicit 4-D mask."""
+    return getattr(model.config, "_attn_implementation", None) in MASKED_ATTENTION
+
+
+def _image_slices(batch: Batch) -> Optional[list[slice]]:
+    """Each sample's rows of ``pixel_values`` (None without images)."""
+    if batch.image_counts is None or "pixel_values" not in batch:
+        return None
+    image_offsets, patch_offsets = batch._image_ranges()
+    return [slice(patch_offsets[image_offsets[i]], patch_offsets[image_offsets[i + 1]]) for i in range(len(batch))]
+
+
+def prompt_groups(batch: Batch) -> list[list[int]]:
+    """Samples with the same prompt (tokens and image pixels), grouped in order of first appearance."""
+    mask = batch["attention_mask"].bool()
+    prompt_width = mask.shape[1] - batch["responses"].shape[1]
+    ids = batch["input_ids"][:, :prompt_width]
+    pixels = _image_slices(batch)
+    groups: list[list[int]] = []
+    by_tokens: dict[tuple[int, ...], list[int]] = {}  # prompt tokens -> indices into groups
+    for row in range(len(batch)):
+        key = tuple(ids[row][mask[row, :prompt_width]].tolist())
+        for g in by_tokens.setdefault(key, []):
+            lead = groups[g][0]
+            if pixels is None or torch.equal(batch["pixel_values"][pixels[lead]], batch["pixel_values"][pixels[row]]):
+                groups[g].append(row)
+                break
+        else:
+            by_tokens[key].append(len(groups))
+            groups.append([row])
+    return groups
+
+
+def worth_sharing(groups: list[list[int]]) -> bool:
+    return any(len(g) > 1 for g in groups)
+
+
+def _attention_mask(segments: torch.Tensor, prompt: torch.Tensor, dtype: torch.dtype, eager: bool) -> torch.Tensor:
+    """(G, 1, L, L) mask from each position's segment (-1 padding, 0 prompt, i > 0 response i): causal, a response
+    sees the prompt and itself; a padding position sees only itself (no all-masked rows)."""
+    length = segments.shape[1]
+    causal = torch.ones(length, length, dtype=torch.bool).tril()
+    same = segments[:, :, None] == segments[:, None, :]
+    allowed = causal & (same | prompt[:, None, :]) & (segments[:, :, None] >= 0)
+    allowed |= torch.eye(length, dtype=torch.bool)
+    allowed = allowed[:, None]
+    if not eager:
+        return allowed
+    return torch.zeros(allowed.shape, dtype=dtype).masked_fill(~allowed, torch.finfo(dtype).min)
+
+
+def shared_inputs(batch: Batch, groups: list[list[int]], vision: bool,
+                  dtype: torch.dtype, eager: bool) -> tuple[dict[str, torch.Tensor], torch.Tensor, torch.Tensor]:
+    """Model inputs of ``groups`` laid out prompt-once, the (row, column) that predicts each kept response token,
+    and that token's (sample, response column).
+
+    Kept tokens are those with ``response_mask`` (and ``attention_mask``) set, as in the plain passes."""
+    mask = batch["attention_mask"].bool()
+    length = batch["responses"].shape[1]
+    prompt_width = mask.shape[1] - length
+    valid = batch["response_mask"].bool() & mask[:, prompt_width:]
+    positions = batch["position_ids"]
+    if positions.dim() == 2:  # text positions; a VL model still takes its three rope rows
+        positions = positions[None].expand(3 if vision else 1, -1, -1)
+    has_types = "mm_token_type_ids" in batch
+    rows: list[dict[str, torch.Tensor]] = []
+    sources, targets = [], []
+    for g, members in enumerate(groups):
+        lead = members[0]
+        keep = mask[lead, :prompt_width]
+        parts = {"ids": [batch["input_ids"][lead, :prompt_width][keep]],
+                 "pos": [positions[:, lead, :prompt_width][:, keep]],
+                 "seg": [torch.zeros(int(keep.sum()), dtype=torch.long)]}
+        if has_types:
+            parts["types"] = [batch["mm_token_type_ids"][lead, :prompt_width][keep]]
+        end = int(keep.sum())  # columns used so far in this row
+        for k, row in enumerate(members, start=1):
+            present = mask[row, prompt_width:]
+            count = int(present.sum())
+            parts["ids"].append(batch["input_ids"][row, prompt_width:][present])
+            parts["pos"].append(positions[:, row, prompt_width:][:, present])
+            parts["seg"].append(torch.full((count,), k, dtype=torch.long))
+            if has_types:
+                parts["types"].append(batch["mm_token_type_ids"][row, prompt_width:][present])
+            # the j-th present response token sits at column end + j; its logits come from the column before,
+            # which for j = 0 is the prompt's last token
+            columns = torch.arange(length)[present]
+            rank = torch.arange(count)
+            kept = valid[row, present]
+            prev = torch.where(rank == 0, torch.full_like(rank, int(keep.sum()) - 1), end + rank - 1)
+            sources.append(torch.stack([torch.full_like(rank, g), prev], -1)[kept])
+            targets.append(torch.stack([torch.full_like(rank, row), columns], -1)[kept])
+            end += count
+        rows.append({key: torch.cat(value, dim=-1) for key, value in parts.items()})
+    width = max(r["ids"].shape[0] for r in rows)
+
+    def stack(key: str, fill: int) -> torch.Tensor:
+        return torch.stack([nn.functional.pad(r[key], (0, width - r[key].shape[-1]), value=fill) for r in rows])
+
+    segments = stack("seg", -1)
+    inputs = {"input_ids": stack("ids", 0),
+              "attention_mask": _attention_mask(segments, segments == 0, dtype, eager)}
+    pos = torch.stack([nn.functional.pad(r["pos"], (0, width - r["pos"].shape[-1])) for r in rows], dim=1)
+    inputs["position_ids"] = pos if vision else pos[0]
+    if has_types:
+        inputs["mm_token_type_ids"] = stack("types", 0)
+    if batch.image_counts is not None and "pixel_values" in batch:
+        leads = batch.select([m[0] for m in groups])
+        for key in ("pixel_values", "image_grid_thw"):
+            if key in leads:
+                inputs[key] = leads[key]
+    return inputs, torch.cat(sources), torch.cat(targets)
+
+
+def shared_response_log_probs(model: nn.Module, batch: Batch, groups: list[list[int]], temperature: float,
+                              device: torch.device, suppressed: list[int],
+                              with_entropy: bool = False) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
+    """Response log-probs (and entropy) of ``batch`` from one prompt-shared forward, (B, R) like the plain passes';
+    0 where ``response_mask`` is 0."""
+    vision = getattr(model.config, "vision_config", None) is not None
+    eager = model.config._attn_implementation == "eager"
+    dtype = next(model.parameters()).dtype
+    inputs, sources, targets = shared_inputs(batch, groups, vision, dtype, eager)
+    columns = torch.unique(sources[:, 1])  # sorted; logits only where some response token is predicted
+    layer_mask = inputs.pop("attention_mask")
+    model_inputs = {k: v.to(device) for k, v in inputs.items()}
+    layer_mask = layer_mask.to(device)
+    # a prepared mask per layer type skips transformers' own mask building (which would add padding/causality)
+    model_inputs["attention_mask"] = {"full_attention": layer_mask, "sliding_attention": layer_mask}
+    logits = model(**model_inputs, logits_to_keep=columns.to(device), use_cache=False).logits
+    where = torch.searchsorted(columns, sources[:, 1].contiguous())
+    picked = logits[sources[:, 0].to(device), where.to(device)]  # (N, V), one row per kept response token
+    scaled = sampling_logits(picked, temperature, suppressed)
+    tokens = batch["responses"][targets[:, 0], targets[:, 1]].to(device)
+    rows, length = batch["responses"].shape
+
+    def to_rows(values: torch.Tensor) -> torch.Tensor:
+        return values.new_zeros(rows, length).index_put((targets[:, 0].to(device), targets[:, 1].to(device)), values)
+
+    log_probs = to_rows(gather_log_probs(scaled, tokens))
+    entropy = to_rows(entropy_from_logits(scaled)) if with_entropy else None
+    return log_probs, entropy

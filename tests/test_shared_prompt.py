@@ -1,0 +1,155 @@
+"""Prompt-shared forward passes (``worker.actor.share_prompt``) against the plain ones, in one process.
+
+A GRPO micro batch holds each prompt n times; the shared pass lays each
+prompt out once with its responses after it. Log-probs, entropy and
+gradients must equal the plain padded pass's, the language model must see
+each prompt once (fewer tokens, one image per prompt through the vision
+tower), and a response must not see another response of its prompt.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from easytrain.distributed.batch import Batch
+from easytrain.workers.actor import ActorWorker
+from easytrain.workers.forward import log_probs_of, response_log_probs
+from easytrain.workers.shared_prompt import prompt_groups, shared_inputs
+
+from rl_batches import rl_config, rollout_batch
+
+CPU = torch.device("cpu")
+
+
+def grads(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    out = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+    model.zero_grad(set_to_none=True)
+    return out
+
+
+def family_config(tmp_path: Path, family: str, *extra: str) -> Any:
+    overrides = [f"model.path=tiny:{family}", "worker.rollout.n=4"] + (["data.image_key=null"] if family == "qwen2" else [])
+    return rl_config(tmp_path, *overrides, *extra)
+
+
+def vision_patches(model: torch.nn.Module) -> list[int]:
+    """Patch rows the vision tower is given, per call (records into the returned list)."""
+    seen: list[int] = []
+    visual = getattr(getattr(model, "model", model), "visual", None)
+    if visual is not None:
+        visual.register_forward_pre_hook(lambda m, args, kwargs: seen.append(int(args[0].shape[0])), with_kwargs=True)
+    return seen
+
+
+@pytest.mark.parametrize("family", ["qwen2_5_vl", "qwen2_vl", "qwen2"])
+@pytest.mark.parametrize("packed", [False, True])
+def test_shared_prompt_equals_plain(family: str, packed: bool, tmp_path: Path,
+                                    recorded_attention: list[dict[str, Any]]) -> None:
+    config = family_config(tmp_path, family)
+    batch = rollout_batch(config)
+    # shuffle: a prompt's samples need not be next to each other
+    order = torch.randperm(len(batch), generator=torch.Generator().manual_seed(3)).tolist()
+    batch = batch.select(order)
+    worker = ActorWorker(config, role="actor", rank=0, world_size=1)
+    worker.setup(10)
+    model = worker.model
+    mask = batch["response_mask"].bool()
+    groups = prompt_groups(batch)
+    assert sorted(len(g) for g in groups) == [4] * (len(batch) // 4)
+    patches = vision_patches(model)
+
+    plain_lp, plain_entropy = response_log_probs(model, batch, 1.0, CPU, with_entropy=True)
+    (plain_lp[mask] * torch.linspace(-1, 1, int(mask.sum()))).sum().backward()  # uneven weights: a real gradient
+    plain_grads = grads(model)
+    recorded_attention.clear()
+    patches.clear()
+    shared_lp, shared_entropy = log_probs_of(model, batch, 1.0, CPU, packed, with_entropy=True, share_prompt=True)
+    (shared_lp[mask] * torch.linspace(-1, 1, int(mask.sum()))).sum().backward()
+    shared_grads = grads(model)
+
+    torch.testing.assert_close(shared_lp[mask], plain_lp[mask], rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(shared_entropy[mask], plain_entropy[mask], rtol=1e-5, atol=1e-5)  # type: ignore[index]
+    assert (shared_lp[~mask] == 0).all()
+    assert shared_grads.keys() == plain_grads.keys()
+    for name, g in plain_grads.items():
+        torch.testing.assert_close(shared_grads[name], g, rtol=1e-4, atol=1e-6, msg=name)
+
+    # each prompt once: one row per prompt holding its prompt and its responses' tokens, nothing more
+    prompt_width = batch["input_ids"].shape[1] - batch["responses"].shape[1]
+    prompt_tokens = batch["attention_mask"][:, :prompt_width].sum(-1)
+    expected = max(int(prompt_tokens[g[0]]) + sum(int(batch["attention_mask"][r, prompt_width:].sum()) for r in g)
+                   for g in groups)
+    text = model.config.text_config if hasattr(model.config, "text_config") else model.config
+    assert len(recorded_attention) == text.num_hidden_layers
+    for call in recorded_attention:
+        assert call["query"][0] == len(groups) and call["query"][2] == expected
+    if family != "qwen2":  # the vision tower was given each prompt's image once, not n copies
+        leads = batch.select([g[0] for g in groups])
+        assert patches == [leads["pixel_values"].shape[0]]
+        assert leads["pixel_values"].shape[0] * 4 == batch["pixel_values"].shape[0]
+
+
+def test_responses_of_one_prompt_do_not_see_each_other(tmp_path: Path) -> None:
+    """Changing one response changes no other response's log-probs (and the mask says why)."""
+    config = family_config(tmp_path, "qwen2_5_vl")
+    batch = rollout_batch(config)
+    worker = ActorWorker(config, role="actor", rank=0, world_size=1)
+    worker.setup(10)
+    model = worker.model.eval()
+    with torch.no_grad():
+        before, _ = log_probs_of(model, batch, 1.0, CPU, False, share_prompt=True)
+        responses = batch["responses"].clone()
+        responses[0, :3] = (responses[0, :3] + 7) % 200 + 20
+        ids = batch["input_ids"].clone()
+        ids[0, -responses.shape[1]:] = responses[0] * batch["response_mask"][0]
+        changed = Batch({**batch.tensors, "responses": responses, "input_ids": ids}, batch.meta, batch.image_counts)
+        after, _ = log_probs_of(model, changed, 1.0, CPU, False, share_prompt=True)
+    mask = batch["response_mask"].bool()
+    assert not torch.equal(before[0][mask[0]], after[0][mask[0]])  # the changed response itself moved
+    torch.testing.assert_close(after[1:][mask[1:]], before[1:][mask[1:]], rtol=0, atol=0)
+
+    inputs, _, _ = shared_inputs(batch, prompt_groups(batch), True, torch.float32, eager=False)
+    allowed = inputs["attention_mask"][0, 0]
+    prompt_len = int(batch["attention_mask"][0, :batch["input_ids"].shape[1] - batch["responses"].shape[1]].sum())
+    first = int(batch["attention_mask"][0, -batch["responses"].shape[1]:].sum())
+    assert allowed[prompt_len + first, :prompt_len].all()  # the second response sees the whole prompt
+    assert not allowed[prompt_len + first, prompt_len:prompt_len + first].any()  # and none of the first response
+
+
+def test_eager_attention_and_switch_off(tmp_path: Path) -> None:
+    """eager attention takes the additive form of the mask; share_prompt=false keeps the plain pass."""
+    config = family_config(tmp_path, "qwen2_5_vl", "model.attn_implementation=eager")
+    batch = rollout_batch(config)
+    worker = ActorWorker(config, role="actor", rank=0, world_size=1)
+    worker.setup(10)
+    model = worker.model.eval()
+    assert model.config._attn_implementation == "eager"
+    mask = batch["response_mask"].bool()
+    with torch.no_grad():
+        plain, _ = response_log_probs(model, batch, 1.0, CPU)
+        shared, _ = log_probs_of(model, batch, 1.0, CPU, False, share_prompt=True)
+        calls: list[int] = []
+        handle = model.register_forward_pre_hook(lambda m, a, kw: calls.append(kw["input_ids"].shape[0]),
+                                                 with_kwargs=True)
+        off, _ = log_probs_of(model, batch, 1.0, CPU, False, share_prompt=False)
+        handle.remove()
+    torch.testing.assert_close(shared[mask], plain[mask], rtol=1e-5, atol=1e-5)
+    assert torch.equal(off, plain) and calls == [len(batch)]
+
+
+def test_no_repeats_runs_the_plain_pass(tmp_path: Path) -> None:
+    """Every prompt once: nothing to share; the plain pass runs, bit for bit."""
+    config = family_config(tmp_path, "qwen2_5_vl")
+    full = rollout_batch(config)
+    batch = full.select(range(0, len(full), 4))  # one sample of each prompt
+    assert all(len(g) == 1 for g in prompt_groups(batch))
+    worker = ActorWorker(config, role="actor", rank=0, world_size=1)
+    worker.setup(10)
+    with torch.no_grad():
+        plain, _ = response_log_probs(worker.model.eval(), batch, 1.0, CPU)
+        shared, _ = log_probs_of(worker.model, batch, 1.0, CPU, False, share_prompt=True)
+    assert torch.equal(plain, shared)
