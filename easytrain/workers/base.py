@@ -33,6 +33,30 @@ def backend() -> str:
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
+def node_cpus() -> int:
+    """CPUs of this node as Ray counts them (its --num-cpus), else the ones this process may run on."""
+    try:
+        import ray
+
+        if ray.is_initialized():
+            node = ray.get_runtime_context().get_node_id()
+            for info in ray.nodes():
+                if info["NodeID"] == node and info.get("Resources", {}).get("CPU"):
+                    return int(info["Resources"]["CPU"])
+    except Exception as error:  # not inside Ray, or the GCS did not answer: fall back to the OS
+        logger.debug("node CPUs from Ray unavailable (%s)", error)
+    return len(os.sched_getaffinity(0))
+
+
+def worker_threads(config: Config) -> int:
+    """trainer.threads_per_worker, or (0) this worker's share of the node's CPUs."""
+    t = config.trainer
+    if t.threads_per_worker:
+        return t.threads_per_worker
+    roles = 1 if t.colocate else 3
+    return max(1, node_cpus() // (t.workers_per_node * roles))
+
+
 class WorkerBase:
     """What a role worker is before it holds a model: its rank, device, seed and process group."""
 
@@ -46,6 +70,7 @@ class WorkerBase:
         if self.device.type == "cuda":
             torch.cuda.set_device(self.device)
         torch.manual_seed(config.trainer.seed + 1000 * rank)
+        torch.set_num_threads(worker_threads(config))
         self.folder = model_folder(config.model)
         self.sp: Optional[SequenceParallel] = None
         """This rank's Ulysses group (``worker.<role>.ulysses_size`` > 1), set with the process group."""
