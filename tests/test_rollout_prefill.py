@@ -18,7 +18,9 @@ from rl_batches import rl_config
 
 @pytest.mark.parametrize("family", ["qwen2_5_vl", "qwen2"])
 @pytest.mark.parametrize("temperature", [0.0, 1.0])
-def test_shared_prefill_gives_the_same_rollout(family: str, temperature: float, tmp_path: Path) -> None:
+@pytest.mark.parametrize("drop_finished", [False, True])  # transformers generate, or easytrain's decode loop
+def test_shared_prefill_gives_the_same_rollout(family: str, temperature: float, drop_finished: bool,
+                                               tmp_path: Path) -> None:
     extra = [f"model.path=tiny:{family}"] + (["data.image_key=null"] if family == "qwen2" else [])
     config = rl_config(tmp_path, *extra)
     data = RLData(config)
@@ -34,7 +36,7 @@ def test_shared_prefill_gives_the_same_rollout(family: str, temperature: float, 
     for shared in (False, True):
         calls.clear()
         outputs[shared] = HFEngine(model, stop, data.tokenizer.pad_token_id, torch.device("cpu"),
-                                   share_prefill=shared).generate(prompts, params)
+                                   share_prefill=shared, drop_finished=drop_finished).generate(prompts, params)
         rows = len(prompts) * params.n
         assert calls[0] == (len(prompts) if shared else rows)  # the prefill: once per prompt, or per row
         assert all(c == rows for c in calls[1:])

@@ -259,6 +259,10 @@ class RolloutConfig(RoleConfig):
     share_prefill: bool = True
     """hf engine: prefill each prompt once and copy its KV cache to its n samples, instead of n prefills (vLLM
     shares the prefix by itself)."""
+    drop_finished: bool = True
+    """hf engine: decode with easytrain's own loop, in which a row that produced a stop token leaves the batch
+    and the KV cache (same greedy tokens; sampled draws the same until a row finishes, the same distribution
+    after); false = transformers generate, every row decoded until the longest ends."""
     gpu_memory_utilization: float = bounded(0.6, low=0.0, high=1.0, low_open=True)
     """Fraction of each GPU's memory vLLM may reserve (weights + KV cache)."""
     tensor_parallel_size: int = bounded(1, low=1)

@@ -11,6 +11,7 @@ from easytrain.algorithms.losses import token_log_probs
 from easytrain.workers.forward import suppressed_tokens
 from easytrain.distributed.batch import Batch
 from easytrain.models.image_dedup import dedupe_images
+from easytrain.workers.rollout.decode import decode
 from easytrain.workers.rollout.engine import EngineSpec, RolloutEngine, SamplingParams, response_mask
 
 logger = logging.getLogger(__name__)
@@ -20,10 +21,12 @@ GENERATE_INPUTS = ("input_ids", "attention_mask", "pixel_values", "image_grid_th
 
 class HFEngine(RolloutEngine):
     def __init__(self, model: Any, stop_ids: list[int], pad_id: int, device: torch.device,
-                 share_prefill: bool = True) -> None:
+                 share_prefill: bool = True, drop_finished: bool = True) -> None:
         self.model, self.eos_ids, self.pad_id, self.device = model.eval(), stop_ids, pad_id, device
         self.share_prefill = share_prefill
         """Prefill each prompt once for its n samples (worker.rollout.share_prefill)."""
+        self.drop_finished = drop_finished
+        """Decode with easytrain's loop, finished rows leaving the batch (worker.rollout.drop_finished)."""
         self.suppressed = suppressed_tokens(model.config)
 
     @classmethod
@@ -33,10 +36,13 @@ class HFEngine(RolloutEngine):
         model = load_model(config.model, spec.folder).to(spec.device)
         if config.model.dedupe_images:  # the prompts' n copies share their images: one prefill of each
             dedupe_images(model)
-        return cls(model, spec.stop_ids, spec.pad_id, spec.device, config.worker.rollout.share_prefill)
+        rollout = config.worker.rollout
+        return cls(model, spec.stop_ids, spec.pad_id, spec.device, rollout.share_prefill, rollout.drop_finished)
 
     @torch.no_grad()
     def generate(self, prompts: Batch, params: SamplingParams) -> Batch:
+        if self.drop_finished:
+            return self._decode(prompts, params)
         expanded = prompts.repeat_interleave(params.n)
         inputs = {k: expanded[k].to(self.device) for k in GENERATE_INPUTS if k in expanded}
         # A VL model computes its 3-D positions in the prefill only from images; without any it would not skip
@@ -55,11 +61,22 @@ class HFEngine(RolloutEngine):
         prompt_len = inputs["input_ids"].shape[1]
         responses = out.sequences[:, prompt_len:]
         logits = torch.stack(out.logits, dim=1)  # (B*n, R, V): raw logits of every generated position
+        return self._finish(responses, token_log_probs(logits, responses, params.temperature, self.suppressed))
+
+    def _decode(self, prompts: Batch, params: SamplingParams) -> Batch:
+        share = self.share_prefill and params.n > 1
+        source = prompts if share else prompts.repeat_interleave(params.n)
+        once = {k: source[k].to(self.device) for k in GENERATE_INPUTS if k in source}
+        responses, raw = decode(self.model, once, params.n if share else 1, params, self.eos_ids, self.pad_id,
+                                self.suppressed)
+        return self._finish(responses, raw)
+
+    def _finish(self, responses: torch.Tensor, raw_log_probs: torch.Tensor) -> Batch:
+        """Responses cut after their stop token (pad after it), the mask, and the masked log-probs, on CPU."""
         mask = response_mask(responses, self.eos_ids)
         responses = torch.where(mask.bool(), responses, torch.full_like(responses, self.pad_id))
-        log_probs = token_log_probs(logits, responses, params.temperature, self.suppressed) * mask
         return Batch({"responses": responses.cpu(), "response_mask": mask.cpu(),
-                      "rollout_log_probs": log_probs.cpu()})
+                      "rollout_log_probs": (raw_log_probs * mask).cpu()})
 
     def _prefilled(self, prompts: Batch, n: int, expanded: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         """Prefill every prompt but its last token once, then hand ``generate`` the cache repeated for the

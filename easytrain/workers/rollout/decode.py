@@ -1,0 +1,104 @@
+"""easytrain's own decoding loop for the HF engine: finished rows leave the batch.
+
+transformers' ``generate`` keeps every row in every forward until the longest
+response ends, feeding pad tokens to rows that already stopped. This loop
+prefills (each prompt once when its ``n`` samples share it), then after every
+step drops the rows that just produced a stop token from the batch, the KV
+cache and the positions, so a decode forward costs only the rows still
+running. It also skips ``generate``'s per-step bookkeeping.
+
+Token choice follows ``generate``'s: the vision placeholders suppressed, then
+temperature, top-k and top-p, then ``torch.multinomial`` over the softmax (or
+argmax when greedy). Greedy decoding gives ``generate``'s tokens; sampling
+gives the same draws as long as no row has finished (the random stream is
+consumed the same way) and the same distribution after (fewer rows draw).
+Rollout log-probs are taken from the raw logits of each step as before.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import nn
+
+from easytrain.algorithms.losses import gather_log_probs, sampling_logits
+from easytrain.workers.rollout.engine import SamplingParams
+
+
+def choose(logits: torch.Tensor, params: SamplingParams, suppressed: list[int]) -> torch.Tensor:
+    """Next token per row from raw logits (A, V), as ``generate`` chooses it."""
+    scores = logits.clone()
+    if suppressed:
+        scores[:, suppressed] = float("-inf")
+    if params.temperature <= 0:
+        return scores.argmax(-1)
+    scores = scores / params.temperature
+    if params.top_k > 0:
+        k = min(params.top_k, scores.shape[-1])
+        scores = scores.masked_fill(scores < torch.topk(scores, k)[0][..., -1, None], float("-inf"))
+    if params.top_p < 1.0:
+        ordered, order = torch.sort(scores, descending=False)
+        drop = ordered.softmax(-1).cumsum(-1) <= 1 - params.top_p
+        drop[..., -1:] = False  # the most likely token always stays
+        scores = scores.masked_fill(drop.scatter(1, order, drop), float("-inf"))
+    return torch.multinomial(nn.functional.softmax(scores, dim=-1), num_samples=1).squeeze(1)
+
+
+def text_positions(mask: torch.Tensor) -> torch.Tensor:
+    """Positions that skip left padding (generate's rule; padding gets 1)."""
+    return (mask.long().cumsum(-1) - 1).masked_fill(mask == 0, 1)
+
+
+@torch.no_grad()
+def decode(model: Any, once: dict[str, torch.Tensor], n: int, params: SamplingParams, stop_ids: list[int],
+           pad_id: int, suppressed: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+    """Sample ``n`` responses for each row of ``once`` (prompt tensors, left-padded); returns responses (B*n, T)
+    with pad after each stop token, and the raw per-token log-probs of the sampling distribution (B*n, T).
+    T is the number of steps run (at most ``params.max_new_tokens``)."""
+    from transformers import DynamicCache
+
+    vision = getattr(model.config, "vision_config", None) is not None
+    inner: Any = getattr(model, "model", None)
+    mask = once["attention_mask"]
+    inputs = dict(once)
+    if "image_grid_thw" not in once:  # text positions (three equal rope rows for a VL model)
+        positions = text_positions(mask)
+        inputs["position_ids"] = positions[None].expand(3, -1, -1) if vision else positions
+    elif inner is not None:
+        inner.rope_deltas = None  # the prefill computes this batch's rope offsets from its images
+    cache = DynamicCache(config=model.config)
+    logits = model(**inputs, past_key_values=cache, use_cache=True, logits_to_keep=1).logits[:, -1].float()
+    offsets = torch.zeros(mask.shape[0], dtype=torch.long, device=mask.device)
+    if "image_grid_thw" in once and inner is not None and getattr(inner, "rope_deltas", None) is not None:
+        offsets = inner.rope_deltas.reshape(-1).to(mask.device)
+    next_position = mask.long().sum(-1) + offsets  # where each row's first response token sits
+    if n > 1:
+        cache.batch_repeat_interleave(n)
+        logits, mask, next_position = (t.repeat_interleave(n, dim=0) for t in (logits, mask, next_position))
+    rows = logits.shape[0]
+    live = torch.arange(rows, device=logits.device)
+    stops = torch.tensor(stop_ids, device=logits.device)
+    responses = torch.full((rows, params.max_new_tokens), pad_id, dtype=torch.long, device=logits.device)
+    log_probs = torch.zeros(rows, params.max_new_tokens, device=logits.device)
+    torch.manual_seed(params.seed)
+    steps = 0
+    for step in range(params.max_new_tokens):
+        token = choose(logits, params, suppressed)
+        responses[live, step] = token
+        log_probs[live, step] = gather_log_probs(sampling_logits(logits, params.temperature, suppressed), token)
+        steps = step + 1
+        running = ~torch.isin(token, stops)
+        if step + 1 == params.max_new_tokens or not running.any():
+            break
+        if not running.all():  # finished rows leave the batch, the cache and the positions
+            keep = running.nonzero().squeeze(-1)
+            cache.batch_select_indices(keep)
+            live, token, mask, next_position = live[keep], token[keep], mask[keep], next_position[keep]
+        mask = torch.cat([mask, mask.new_ones(mask.shape[0], 1)], dim=1)
+        position = next_position[:, None]
+        out = model(input_ids=token[:, None], attention_mask=mask, past_key_values=cache, use_cache=True,
+                    position_ids=position[None].expand(3, -1, -1) if vision else position)
+        logits = out.logits[:, -1].float()
+        next_position = next_position + 1
+    return responses[:, :steps], log_probs[:, :steps]
