@@ -1,24 +1,24 @@
 """easytrain against Hugging Face TRL's GRPOTrainer: the same GRPO step, run alternately, side by side.
 
-    # what produced bench/results/trl_compare.json (~9 min each; the second merges into the file):
-    .venv/bin/python bench/trl_compare.py --sizes tiny --repeats 4 \
-        --variants easytrain easytrain_1w easytrain_1w_2t trl
-    .venv/bin/python bench/trl_compare.py --sizes small --repeats 3 \
-        --variants easytrain easytrain_1w easytrain_1w_2t trl
+    # what produced bench/results/trl_compare.json (~25 min):
+    .venv/bin/python bench/trl_compare.py --sizes tiny small --repeats 3 --fresh
     # the text-only Qwen2 of the same sizes on both sides (data.image_key=null), if TRL's VL path fails:
     .venv/bin/python bench/trl_compare.py --family qwen2 --sizes tiny small
 
 What runs, for each model size, ``--repeats`` times, in rotating order:
 
-- ``easytrain``: ``bench/grpo_step.py`` (the real trainer: local Ray, 2 CPU
-  worker processes, actor, reference and rollout colocated and time-sliced,
-  HF engine), run as a subprocess of this venv's python;
-- ``easytrain_1w``: the same with ``trainer.workers_per_node=1`` (one worker
-  process per role, still colocated);
-- ``easytrain_1w_2t`` (not run by default): one worker with
-  ``OMP_NUM_THREADS=2`` set in the driver's environment (Ray gives an actor
-  with a fractional CPU share one thread otherwise), i.e. one process using
-  both cores like TRL's;
+- ``easytrain``: ``bench/grpo_step.py`` (the real trainer: local Ray,
+  actor, reference and rollout in their own processes, colocated and
+  time-sliced, HF engine) with one worker process per role, which by
+  ``trainer.threads_per_worker``'s default uses both cores, and all 32
+  sequences of a step in one micro batch (TRL's
+  ``per_device_train_batch_size=32``); run as a subprocess of this venv's
+  python;
+- ``easytrain_2w``: two worker processes per role (FSDP2 over gloo), one
+  core each, 16 sequences per micro batch;
+- ``easytrain_plain``: ``easytrain`` with the step optimisations off
+  (``share_prompt``, ``share_prefill``, ``drop_finished``,
+  ``dedupe_images``): what they are worth here;
 - ``trl``: ``bench/_trl_side.py`` (TRL's ``GRPOTrainer``, one process), run
   with the bench venv's python.
 
@@ -86,11 +86,19 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 RESULT = ROOT / "bench" / "results" / "trl_compare.json"
 DEFAULT_BENCH_PYTHON = os.environ.get("EASYTRAIN_BENCH_PYTHON", "/work/bench-venv/bin/python")
+ONE_WORKER = ["trainer.workers_per_node=1", "worker.actor.micro_batch_size_per_device_for_update=32",
+              "worker.actor.micro_batch_size_per_device_for_experience=32"]
+STEP_OPTIMISATIONS_OFF = ["worker.actor.share_prompt=false", "worker.rollout.share_prefill=false",
+                          "worker.rollout.drop_finished=false", "model.dedupe_images=false"]
 VARIANTS = {
-    "easytrain": [],
-    "easytrain_1w": ["trainer.workers_per_node=1"],
-    # one worker process whose torch may use both cores (Ray gives a fractional-CPU actor OMP_NUM_THREADS=1)
-    "easytrain_1w_2t": ["trainer.workers_per_node=1"],
+    # one process per role using both cores (threads_per_worker's default), all 32 sequences in one micro
+    # batch as TRL's per_device_train_batch_size=32 does
+    "easytrain": ONE_WORKER,
+    # two processes per role (FSDP2 over gloo), 16 sequences each
+    "easytrain_2w": ["worker.actor.micro_batch_size_per_device_for_update=16",
+                     "worker.actor.micro_batch_size_per_device_for_experience=16"],
+    # as "easytrain" with the step optimisations switched off: what they are worth here
+    "easytrain_plain": ONE_WORKER + STEP_OPTIMISATIONS_OFF,
     "trl": None,
 }
 FAMILY_OVERRIDES = {"qwen2_5_vl": [], "qwen2_vl": ["model.path=tiny:qwen2_vl"],
@@ -211,8 +219,6 @@ def run_easytrain(size: str, family: str, variant: str, steps: int, warmup: int,
                   load: ForeignLoadWatch) -> dict[str, Any]:
     overrides = FAMILY_OVERRIDES[family] + VARIANTS[variant]
     env = dict(os.environ)
-    if variant == "easytrain_1w_2t":
-        env["OMP_NUM_THREADS"] = "2"  # Ray keeps a value the driver's environment already has
     with tempfile.TemporaryDirectory() as tmp:
         out = Path(tmp) / "result.json"
         command = [sys.executable, str(ROOT / "bench" / "grpo_step.py"), "--size", size, "--steps", str(steps),
@@ -323,7 +329,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--sizes", nargs="+", default=["tiny", "small"], choices=["tiny", "small"])
     parser.add_argument("--family", default="qwen2_5_vl", choices=list(FAMILY_OVERRIDES))
-    parser.add_argument("--variants", nargs="+", default=["easytrain", "easytrain_1w", "trl"],
+    parser.add_argument("--variants", nargs="+", default=["easytrain", "easytrain_2w", "easytrain_plain", "trl"],
                         choices=list(VARIANTS))
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--steps", type=int, default=6)
@@ -397,9 +403,8 @@ def main() -> None:
                          "dtype": "float32", "device": "cpu", "temperature": 1.0,
                          "data": "synthetic:shapes/colour, 128 train rows, seed 1, difficulty 0",
                          "reward": "easytrain answer reward on both sides",
-                         "easytrain": "bench/grpo_step.py: local Ray, colocated actor/ref/rollout, HF engine, "
-                                      "2 workers (easytrain_1w: 1 worker; easytrain_1w_2t: 1 worker, "
-                                      "OMP_NUM_THREADS=2 in the driver env)",
+                         "easytrain": "bench/grpo_step.py: local Ray, colocated actor/ref/rollout processes, HF "
+                                      "engine; variants' overrides in VARIANTS and in each run's record",
                          "trl": "bench/_trl_side.py: GRPOTrainer, one process, HF generate, no vLLM, no "
                                 "gradient checkpointing",
                          "step_s": "wall time of a whole step; median over a run's measured steps, then median "
