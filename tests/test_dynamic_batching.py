@@ -17,7 +17,7 @@ import pytest
 import torch
 
 from easytrain.config import Config
-from easytrain.trainer.dynamic import token_lengths, update_plan
+from easytrain.trainer.dynamic import shares_prompts, token_lengths, update_plan
 from easytrain.workers.actor import ActorWorker
 from easytrain.workers.forward import response_log_probs, suppressed_tokens
 from easytrain.workers.packed import packed_response_log_probs
@@ -76,17 +76,36 @@ def test_packed_log_probs_and_gradients_equal_padded(family: str, tmp_path: Path
         assert torch.equal(call["mask"].reshape(total, total).bool(), expected)
 
 
-def test_dynamic_update_equals_fixed_micro_batches(tmp_path: Path) -> None:
-    fixed_cfg = rl_config(tmp_path, "algorithm.use_kl_loss=false")
+@pytest.mark.parametrize("by_prompt", [False, True])
+def test_dynamic_update_equals_fixed_micro_batches(by_prompt: bool, tmp_path: Path) -> None:
+    """Token-budget micro batches (by_prompt: whole prompts run prompt-once, worker.actor.share_prompt) update
+    the weights as fixed micro batches of the plain forward do."""
+    fixed_cfg = rl_config(tmp_path, "algorithm.use_kl_loss=false", "worker.actor.share_prompt=false")
+    budget = 220
     dynamic_cfg = rl_config(tmp_path, "algorithm.use_kl_loss=false", "worker.actor.padding_free=true",
-                            "worker.actor.max_token_len_per_device=220", "data.max_prompt_length=100")
+                            f"worker.actor.max_token_len_per_device={budget}", "data.max_prompt_length=100",
+                            f"worker.actor.share_prompt={str(by_prompt).lower()}")
+    assert shares_prompts(dynamic_cfg) == by_prompt
     batch = rollout_batch(fixed_cfg)
     lengths = token_lengths(batch)
     per_step = fixed_cfg.worker.actor.global_batch_size * fixed_cfg.worker.rollout.n
-    steps, plans = update_plan(batch, per_step, 1, dynamic_cfg.worker.actor.max_token_len_per_device)
+    steps, plans = update_plan(batch, per_step, 1, budget, by_prompt)
     micro_sizes = sorted(len(m) for m in plans[0][0])
     assert micro_sizes != [2] * 4, micro_sizes  # token-budget micro batches, not the fixed count of 2
-    assert all(sum(lengths[i] for i in m) <= 220 for m in plans[0][0])
+    if by_prompt:  # whole prompts, each prompt's tokens counted once
+        uids = batch.meta["uids"]
+        for micro in plans[0][0]:
+            assert sorted(micro) == [i for i in range(len(batch)) if uids[i] in {uids[j] for j in micro}]
+        prompt_width = batch["input_ids"].shape[1] - batch["responses"].shape[1]
+        prompt_tokens = batch["attention_mask"][:, :prompt_width].sum(-1)
+        for micro in plans[0][0]:
+            rows = {uids[i]: [j for j in micro if uids[j] == uids[i]] for i in micro}
+            once = sum(lengths[i] for i in micro) - sum(int(prompt_tokens[r[0]]) * (len(r) - 1)
+                                                        for r in rows.values())
+            assert once <= budget
+        assert max(sum(lengths[i] for i in m) for m in plans[0][0]) > budget  # counted once, more fit
+    else:
+        assert all(sum(lengths[i] for i in m) <= budget for m in plans[0][0])
 
     fixed, dynamic = actor(fixed_cfg), actor(dynamic_cfg)
     a = fixed.update(batch, 0.0)

@@ -115,7 +115,10 @@ def run_vl_rank(rank: int, run_dir: str, port: int, family: str) -> None:
                    "data.synthetic_val_size=8", "trainer.workers_per_node=1", "data.limit_images=3",
                    f"model.path=tiny:{family}"])
     data = SFTData(config)
-    chats = SFTDataset([str(multi_image_chats(Path(run_dir)))], config.data, data.tokenizer, "train", vision=True,
+    if rank == 0:  # one writer: the other rank would read a half-written image
+        multi_image_chats(Path(run_dir))
+    dist.barrier()
+    chats = SFTDataset([str(Path(run_dir) / "chats.jsonl")], config.data, data.tokenizer, "train", vision=True,
                        progress=False)
     samples = [chats[i] for i in range(len(chats))]
     assert [len(s.images) for s in samples] == [1, 2, 3] and len({len(s.ids) for s in samples}) == 3

@@ -9,15 +9,22 @@ and sends every member its list (``*_planned`` methods, ``Dispatch.EACH``).
 A worker runs each micro batch as one flattened sequence, so a short
 response next to a long one costs only its own tokens. Results come back per
 micro batch and are put back in the batch's order here.
+
+When the workers will run a prompt's samples prompt-once
+(``worker.actor.share_prompt``, see :mod:`easytrain.workers.shared_prompt`),
+the plan keeps each prompt's samples together and counts the prompt's
+tokens once.
 """
 
 from __future__ import annotations
 
 import torch
 
+from easytrain.config.schema import Config
 from easytrain.data.packing import Plan, plan_micro_batches
 from easytrain.distributed.batch import Batch
 from easytrain.distributed.group import WorkerGroup
+from easytrain.workers.shared_prompt import MASKED_ATTENTION
 
 RESULT_KEYS = {"compute_log_probs": "old_log_probs", "compute_ref_log_probs": "ref_log_probs"}
 
@@ -30,25 +37,60 @@ def shares(batch: Batch, plan: Plan) -> list[list[Batch]]:
     return [[batch.select(micro) for micro in member] for member in plan]
 
 
-def planned_log_probs(group: WorkerGroup, method: str, batch: Batch, budget: int) -> Batch:
+def shares_prompts(config: Config) -> bool:
+    """Whether the workers will run each prompt's samples prompt-once."""
+    a = config.worker.actor
+    return (a.share_prompt and config.model.attn_implementation in MASKED_ATTENTION
+            and a.ulysses_size == 1 and config.worker.ref.ulysses_size == 1)
+
+
+def prompt_units(batch: Batch) -> list[list[int]]:
+    """Runs of consecutive samples of one prompt (equal uids)."""
+    uids = batch.meta.get("uids") or list(range(len(batch)))
+    units: list[list[int]] = []
+    for i, uid in enumerate(uids):
+        if units and uids[units[-1][0]] == uid:
+            units[-1].append(i)
+        else:
+            units.append([i])
+    return units
+
+
+def plan(batch: Batch, members: int, budget: int, by_prompt: bool) -> Plan:
+    """Token-budget micro batches per member; ``by_prompt``: whole prompts, their tokens counted once."""
+    if by_prompt:
+        units = prompt_units(batch)
+        mask = batch["attention_mask"]
+        prompt_width = mask.shape[1] - batch["responses"].shape[1]
+        prompt, response = mask[:, :prompt_width].sum(-1), mask[:, prompt_width:].sum(-1)
+        lengths = [int(prompt[u[0]] + response[u].sum()) for u in units]
+        if len(units) >= members and max(lengths) <= budget:  # else whole prompts do not fit: plan samples
+            by_unit = plan_micro_batches(lengths, members, budget)
+            return [[[i for u in micro for i in units[u]] for micro in member] for member in by_unit]
+    return plan_micro_batches(token_lengths(batch), members, budget)
+
+
+def run_planned_log_probs(group: WorkerGroup, method: str, batch: Batch, budget: int,
+                          by_prompt: bool = False) -> Batch:
     """``method`` (compute_log_probs / compute_ref_log_probs) over token-budget micro batches, as one Batch in
     the order of ``batch``."""
-    plan = plan_micro_batches(token_lengths(batch), group.members, budget)
-    results = group.call(f"{method}_planned", shares(batch, plan))
+    plan_ = plan(batch, group.members, budget, by_prompt)
+    results = group.call(f"{method}_planned", shares(batch, plan_))
     out = torch.zeros(len(batch), batch["responses"].shape[1])
-    for member, values in zip(plan, results):
+    for member, values in zip(plan_, results):
         for micro, rows in zip(member, values):
             out[micro] = rows
     return Batch({RESULT_KEYS[method]: out})
 
 
-def update_plan(batch: Batch, per_step: int, members: int, budget: int) -> tuple[list[list[list[Batch]]], list[Plan]]:
+def update_plan(batch: Batch, per_step: int, members: int, budget: int,
+                by_prompt: bool = False) -> tuple[list[list[list[Batch]]], list[Plan]]:
     """Each member's micro batches per optimizer step (consecutive ``per_step`` sequences make one step), and
     the plans behind them."""
     plans, steps = [], []
     for start in range(0, len(batch), per_step):
         mini = batch.select(range(start, start + per_step))
-        plan = plan_micro_batches(token_lengths(mini), members, budget)
-        plans.append(plan)
-        steps.append(shares(mini, plan))
+        step_plan = plan(mini, members, budget, by_prompt)
+        plans.append(step_plan)
+        steps.append(shares(mini, step_plan))
     return [[step[m] for step in steps] for m in range(members)], plans

@@ -23,7 +23,7 @@ from easytrain.distributed.group import WorkerGroup
 from easytrain.trainer.base import RunFailed, Stopped, Trainer
 from easytrain.trainer.checkpoint import check_resume
 from easytrain.trainer.data import RLData
-from easytrain.trainer.dynamic import planned_log_probs, update_plan
+from easytrain.trainer.dynamic import run_planned_log_probs, shares_prompts, update_plan
 from easytrain.trainer.metrics import PhaseTimer
 from easytrain.trainer.roles import Roles, build_roles
 from easytrain.trainer.sampling import informative_count, keep_informative
@@ -146,14 +146,16 @@ class RLTrainer(Trainer):
         """Per-token log-probs from ``group``: fixed padded micro batches, or token-budget padding-free ones."""
         a = self.config.worker.actor
         if a.padding_free:
-            return planned_log_probs(group, method, batch, a.max_token_len_per_device)
+            return run_planned_log_probs(group, method, batch, a.max_token_len_per_device,
+                                         shares_prompts(self.config))
         return group.call(method, batch)
 
     def update(self, batch: Batch) -> dict[str, float]:
         a, actor = self.config.worker.actor, self.roles.actor
         per_step = a.global_batch_size * self.config.worker.rollout.n
         if a.padding_free:
-            steps, _ = update_plan(batch, per_step, actor.members, a.max_token_len_per_device)
+            steps, _ = update_plan(batch, per_step, actor.members, a.max_token_len_per_device,
+                                   shares_prompts(self.config))
             return actor.call("update_planned", steps, self.kl.coef)
         return actor.call("update", batch.interleave_for_ranks(per_step, actor.members), self.kl.coef)
 
