@@ -13,8 +13,16 @@ and the ratio. The switches (each tested for equal results in tests/):
   per forward (rollout prefill, reference, actor), not once per response;
 - ``worker.rollout.share_prefill``: the HF engine prefills each prompt once
   and copies its KV cache to the prompt's n samples;
+- ``worker.rollout.drop_finished``: the HF engine decodes with easytrain's
+  loop, finished rows leaving the batch (off: transformers ``generate``);
+- ``worker.actor.share_prompt``: the reference and actor forward passes run
+  each prompt once with its responses after it;
 - ``worker.actor.reuse_log_probs_on_policy`` (on in both: it was already the
   default) skips the old-log-prob pass when the update is exactly on-policy.
+
+Not switches, so in both variants: a Batch carries each prompt's images once
+and its tensors as numpy arrays in transit (``easytrain/distributed/batch.py``),
+and worker processes use their share of the cores (``trainer.threads_per_worker``).
 
 Writes ``bench/results/step_optimisations.json``.
 """
@@ -30,10 +38,9 @@ import tempfile
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-VARIANTS = {
-    "plain": ["model.dedupe_images=false", "worker.rollout.share_prefill=false"],
-    "optimised": ["model.dedupe_images=true", "worker.rollout.share_prefill=true"],
-}
+SWITCHES = ["model.dedupe_images", "worker.rollout.share_prefill", "worker.rollout.drop_finished",
+            "worker.actor.share_prompt"]
+VARIANTS = {"plain": [f"{s}=false" for s in SWITCHES], "optimised": [f"{s}=true" for s in SWITCHES]}
 
 
 def run_once(size: str, steps: int, overrides: list[str]) -> dict:

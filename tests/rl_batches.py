@@ -34,3 +34,22 @@ def rollout_batch(config: Config, seed: int = 0) -> Batch:
     batch = assemble(prompts, Batch({"responses": responses * mask, "response_mask": mask}), n)
     advantages = torch.randn(rows, generator=generator)[:, None] * mask
     return batch.union(Batch({"advantages": advantages}))
+
+
+def grads(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """The model's gradients (cloned), then cleared."""
+    out = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+    model.zero_grad(set_to_none=True)
+    return out
+
+
+def assert_same_pass(got: tuple[torch.Tensor, torch.Tensor, dict[str, torch.Tensor]],
+                     expected: tuple[torch.Tensor, torch.Tensor, dict[str, torch.Tensor]], mask: torch.Tensor) -> None:
+    """Two forward/backward paths agree: (log-probs, entropy, gradients) at the response tokens ``mask``; 0 off it."""
+    (lp, entropy, g), (want_lp, want_entropy, want_g) = got, expected
+    torch.testing.assert_close(lp[mask], want_lp[mask], rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(entropy[mask], want_entropy[mask], rtol=1e-5, atol=1e-5)
+    assert (lp[~mask] == 0).all()
+    assert g.keys() == want_g.keys()
+    for name, value in want_g.items():
+        torch.testing.assert_close(g[name], value, rtol=1e-4, atol=1e-6, msg=name)
