@@ -1,0 +1,42 @@
+"""trainer.threads_per_worker: a worker process computes on its share of the node's cores."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+import torch
+
+from easytrain.config import load
+from easytrain.workers.base import WorkerBase, worker_threads
+
+
+def cores() -> int:
+    return len(os.sched_getaffinity(0))
+
+
+@pytest.mark.parametrize("overrides, expected", [
+    (["trainer.workers_per_node=1"], lambda c: c),
+    (["trainer.workers_per_node=2"], lambda c: max(1, c // 2)),
+    (["trainer.workers_per_node=1", "trainer.colocate=false"], lambda c: max(1, c // 3)),
+    (["trainer.workers_per_node=16", "worker.actor.micro_batch_size_per_device_for_update=2"],
+     lambda c: max(1, c // 16)),  # never below one thread
+    (["trainer.threads_per_worker=3"], lambda c: 3),
+])
+def test_share_of_the_node(overrides: list[str], expected, tmp_path: Path) -> None:
+    config = load([f"trainer.output_dir={tmp_path}", *overrides])
+    assert worker_threads(config) == expected(cores())
+
+
+def test_worker_sets_its_threads(tmp_path: Path) -> None:
+    before = torch.get_num_threads()
+    try:
+        WorkerBase(load([f"trainer.output_dir={tmp_path}", "trainer.threads_per_worker=1"]), role="actor", rank=0,
+                   world_size=1)
+        assert torch.get_num_threads() == 1
+        WorkerBase(load([f"trainer.output_dir={tmp_path}", "trainer.workers_per_node=1"]), role="actor", rank=0,
+                   world_size=1)
+        assert torch.get_num_threads() == cores()
+    finally:
+        torch.set_num_threads(before)
