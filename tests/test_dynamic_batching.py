@@ -107,6 +107,25 @@ def test_dynamic_update_equals_fixed_micro_batches(by_prompt: bool, tmp_path: Pa
     for (name, p), (_, q) in zip(fixed.model.named_parameters(), dynamic.model.named_parameters()):
         if name.endswith("k_proj.bias"):  # its gradient is 0 in exact arithmetic (softmax ignores a per-query
             continue                      # constant): Adam turns the rounding noise into +-lr steps
-        torch.testing.assert_close(q.detach(), p.detach(), rtol=1e-4, atol=2e-6, msg=name)
+        # Adam's first step is ~lr x sign(gradient): an element whose gradient is rounding noise can move by
+        # a few 1e-6 either way, so nearly all elements must agree tightly and every one within 1e-5
+        close = (q.detach() - p.detach()).abs() <= 2e-6 + 1e-4 * p.detach().abs()
+        assert float(close.float().mean()) >= 0.999, name
+        torch.testing.assert_close(q.detach(), p.detach(), rtol=0, atol=1e-5, msg=name)
         moved = max(moved, float((p.detach() - initial[name]).abs().max()))
     assert moved > 1e-4  # the update did something, so the agreement means something
+
+
+def test_prompt_plan_falls_back_to_samples_when_whole_prompts_cannot_fill_every_member() -> None:
+    """3 prompts x 2 samples over 2 members: whole prompts (70 tokens each, a budget of 110) would leave one member
+    a micro batch short; the plan takes samples instead of failing."""
+    from easytrain.distributed.batch import Batch
+    from easytrain.trainer.dynamic import plan
+
+    mask = torch.ones(6, 60, dtype=torch.long)
+    batch = Batch({"attention_mask": mask, "responses": torch.zeros(6, 10, dtype=torch.long)},
+                  {"uids": ["a", "a", "b", "b", "c", "c"]})
+    result = plan(batch, 2, 110, by_prompt=True)
+    assert sorted(i for member in result for micro in member for i in micro) == list(range(6))
+    assert len({len(member) for member in result}) == 1  # the same number of micro batches on both members
+    assert all(60 * len(micro) <= 110 for member in result for micro in member)

@@ -18,7 +18,8 @@ import torch
 from easytrain.distributed.batch import Batch
 from easytrain.workers.actor import ActorWorker
 from easytrain.workers.forward import log_probs_of, response_log_probs
-from easytrain.workers.shared_prompt import prompt_groups, shared_inputs
+from easytrain.workers.shared_prompt import (prompt_and_response_tokens, prompt_groups, rows_pay_off, shared_inputs,
+                                             text_config)
 
 from rl_batches import assert_same_pass, grads, rl_config, rollout_batch
 
@@ -28,6 +29,12 @@ CPU = torch.device("cpu")
 def family_config(tmp_path: Path, family: str, *extra: str) -> Any:
     overrides = [f"model.path=tiny:{family}", "worker.rollout.n=4"] + (["data.image_key=null"] if family == "qwen2" else [])
     return rl_config(tmp_path, *overrides, *extra)
+
+
+def actor_model(config: Any) -> torch.nn.Module:
+    worker = ActorWorker(config, role="actor", rank=0, world_size=1)
+    worker.setup(10)
+    return worker.model
 
 
 def vision_patches(model: torch.nn.Module) -> list[int]:
@@ -48,9 +55,7 @@ def test_shared_prompt_equals_plain(family: str, packed: bool, tmp_path: Path,
     # shuffle: a prompt's samples need not be next to each other
     order = torch.randperm(len(batch), generator=torch.Generator().manual_seed(3)).tolist()
     batch = batch.select(order)
-    worker = ActorWorker(config, role="actor", rank=0, world_size=1)
-    worker.setup(10)
-    model = worker.model
+    model = actor_model(config)
     mask = batch["response_mask"].bool()
     groups = prompt_groups(batch)
     assert sorted(len(g) for g in groups) == [4] * (len(batch) // 4)
@@ -67,15 +72,17 @@ def test_shared_prompt_equals_plain(family: str, packed: bool, tmp_path: Path,
 
     assert_same_pass((shared_lp, shared_entropy, shared_grads), (plain_lp, plain_entropy, plain_grads), mask)
 
-    # each prompt once: one row per prompt holding its prompt and its responses' tokens, nothing more
-    prompt_width = batch["input_ids"].shape[1] - batch["responses"].shape[1]
-    prompt_tokens = batch["attention_mask"][:, :prompt_width].sum(-1)
-    expected = max(int(prompt_tokens[g[0]]) + sum(int(batch["attention_mask"][r, prompt_width:].sum()) for r in g)
-                   for g in groups)
-    text = model.config.text_config if hasattr(model.config, "text_config") else model.config
-    assert len(recorded_attention) == text.num_hidden_layers
+    # each prompt once: padding-free, one row of exactly each prompt once and every response; padded, a row per
+    # prompt holding its prompt and its responses' tokens, nothing more
+    prompt_tokens, response_tokens = prompt_and_response_tokens(batch)
+    units = [int(prompt_tokens[g[0]] + response_tokens[g].sum()) for g in groups]
+    rows, length = (1, sum(units)) if packed else (len(groups), max(units))
+    assert sum(units) < int(batch["attention_mask"].sum())
+    if not packed:
+        assert rows_pay_off(batch, groups, text_config(model).hidden_size)  # the case this test is about
+    assert len(recorded_attention) == text_config(model).num_hidden_layers
     for call in recorded_attention:
-        assert call["query"][0] == len(groups) and call["query"][2] == expected
+        assert call["query"][0] == rows and call["query"][2] == length
     if family != "qwen2":  # the vision tower was given each prompt's image once, not n copies
         leads = batch.select([g[0] for g in groups])
         assert patches == [leads["pixel_values"].shape[0]]
@@ -86,9 +93,7 @@ def test_responses_of_one_prompt_do_not_see_each_other(tmp_path: Path) -> None:
     """Changing one response changes no other response's log-probs (and the mask says why)."""
     config = family_config(tmp_path, "qwen2_5_vl")
     batch = rollout_batch(config)
-    worker = ActorWorker(config, role="actor", rank=0, world_size=1)
-    worker.setup(10)
-    model = worker.model.eval()
+    model = actor_model(config).eval()
     with torch.no_grad():
         before, _ = log_probs_of(model, batch, 1.0, CPU, False, share_prompt=True)
         responses = batch["responses"].clone()
@@ -113,9 +118,7 @@ def test_eager_attention_and_switch_off(tmp_path: Path) -> None:
     """eager attention takes the additive form of the mask; share_prompt=false keeps the plain pass."""
     config = family_config(tmp_path, "qwen2_5_vl", "model.attn_implementation=eager")
     batch = rollout_batch(config)
-    worker = ActorWorker(config, role="actor", rank=0, world_size=1)
-    worker.setup(10)
-    model = worker.model.eval()
+    model = actor_model(config).eval()
     assert model.config._attn_implementation == "eager"
     mask = batch["response_mask"].bool()
     with torch.no_grad():
@@ -136,11 +139,10 @@ def test_no_repeats_runs_the_plain_pass(tmp_path: Path) -> None:
     full = rollout_batch(config)
     batch = full.select(range(0, len(full), 4))  # one sample of each prompt
     assert all(len(g) == 1 for g in prompt_groups(batch))
-    worker = ActorWorker(config, role="actor", rank=0, world_size=1)
-    worker.setup(10)
+    model = actor_model(config).eval()
     with torch.no_grad():
-        plain, _ = response_log_probs(worker.model.eval(), batch, 1.0, CPU)
-        shared, _ = log_probs_of(worker.model, batch, 1.0, CPU, False, share_prompt=True)
+        plain, _ = response_log_probs(model, batch, 1.0, CPU)
+        shared, _ = log_probs_of(model, batch, 1.0, CPU, False, share_prompt=True)
     assert torch.equal(plain, shared)
 
 
@@ -148,9 +150,7 @@ def test_shared_prompt_under_gradient_checkpointing(tmp_path: Path) -> None:
     """Recomputed layers see the same prepared mask: gradients still equal the plain pass's."""
     config = family_config(tmp_path, "qwen2_5_vl", "model.gradient_checkpointing=true")
     batch = rollout_batch(config)
-    worker = ActorWorker(config, role="actor", rank=0, world_size=1)
-    worker.setup(10)
-    model = worker.model.train()
+    model = actor_model(config).train()
     mask = batch["response_mask"].bool()
     weights = torch.linspace(-1, 1, int(mask.sum()))
     passes = []
@@ -159,3 +159,19 @@ def test_shared_prompt_under_gradient_checkpointing(tmp_path: Path) -> None:
         (lp[mask] * weights).sum().backward()
         passes.append((lp.detach(), entropy.detach(), grads(model)))  # type: ignore[union-attr]
     assert_same_pass(passes[1], passes[0], mask)
+
+
+def synthetic(prompt: int, response: int, n: int) -> Batch:
+    """n samples of one prompt: only the shapes the cost check reads."""
+    mask = torch.ones(n, prompt + response, dtype=torch.long)
+    return Batch({"attention_mask": mask, "responses": torch.zeros(n, response, dtype=torch.long)})
+
+
+def test_rows_pay_off_only_when_cheaper() -> None:
+    """A row per prompt replaces n plain rows: worth it for long prompts, not for long responses (a row of n long
+    responses costs attention in the square of its length)."""
+    group = [list(range(8))]
+    assert rows_pay_off(synthetic(500, 10, 8), group, hidden=64)
+    assert rows_pay_off(synthetic(62, 32, 4), [list(range(4))], hidden=256)  # the bench's shape
+    assert not rows_pay_off(synthetic(10, 500, 8), group, hidden=64)
+    assert not rows_pay_off(synthetic(10, 4000, 8), group, hidden=4096)

@@ -9,11 +9,14 @@ import pytest
 import torch
 
 from easytrain.config import load
-from easytrain.workers.base import WorkerBase, worker_threads
+from easytrain.workers.base import WorkerBase, node_cpus, worker_threads
 
 
 def cores() -> int:
-    return len(os.sched_getaffinity(0))
+    """The node's share base: the cores this process may use (fewer if a Ray started here says so)."""
+    count = node_cpus()
+    assert 1 <= count <= len(os.sched_getaffinity(0))  # a larger logical Ray count never adds cores
+    return count
 
 
 @pytest.mark.parametrize("overrides, expected", [

@@ -146,10 +146,11 @@ class Batch:
     def _repeated_image_owners(self) -> Optional[list[int]]:
         """For each sample, the first of the run of consecutive samples with equal images it belongs to; None when
         no sample repeats its predecessor's images (nothing to save)."""
-        if self.image_counts is None or "pixel_values" not in self.tensors or len(self) < 2:
+        if (self.image_counts is None or "pixel_values" not in self.tensors or "image_grid_thw" not in self.tensors
+                or len(self) < 2):
             return None
         image_offsets, patch_offsets = self._image_ranges()
-        grids, pixels = self.tensors.get("image_grid_thw"), self.tensors["pixel_values"]
+        grids, pixels = self.tensors["image_grid_thw"], self.tensors["pixel_values"]
 
         def images(i: int) -> tuple[int, int]:
             return image_offsets[i], image_offsets[i + 1]
@@ -157,7 +158,7 @@ class Batch:
         owners = [0]
         for i in range(1, len(self)):
             (a0, a1), (b0, b1) = images(i - 1), images(i)
-            same = (a1 - a0 == b1 - b0 > 0 and (grids is None or torch.equal(grids[a0:a1], grids[b0:b1]))
+            same = (a1 - a0 == b1 - b0 > 0 and torch.equal(grids[a0:a1], grids[b0:b1])
                     and torch.equal(pixels[patch_offsets[a0]:patch_offsets[a1]],
                                     pixels[patch_offsets[b0]:patch_offsets[b1]]))
             owners.append(owners[-1] if same else i)
@@ -176,7 +177,10 @@ def _to_wire(tensor: torch.Tensor) -> Any:
     dtype = tensor.dtype
     if dtype == torch.bfloat16:
         tensor = tensor.view(torch.int16)
-    return _Wire(tensor.numpy(), str(dtype).removeprefix("torch."))
+    try:
+        return _Wire(tensor.numpy(), str(dtype).removeprefix("torch."))
+    except (TypeError, RuntimeError):  # a dtype or layout numpy lacks (float8, sparse): torch pickles it
+        return tensor
 
 
 def _from_wire(value: Any) -> torch.Tensor:

@@ -64,9 +64,13 @@ def plan(batch: Batch, members: int, budget: int, by_prompt: bool) -> Plan:
         prompt_width = mask.shape[1] - batch["responses"].shape[1]
         prompt, response = mask[:, :prompt_width].sum(-1), mask[:, prompt_width:].sum(-1)
         lengths = [int(prompt[u[0]] + response[u].sum()) for u in units]
-        if len(units) >= members and max(lengths) <= budget:  # else whole prompts do not fit: plan samples
-            by_unit = plan_micro_batches(lengths, members, budget)
-            return [[[i for u in micro for i in units[u]] for micro in member] for member in by_unit]
+        if len(units) >= members and max(lengths) <= budget:
+            try:
+                by_unit = plan_micro_batches(lengths, members, budget)
+            except ValueError:  # too few whole prompts to give every member as many micro batches: plan samples
+                pass
+            else:
+                return [[[i for u in micro for i in units[u]] for micro in member] for member in by_unit]
     return plan_micro_batches(token_lengths(batch), members, budget)
 
 

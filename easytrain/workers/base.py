@@ -34,7 +34,9 @@ DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch
 
 
 def node_cpus() -> int:
-    """CPUs of this node as Ray counts them (its --num-cpus), else the ones this process may run on."""
+    """The cores this process may run on, or fewer if Ray was told the node has fewer (its --num-cpus; a larger
+    logical count, as tests use, does not add cores)."""
+    cores = len(os.sched_getaffinity(0))
     try:
         import ray
 
@@ -42,10 +44,10 @@ def node_cpus() -> int:
             node = ray.get_runtime_context().get_node_id()
             for info in ray.nodes():
                 if info["NodeID"] == node and info.get("Resources", {}).get("CPU"):
-                    return int(info["Resources"]["CPU"])
-    except Exception as error:  # not inside Ray, or the GCS did not answer: fall back to the OS
+                    return max(1, min(cores, int(info["Resources"]["CPU"])))
+    except Exception as error:  # not inside Ray, or the GCS did not answer: the OS's count
         logger.debug("node CPUs from Ray unavailable (%s)", error)
-    return len(os.sched_getaffinity(0))
+    return cores
 
 
 def worker_threads(config: Config) -> int:

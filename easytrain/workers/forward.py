@@ -11,7 +11,8 @@ from easytrain.algorithms.losses import entropy_from_logits, gather_log_probs, s
 from easytrain.distributed.batch import Batch
 from easytrain.distributed.ulysses import SequenceParallel
 from easytrain.workers.packed import packed_response_log_probs
-from easytrain.workers.shared_prompt import prompt_groups, shared_response_log_probs, supports_shared_prompt, worth_sharing
+from easytrain.workers.shared_prompt import (prompt_groups, rows_pay_off, shared_response_log_probs,
+                                             supports_shared_prompt, text_config, worth_sharing)
 
 MODEL_INPUTS = ("input_ids", "attention_mask", "position_ids", "pixel_values", "image_grid_thw", "mm_token_type_ids")
 
@@ -51,9 +52,10 @@ def log_probs_of(model: nn.Module, micro: Batch, temperature: float, device: tor
     takes a mask and there is no sequence parallelism; see :mod:`easytrain.workers.shared_prompt`)."""
     if share_prompt and sp is None and supports_shared_prompt(model):
         groups = prompt_groups(micro)
-        if worth_sharing(groups):
+        # padding-free: one row of exactly the tokens (each prompt once); padded: a row per prompt, if cheaper
+        if worth_sharing(groups) and (packed or rows_pay_off(micro, groups, text_config(model).hidden_size)):
             return shared_response_log_probs(model, micro, groups, temperature, device,
-                                             suppressed_tokens(model.config), with_entropy)
+                                             suppressed_tokens(model.config), with_entropy, one_row=packed)
     if not packed:
         return response_log_probs(model, micro, temperature, device, with_entropy)
     return packed_response_log_probs(model, micro, temperature, device, suppressed_tokens(model.config), sp,

@@ -12,8 +12,14 @@ response continues from the end of the prompt (Qwen-VL's rope rows
 included). Every response token then sees exactly what it sees in its own
 row, so log-probs, entropy and gradients are those of the plain forward, up
 to float rounding, while the prompt's tokens and its images' vision-tower
-work are paid once instead of k times. Distinct prompts of a micro batch are
-separate rows, right-padded to the longest.
+work are paid once instead of k times.
+
+Padding-free micro batches put every prompt with its responses back to back
+in one row (exactly the micro batch's tokens, each prompt once: what the
+driver's prompt-aware plan counted). Padded ones get a row per prompt,
+right-padded to the longest, and only when that is cheaper than the plain
+rows (:func:`rows_pay_off`: a row of many long responses costs attention in
+the square of its length).
 
 Used when ``worker.actor.share_prompt`` is on, the attention is ``sdpa`` or
 ``eager`` (they take an explicit mask; flash-attention's kernels do not) and
@@ -24,7 +30,7 @@ batch.
 
 from __future__ import annotations
 
-from typing import Optional
+from typing import Any, Optional
 
 import torch
 from torch import nn
@@ -35,9 +41,16 @@ from easytrain.distributed.batch import Batch
 MASKED_ATTENTION = ("sdpa", "eager")
 
 
+def text_config(model: nn.Module) -> Any:
+    config = model.config
+    return getattr(config, "text_config", None) or config
+
+
 def supports_shared_prompt(model: nn.Module) -> bool:
-    """Whether the model's attention takes an explicit 4-D mask."""
-    return getattr(model.config, "_attn_implementation", None) in MASKED_ATTENTION
+    """Whether the model's attention takes an explicit 4-D mask (and no sliding window, which this mask would
+    not express)."""
+    return (getattr(model.config, "_attn_implementation", None) in MASKED_ATTENTION
+            and not getattr(text_config(model), "use_sliding_window", False))
 
 
 def _image_slices(batch: Batch) -> Optional[list[slice]]:
@@ -73,13 +86,34 @@ def worth_sharing(groups: list[list[int]]) -> bool:
     return any(len(g) > 1 for g in groups)
 
 
-def _attention_mask(segments: torch.Tensor, prompt: torch.Tensor, dtype: torch.dtype, eager: bool) -> torch.Tensor:
-    """(G, 1, L, L) mask from each position's segment (-1 padding, 0 prompt, i > 0 response i): causal, a response
-    sees the prompt and itself; a padding position sees only itself (no all-masked rows)."""
+def prompt_and_response_tokens(batch: Batch) -> tuple[torch.Tensor, torch.Tensor]:
+    mask = batch["attention_mask"]
+    prompt_width = mask.shape[1] - batch["responses"].shape[1]
+    return mask[:, :prompt_width].sum(-1), mask[:, prompt_width:].sum(-1)
+
+
+def rows_pay_off(batch: Batch, groups: list[list[int]], hidden: int) -> bool:
+    """Whether one row per prompt (padded to the longest) costs less than the padded plain pass: per layer a token
+    costs ~``6 x hidden`` pairs' worth of linear work and a row of L tokens L^2 attention pairs; a long row of
+    many responses can cost more than the plain rows it replaces (attention grows with its square), and its mask
+    must not outgrow twice the plain pass's."""
+    prompt, response = prompt_and_response_tokens(batch)
+    longest = max(int(prompt[g[0]] + response[g].sum()) for g in groups)
+    plain_rows, width, per_token = len(batch), batch["attention_mask"].shape[1], 6 * hidden
+    plain = plain_rows * (width * per_token + width ** 2)
+    shared = len(groups) * (longest * per_token + longest ** 2)
+    return shared < plain and len(groups) * longest ** 2 <= 2 * plain_rows * width ** 2
+
+
+def _attention_mask(segments: torch.Tensor, units: torch.Tensor, prompt: torch.Tensor, dtype: torch.dtype,
+                    eager: bool) -> torch.Tensor:
+    """(rows, 1, L, L) mask from each position's segment and unit (-1: padding): causal within a unit (a prompt
+    and its responses), a response sees its unit's prompt and itself; a padding position sees only itself."""
     length = segments.shape[1]
-    causal = torch.ones(length, length, dtype=torch.bool).tril()
-    same = segments[:, :, None] == segments[:, None, :]
-    allowed = causal & (same | prompt[:, None, :]) & (segments[:, :, None] >= 0)
+    allowed = (segments[:, :, None] == segments[:, None, :]) | prompt[:, None, :]
+    allowed &= units[:, :, None] == units[:, None, :]
+    allowed &= torch.ones(length, length, dtype=torch.bool).tril()
+    allowed &= (units >= 0)[:, :, None]
     allowed |= torch.eye(length, dtype=torch.bool)
     allowed = allowed[:, None]
     if not eager:
@@ -87,10 +121,25 @@ def _attention_mask(segments: torch.Tensor, prompt: torch.Tensor, dtype: torch.d
     return torch.zeros(allowed.shape, dtype=dtype).masked_fill(~allowed, torch.finfo(dtype).min)
 
 
-def shared_inputs(batch: Batch, groups: list[list[int]], vision: bool,
-                  dtype: torch.dtype, eager: bool) -> tuple[dict[str, torch.Tensor], torch.Tensor, torch.Tensor]:
-    """Model inputs of ``groups`` laid out prompt-once, the (row, column) that predicts each kept response token,
-    and that token's (sample, response column).
+def _append(parts: dict[str, list[torch.Tensor]], segment: int, unit: int, is_prompt: bool, ids: torch.Tensor,
+            positions: torch.Tensor, types: Optional[torch.Tensor]) -> int:
+    """Add one segment (a prompt or a response) to a row's parts; returns the next segment id."""
+    count = ids.shape[0]
+    parts["ids"].append(ids)
+    parts["pos"].append(positions)
+    parts["seg"].append(torch.full((count,), segment, dtype=torch.long))
+    parts["unit"].append(torch.full((count,), unit, dtype=torch.long))
+    parts["prompt"].append(torch.full((count,), int(is_prompt), dtype=torch.long))
+    if types is not None:
+        parts["types"].append(types)
+    return segment + 1
+
+
+def shared_inputs(batch: Batch, groups: list[list[int]], vision: bool, dtype: torch.dtype, eager: bool,
+                  one_row: bool = False) -> tuple[dict[str, torch.Tensor], torch.Tensor, torch.Tensor]:
+    """Model inputs of ``groups`` laid out prompt-once (a row per prompt, or all of them back to back in one row:
+    ``one_row``, the padding-free form), the (row, column) that predicts each kept response token, and that
+    token's (sample, response column).
 
     Kept tokens are those with ``response_mask`` (and ``attention_mask``) set, as in the plain passes."""
     mask = batch["attention_mask"].bool()
@@ -101,44 +150,47 @@ def shared_inputs(batch: Batch, groups: list[list[int]], vision: bool,
     if positions.dim() == 2:  # text positions; a VL model still takes its three rope rows
         positions = positions[None].expand(3 if vision else 1, -1, -1)
     has_types = "mm_token_type_ids" in batch
-    rows: list[dict[str, torch.Tensor]] = []
+    rows: list[dict[str, list[torch.Tensor]]] = []
     sources, targets = [], []
+    segment = 0  # segment ids are unique within a row: a prompt and each response get their own
     for g, members in enumerate(groups):
+        if not rows or not one_row:
+            rows.append({"ids": [], "pos": [], "seg": [], "unit": [], "prompt": [], "types": []})
+            segment = 0
+        parts = rows[-1]
+        start = sum(t.shape[0] for t in parts["ids"])  # where this prompt starts in its row
         lead = members[0]
         keep = mask[lead, :prompt_width]
-        parts = {"ids": [batch["input_ids"][lead, :prompt_width][keep]],
-                 "pos": [positions[:, lead, :prompt_width][:, keep]],
-                 "seg": [torch.zeros(int(keep.sum()), dtype=torch.long)]}
-        if has_types:
-            parts["types"] = [batch["mm_token_type_ids"][lead, :prompt_width][keep]]
-        end = int(keep.sum())  # columns used so far in this row
-        for k, row in enumerate(members, start=1):
+        prompt_len = int(keep.sum())
+        segment = _append(parts, segment, g, True, batch["input_ids"][lead, :prompt_width][keep],
+                          positions[:, lead, :prompt_width][:, keep],
+                          batch["mm_token_type_ids"][lead, :prompt_width][keep] if has_types else None)
+        end = start + prompt_len  # the next free column of this row
+        row_index = len(rows) - 1
+        for row in members:
             present = mask[row, prompt_width:]
             count = int(present.sum())
-            parts["ids"].append(batch["input_ids"][row, prompt_width:][present])
-            parts["pos"].append(positions[:, row, prompt_width:][:, present])
-            parts["seg"].append(torch.full((count,), k, dtype=torch.long))
-            if has_types:
-                parts["types"].append(batch["mm_token_type_ids"][row, prompt_width:][present])
+            segment = _append(parts, segment, g, False, batch["input_ids"][row, prompt_width:][present],
+                              positions[:, row, prompt_width:][:, present],
+                              batch["mm_token_type_ids"][row, prompt_width:][present] if has_types else None)
             # the j-th present response token sits at column end + j; its logits come from the column before,
             # which for j = 0 is the prompt's last token
-            columns = torch.arange(length)[present]
             rank = torch.arange(count)
             kept = valid[row, present]
-            prev = torch.where(rank == 0, torch.full_like(rank, int(keep.sum()) - 1), end + rank - 1)
-            sources.append(torch.stack([torch.full_like(rank, g), prev], -1)[kept])
-            targets.append(torch.stack([torch.full_like(rank, row), columns], -1)[kept])
+            prev = torch.where(rank == 0, torch.full_like(rank, start + prompt_len - 1), end + rank - 1)
+            sources.append(torch.stack([torch.full_like(rank, row_index), prev], -1)[kept])
+            targets.append(torch.stack([torch.full_like(rank, row), torch.arange(length)[present]], -1)[kept])
             end += count
-        rows.append({key: torch.cat(value, dim=-1) for key, value in parts.items()})
-    width = max(r["ids"].shape[0] for r in rows)
+    flat = [{key: torch.cat(value, dim=-1) for key, value in parts.items() if value} for parts in rows]
+    width = max(r["ids"].shape[0] for r in flat)
 
     def stack(key: str, fill: int) -> torch.Tensor:
-        return torch.stack([nn.functional.pad(r[key], (0, width - r[key].shape[-1]), value=fill) for r in rows])
+        return torch.stack([nn.functional.pad(r[key], (0, width - r[key].shape[-1]), value=fill) for r in flat])
 
-    segments = stack("seg", -1)
+    units = stack("unit", -1)
     inputs = {"input_ids": stack("ids", 0),
-              "attention_mask": _attention_mask(segments, segments == 0, dtype, eager)}
-    pos = torch.stack([nn.functional.pad(r["pos"], (0, width - r["pos"].shape[-1])) for r in rows], dim=1)
+              "attention_mask": _attention_mask(stack("seg", -1), units, stack("prompt", 0).bool(), dtype, eager)}
+    pos = torch.stack([nn.functional.pad(r["pos"], (0, width - r["pos"].shape[-1])) for r in flat], dim=1)
     inputs["position_ids"] = pos if vision else pos[0]
     if has_types:
         inputs["mm_token_type_ids"] = stack("types", 0)
@@ -151,14 +203,15 @@ def shared_inputs(batch: Batch, groups: list[list[int]], vision: bool,
 
 
 def shared_response_log_probs(model: nn.Module, batch: Batch, groups: list[list[int]], temperature: float,
-                              device: torch.device, suppressed: list[int],
-                              with_entropy: bool = False) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
+                              device: torch.device, suppressed: list[int], with_entropy: bool = False,
+                              one_row: bool = False) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
     """Response log-probs (and entropy) of ``batch`` from one prompt-shared forward, (B, R) like the plain passes';
-    0 where ``response_mask`` is 0."""
+    0 where ``response_mask`` is 0. ``one_row``: every prompt with its responses back to back in a single row
+    (padding-free: exactly the batch's tokens with each prompt once)."""
     vision = getattr(model.config, "vision_config", None) is not None
     eager = model.config._attn_implementation == "eager"
     dtype = next(model.parameters()).dtype
-    inputs, sources, targets = shared_inputs(batch, groups, vision, dtype, eager)
+    inputs, sources, targets = shared_inputs(batch, groups, vision, dtype, eager, one_row)
     columns = torch.unique(sources[:, 1])  # sorted; logits only where some response token is predicted
     layer_mask = inputs.pop("attention_mask")
     model_inputs = {k: v.to(device) for k, v in inputs.items()}

@@ -7,12 +7,16 @@ step drops the rows that just produced a stop token from the batch, the KV
 cache and the positions, so a decode forward costs only the rows still
 running. It also skips ``generate``'s per-step bookkeeping.
 
-Token choice follows ``generate``'s: the vision placeholders suppressed, then
-temperature, top-k and top-p, then ``torch.multinomial`` over the softmax (or
-argmax when greedy). Greedy decoding gives ``generate``'s tokens; sampling
-gives the same draws as long as no row has finished (the random stream is
-consumed the same way) and the same distribution after (fewer rows draw).
-Rollout log-probs are taken from the raw logits of each step as before.
+Token choice follows ``generate``'s with the same settings: the vision
+placeholders suppressed, then temperature, top-k and top-p, then
+``torch.multinomial`` over the softmax (or argmax when greedy). Greedy
+decoding gives ``generate``'s tokens; sampling gives the same draws as long
+as no row has finished (the random stream is consumed the same way) and the
+same distribution after (fewer rows draw). Nothing else shapes the choice:
+``generate`` would also apply extras from the model folder's
+``generation_config`` (a repetition penalty, for instance), which the
+recorded log-probs, taken from the raw logits of each step, never included;
+this loop samples exactly the distribution whose log-probs it records.
 """
 
 from __future__ import annotations
@@ -78,7 +82,7 @@ def decode(model: Any, once: dict[str, torch.Tensor], n: int, params: SamplingPa
         logits, mask, next_position = (t.repeat_interleave(n, dim=0) for t in (logits, mask, next_position))
     rows = logits.shape[0]
     live = torch.arange(rows, device=logits.device)
-    stops = torch.tensor(stop_ids, device=logits.device)
+    stops = torch.tensor(stop_ids, dtype=torch.long, device=logits.device)
     responses = torch.full((rows, params.max_new_tokens), pad_id, dtype=torch.long, device=logits.device)
     log_probs = torch.zeros(rows, params.max_new_tokens, device=logits.device)
     torch.manual_seed(params.seed)
