@@ -43,3 +43,32 @@ def test_worker_sets_its_threads(tmp_path: Path) -> None:
         assert torch.get_num_threads() == cores()
     finally:
         torch.set_num_threads(before)
+
+
+CLUSTER_PROBE = """
+import ray
+from ray.cluster_utils import Cluster
+from easytrain.workers.base import node_cpus
+
+cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 2})
+for _ in range(3):
+    cluster.add_node(num_cpus=2)
+ray.init(address=cluster.address)
+cluster.wait_for_nodes()
+print("THREADS", ray.get(ray.remote(num_cpus=1)(node_cpus).remote()))
+ray.shutdown()
+cluster.shutdown()
+"""
+
+
+def test_ray_nodes_on_one_machine_split_its_cores() -> None:
+    """A cluster of four Ray node processes on this machine (the multi-node fixture's kind): a node's workers get
+    the machine's cores divided among the nodes, not the node's logical CPU count. In a fresh process: the test
+    session may already be connected to a Ray of its own."""
+    import subprocess
+    import sys
+
+    out = subprocess.run([sys.executable, "-c", CLUSTER_PROBE], capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-2000:]
+    threads = int(out.stdout.split("THREADS")[-1].split()[0])
+    assert threads == max(1, len(os.sched_getaffinity(0)) // 4)

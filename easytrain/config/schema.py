@@ -352,7 +352,8 @@ class TrainerConfig:
     """Actor, reference and rollout share the same devices, time-sliced; false gives each role its own pool."""
     threads_per_worker: int = bounded(0, low=0)
     """torch threads of each role worker; 0 = its share of the node's CPUs (node CPUs / workers_per_node when
-    colocated, also divided by the roles otherwise). Ray would give a worker with a fractional CPU one thread."""
+    colocated, also divided by the roles otherwise; Ray nodes started on one machine split its cores). Ray would
+    give a worker with a fractional CPU one thread."""
     total_epochs: int = bounded(1, low=1)
     """Passes over the training data."""
     max_steps: int = bounded(-1, low=-1)

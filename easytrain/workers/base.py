@@ -34,17 +34,20 @@ DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch
 
 
 def node_cpus() -> int:
-    """The cores this process may run on, or fewer if Ray was told the node has fewer (its --num-cpus; a larger
-    logical count, as tests use, does not add cores)."""
+    """The cores this process may run on, shared among the Ray nodes started on this machine (a cluster of node
+    processes on one host, as tests and benches use), or fewer if Ray was told the node has fewer (its
+    --num-cpus; a larger logical count does not add cores)."""
     cores = len(os.sched_getaffinity(0))
     try:
         import ray
 
         if ray.is_initialized():
             node = ray.get_runtime_context().get_node_id()
-            for info in ray.nodes():
-                if info["NodeID"] == node and info.get("Resources", {}).get("CPU"):
-                    return max(1, min(cores, int(info["Resources"]["CPU"])))
+            alive = [info for info in ray.nodes() if info.get("Alive")]
+            me = next((info for info in alive if info["NodeID"] == node), None)
+            if me is not None and me.get("Resources", {}).get("CPU"):
+                same_host = sum(info.get("NodeManagerAddress") == me.get("NodeManagerAddress") for info in alive)
+                return max(1, min(cores // max(1, same_host), int(me["Resources"]["CPU"])))
     except Exception as error:  # not inside Ray, or the GCS did not answer: the OS's count
         logger.debug("node CPUs from Ray unavailable (%s)", error)
     return cores
