@@ -37,6 +37,7 @@ from torch import nn
 
 from easytrain.algorithms.losses import entropy_from_logits, gather_log_probs, sampling_logits
 from easytrain.distributed.batch import Batch
+from easytrain.workers.packed import is_vision_model
 
 MASKED_ATTENTION = ("sdpa", "eager")
 
@@ -208,7 +209,7 @@ def shared_response_log_probs(model: nn.Module, batch: Batch, groups: list[list[
     """Response log-probs (and entropy) of ``batch`` from one prompt-shared forward, (B, R) like the plain passes';
     0 where ``response_mask`` is 0. ``one_row``: every prompt with its responses back to back in a single row
     (padding-free: exactly the batch's tokens with each prompt once)."""
-    vision = getattr(model.config, "vision_config", None) is not None
+    vision = is_vision_model(model)
     eager = model.config._attn_implementation == "eager"
     dtype = next(model.parameters()).dtype
     inputs, sources, targets = shared_inputs(batch, groups, vision, dtype, eager, one_row)

@@ -27,6 +27,7 @@ import torch
 from torch import nn
 
 from easytrain.algorithms.losses import gather_log_probs, sampling_logits
+from easytrain.workers.packed import is_vision_model
 from easytrain.workers.rollout.engine import SamplingParams
 
 
@@ -62,7 +63,7 @@ def decode(model: Any, once: dict[str, torch.Tensor], n: int, params: SamplingPa
     T is the number of steps run (at most ``params.max_new_tokens``)."""
     from transformers import DynamicCache
 
-    vision = getattr(model.config, "vision_config", None) is not None
+    vision = is_vision_model(model)
     inner: Any = getattr(model, "model", None)
     mask = once["attention_mask"]
     inputs = dict(once)

@@ -11,7 +11,7 @@ from easytrain.algorithms.losses import token_log_probs
 from easytrain.workers.forward import suppressed_tokens
 from easytrain.distributed.batch import Batch
 from easytrain.models.image_dedup import dedupe_images
-from easytrain.workers.rollout.decode import decode
+from easytrain.workers.rollout.decode import decode, text_positions
 from easytrain.workers.rollout.engine import EngineSpec, RolloutEngine, SamplingParams, response_mask
 
 logger = logging.getLogger(__name__)
@@ -88,8 +88,7 @@ class HFEngine(RolloutEngine):
         head = {k: v[:, :-1] if k in ("input_ids", "attention_mask", "mm_token_type_ids") else v
                 for k, v in once.items()}
         if "mm_token_type_ids" not in head:  # text model: positions that skip the left padding, as generate's
-            mask = head["attention_mask"].long()
-            head["position_ids"] = (mask.cumsum(-1) - 1).masked_fill(mask == 0, 1)
+            head["position_ids"] = text_positions(head["attention_mask"])
         cache = DynamicCache(config=self.model.config)
         inner: Any = getattr(self.model, "model", None)
         if inner is not None and hasattr(inner, "rope_deltas"):
