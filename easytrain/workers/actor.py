@@ -29,6 +29,8 @@ class ActorWorker(WorkerBase):
         self.cfg = config.worker.actor
         self.model: Any = None
         self.strategy: Optional[TrainStrategy] = None
+        self.last_update: list[dict[str, float]] = []
+        """This rank's sums of each optimizer step of the last update, in order (see :meth:`update_steps`)."""
 
     @dispatch(Dispatch.BROADCAST)
     def setup(self, total_optimizer_steps: int) -> dict[str, int]:
@@ -91,12 +93,22 @@ class ActorWorker(WorkerBase):
     def _update(self, steps: list[list[Batch]], kl_coef: float) -> dict[str, float]:
         self.model.train()
         sums: dict[str, float] = defaultdict(float)
+        self.last_update = []
         for _ in range(self.cfg.ppo_epochs):
             for micros in steps:
-                for key, value in self._optimizer_step(micros, kl_coef).items():
+                step = self._optimizer_step(micros, kl_coef)
+                self.last_update.append(step)
+                for key, value in step.items():
                     sums[key] += value
+                sums["actor/lr"] = step["actor/lr"]  # a rate, not a sum: the last step's
         self.strategy.zero_grad()  # type: ignore[union-attr]
         return dict(sums)
+
+    @dispatch(Dispatch.BROADCAST)
+    def update_steps(self) -> list[dict[str, float]]:
+        """Per optimizer step of the last update, this rank's sums (pg loss, KL, clipped tokens, tokens) and
+        the step's global gradient norm and learning rate: what the driver's step metrics add up."""
+        return self.last_update
 
     @dispatch(Dispatch.BROADCAST)
     def set_micro_batch(self, phase: str, size: int) -> int:
@@ -145,10 +157,10 @@ class ActorWorker(WorkerBase):
                 sums["actor/ppo_kl_sum"] += float(masked_sum(-info["log_ratio"], mask))
                 sums["actor/entropy_sum"] += float(masked_sum(entropy, mask))  # type: ignore[arg-type]
                 sums["actor/tokens"] += float(mask.sum())
+        sums["actor/lr"] = strategy.lr  # the rate this step applies (the schedule advances in step())
         sums["actor/grad_norm_sum"] += strategy.step()
         sums["actor/optimizer_steps"] += 1
-        sums["actor/lr"] = strategy.lr
-        return sums
+        return dict(sums)
 
     @dispatch(Dispatch.BROADCAST)
     def save_checkpoint(self, folder: str) -> None:
