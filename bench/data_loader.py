@@ -19,8 +19,6 @@ from __future__ import annotations
 
 import io
 import json
-import os
-import platform
 import random
 import sys
 import tempfile
@@ -34,6 +32,7 @@ import psutil
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from bench.provenance import write_result  # noqa: E402
 from easytrain.config.schema import DataConfig, ModelConfig  # noqa: E402
 from easytrain.data.collate import PromptCollator  # noqa: E402
 from easytrain.data.dataset import PromptDataset  # noqa: E402
@@ -142,26 +141,19 @@ def main() -> None:
         cfg = DataConfig(max_pixels=401408, max_prompt_length=1024)
         results.append({"workload": "photo", **measure([str(path)], cfg, tokenizer, processor, cache)})
         print(json.dumps(results[-2]), json.dumps(results[-1]), sep="\n", flush=True)
-    import torch
-    import transformers
-
     slopes = {}
     for workload in ("synthetic", "photo"):
         small, large = [r for r in results if r["workload"] == workload]
         slopes[workload] = round((large["peak_rss_mb"] - small["peak_rss_mb"]) / ((large["rows"] - small["rows"]) / 1000), 1)
 
     record = {
-        "benchmark": "data_loader", "command": "python bench/data_loader.py",
-        "measured": time.strftime("%Y-%m-%d %H:%M:%S %Z"),
-        "machine": {"cpus": os.cpu_count(), "ram_gb": round(psutil.virtual_memory().total / 2**30, 1),
-                    "platform": platform.platform(), "python": platform.python_version()},
-        "versions": {"torch": torch.__version__, "transformers": transformers.__version__},
+        "benchmark": "data_loader",
         "settings": {"batch": BATCH, "num_workers": WORKERS, "model": "tiny:qwen2_5_vl"},
         "results": results,
         "peak_rss_growth_mb_per_1k_samples": slopes,
     }
     out = ROOT / "bench" / "results" / "data_loader.json"
-    out.write_text(json.dumps(record, indent=2) + "\n")
+    write_result(out, record)
     print(f"{'workload':<10} {'rows':>5} {'check rows/s':>12} {'samples/s':>10} {'steady/s':>9} {'peak RSS MB':>11}")
     for r in results:
         print(f"{r['workload']:<10} {r['rows']:>5} {r['check_pass_rows_per_s']:>12} "

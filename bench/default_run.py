@@ -12,8 +12,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import platform
 import subprocess
 import sys
 import tempfile
@@ -21,6 +19,9 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from bench.provenance import write_result  # noqa: E402
 
 
 def main() -> None:
@@ -42,9 +43,7 @@ def main() -> None:
     val = [r for r in rows if "val/reward/mean" in r]
     record = {
         "benchmark": "default_run" if not args.exp else f"run_{args.exp}",
-        "command": "python -m easytrain.main" + (f" +exp={args.exp}" if args.exp else ""),
-        "measured": time.strftime("%Y-%m-%d %H:%M:%S %Z"),
-        "machine": {"cpus": os.cpu_count(), "platform": platform.platform()},
+        "run_command": "python -m easytrain.main" + (f" +exp={args.exp}" if args.exp else ""),
         "wall_s": round(wall, 1), "steps": len(steps),
         "median_step_s": round(sorted(r["time/step"] for r in steps)[len(steps) // 2], 3),
         "reward_curve": [[r["step"], round(r["reward/mean"], 4)] for r in steps],
@@ -65,8 +64,8 @@ def main() -> None:
                               "memory_png": (run_dir / "memory.png").exists(),
                               "boundary_share_of_step_median": round(shares[len(shares) // 2], 5) if shares else None}
     out = ROOT / "bench" / "results" / ("default_run.json" if not args.exp else f"run_{args.exp}.json")
-    out.write_text(json.dumps(record, indent=2) + "\n")
-    print(f"{record['command']}: {wall:.1f} s wall, {len(steps)} steps, median step {record['median_step_s']} s")
+    write_result(out, record)
+    print(f"{record['run_command']}: {wall:.1f} s wall, {len(steps)} steps, median step {record['median_step_s']} s")
     print("train reward:", " ".join(f"{s}:{r:.2f}" for s, r in record["reward_curve"]))
     print("val reward:", record["val_reward"])
     print(f"wrote {out}")

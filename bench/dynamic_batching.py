@@ -24,9 +24,7 @@ its own longest sample, the best any padded layout can do). Rank balance for
 from __future__ import annotations
 
 import argparse
-import json
 import logging
-import platform
 import statistics
 import sys
 import tempfile
@@ -38,6 +36,7 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from bench.provenance import write_result  # noqa: E402
 from easytrain.config import load  # noqa: E402
 from easytrain.data.packing import fixed_micro_batches, plan_micro_batches, plan_stats  # noqa: E402
 from easytrain.distributed.batch import Batch  # noqa: E402
@@ -128,13 +127,7 @@ def main() -> None:
     # to its own longest sample), the dynamic one with a quarter of the budget (a quarter of the sequences each)
     ranks8 = {"fixed": plan_stats(lengths, fixed_micro_batches(rows, 8, args.micro), padded=True),
               "dynamic": plan_stats(lengths, plan_micro_batches(lengths, 8, max(args.budget) // 4), padded=False)}
-    result = {
-        "command": "python bench/dynamic_batching.py " + " ".join(sys.argv[1:]),
-        "machine": f"{platform.machine()}, {torch.get_num_threads()} torch threads, CPU, fp32",
-        "model": f"tiny-model factory qwen2_5_vl '{args.size}'",
-        "batch": {"sequences": rows, "real_tokens": real, "padded_width": width,
-                  "response_lengths": batch["response_mask"].sum(-1).tolist(),
-                  "length_mix": "80% 1..max/8, 20% max/2..max response tokens"},
+    layouts = {
         "fixed": {"micro_batch": args.micro, "micro_batches": len(fixed_plan[0]),
                   "median_s": statistics.median(seconds["fixed"]), "runs_s": seconds["fixed"],
                   "tokens_per_s": real / statistics.median(seconds["fixed"]),
@@ -145,21 +138,26 @@ def main() -> None:
                   "tokens_per_s": real / statistics.median(seconds[name]),
                   "padding_waste": plan_stats(lengths, plans[name][1][0], padded=False).padding_waste}
            for name in plans},
+    }
+    result = {
+        "model": f"tiny-model factory qwen2_5_vl '{args.size}'", "device": "CPU, fp32, one rank",
+        "batch": {"sequences": rows, "real_tokens": real, "padded_width": width,
+                  "response_lengths": batch["response_mask"].sum(-1).tolist(),
+                  "length_mix": "80% 1..max/8, 20% max/2..max response tokens"},
+        "layouts": layouts,
+        "speedup_vs_fixed": {name: layouts[name]["tokens_per_s"] / layouts["fixed"]["tokens_per_s"] for name in plans},
         "eight_ranks_plan": {name: {"padding_waste": s.padding_waste, "rank_imbalance": s.rank_imbalance,
                                     "sync_efficiency": s.sync_efficiency}
                              for name, s in ranks8.items()},
     }
-    result["speedup_vs_fixed"] = {name: result[name]["tokens_per_s"] / result["fixed"]["tokens_per_s"]
-                                  for name in plans}
-    RESULTS.parent.mkdir(parents=True, exist_ok=True)
-    RESULTS.write_text(json.dumps(result, indent=2) + "\n")
+    write_result(RESULTS, result)
     print(f"{rows} sequences, {real} real tokens, padded width {width}")
     for name in configs:
-        r = result[name]
+        r = layouts[name]
         print(f"{name:13s} {r['micro_batches']:3d} micro batches  median {r['median_s']:.2f} s  "
               f"{r['tokens_per_s']:.0f} tokens/s  padding waste {r['padding_waste']:.1%}")
     print(f"fixed, had each micro batch been trimmed to its longest sample: padding waste "
-          f"{result['fixed']['padding_waste_if_trimmed']:.1%}")
+          f"{layouts['fixed']['padding_waste_if_trimmed']:.1%}")
     for name, ratio in result["speedup_vs_fixed"].items():
         print(f"{name} / fixed tokens/s: {ratio:.2f}x")
     print("goal: padding waste <= 5%")

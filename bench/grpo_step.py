@@ -15,16 +15,15 @@ What is left is the driver's own work, Ray calls and (de)serialisation.
 from __future__ import annotations
 
 import argparse
-import json
-import platform
 import statistics
 import sys
 import tempfile
-import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
+
+from bench.provenance import write_result  # noqa: E402
 
 PHASE_METHODS = {
     "generate": [("rollout", "generate")], "ref": [("ref", "compute_ref_log_probs")],
@@ -45,8 +44,6 @@ def main() -> None:
     args = parser.parse_args()
 
     import ray
-    import torch
-    import transformers
 
     from easytrain.config import load
     from easytrain.distributed.cluster import init_ray
@@ -87,10 +84,7 @@ def main() -> None:
     step_s = median(r["step_s"] for r in records)
     overhead = median(r["orchestration_s"] / r["step_s"] for r in records)
     summary = {
-        "benchmark": "grpo_step", "command": " ".join(["python bench/grpo_step.py", *sys.argv[1:]]),
-        "measured": time.strftime("%Y-%m-%d %H:%M:%S %Z"),
-        "machine": {"cpus": __import__("os").cpu_count(), "platform": platform.platform()},
-        "versions": {"torch": torch.__version__, "transformers": transformers.__version__, "ray": ray.__version__},
+        "benchmark": "grpo_step",
         "settings": {"model": f"tiny:qwen2_5_vl ({args.size})", "prompts": 8, "n": 4, "new_tokens": 32,
                      "workers": 2, "kl_coef": 0.04, "dtype": "float32", "warmup_steps": args.warmup,
                      "overrides": args.override},
@@ -105,7 +99,7 @@ def main() -> None:
         "steps": records,
     }
     path = args.out or ROOT / "bench" / "results" / f"grpo_step_{args.size}.json"
-    path.write_text(json.dumps(summary, indent=2) + "\n")
+    write_result(path, summary)
     print(f"median step {step_s:.3f} s; orchestration {summary['median_orchestration_s']:.3f} s "
           f"({summary['median_orchestration_pct']}% of the step); "
           f"{summary['median_generated_tokens_per_s']} generated tokens/s")

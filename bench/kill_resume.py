@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import platform
 import random
 import shutil
 import signal
@@ -34,6 +33,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "tests"))
 
+from bench.provenance import write_result  # noqa: E402
 from resume_harness import STEPS, Run, data_order, final_weights, logged_steps, max_difference  # noqa: E402
 
 KINDS = ("actor", "rollout", "driver", "sigterm")
@@ -91,12 +91,10 @@ def main() -> None:
         if result["passed"]:
             shutil.rmtree(run_dir, ignore_errors=True)
     passed = sum(r["passed"] for r in results)
-    report = {"command": "python bench/kill_resume.py " + " ".join(sys.argv[1:]),
-              "machine": {"cpus": __import__("os").cpu_count(), "python": platform.python_version()},
-              "setting": "tests/resume_harness.py RUN_ARGS: tiny Qwen2.5-VL, 2 actor + 2 rollout ranks, "
+    report = {"setting": "tests/resume_harness.py RUN_ARGS: tiny Qwen2.5-VL, 2 actor + 2 rollout ranks, "
                          f"{STEPS} steps, checkpoint every step",
               "passed": f"{passed}/{len(results)}", "trials": results, "work_dir": str(work)}
-    Path(args.out).write_text(json.dumps(report, indent=1) + "\n")
+    write_result(Path(args.out), report, indent=1)
     print(f"kill-and-resume: {passed}/{len(results)} trials ended exactly as the uninterrupted run "
           f"-> {args.out}")
     if passed == len(results):

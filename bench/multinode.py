@@ -32,6 +32,8 @@ from typing import Any
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from bench.provenance import write_result  # noqa: E402
+
 PHASES = {"generate": [("rollout", "generate")], "ref": [("ref", "compute_ref_log_probs")],
           "update": [("actor", "update")], "sync": [("actor", "push_weights")]}
 TOTAL_WORKERS, TOTAL_CPUS = 4, 8
@@ -162,11 +164,11 @@ def main() -> None:
             parser.error(f"--nodes {n}: {TOTAL_WORKERS} workers do not split over {n} nodes")
     settings = [measure(n, args.steps, args.warmup) for n in args.nodes]
     loss = lost_node(max(args.nodes)) if max(args.nodes) > 1 else None
-    result = {"benchmark": "multinode", "command": " ".join(["python bench/multinode.py", *sys.argv[1:]]),
-              "machine": "one machine, 2 CPU cores; nodes are Ray node processes (ray.cluster_utils.Cluster)",
+    result = {"benchmark": "multinode",
+              "cluster": "one machine; nodes are Ray node processes (ray.cluster_utils.Cluster)",
               "settings": settings, "lost_node": loss}
     path = ROOT / "bench" / "results" / "multinode.json"
-    path.write_text(json.dumps(result, indent=2) + "\n")
+    write_result(path, result)
     base = settings[0]["median_step_s"]
     print("nodes  workers/node  step s  vs 1 node  driver overhead")
     for s in settings:

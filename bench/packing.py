@@ -37,8 +37,6 @@ from __future__ import annotations
 import argparse
 import json
 import math
-import os
-import platform
 import random
 import statistics
 import sys
@@ -49,6 +47,7 @@ from typing import Any, Callable
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from bench.provenance import write_result  # noqa: E402
 from easytrain.data.images import smart_resize, vision_tokens  # noqa: E402
 from easytrain.data.packing import PlanStats, fixed_micro_batches, plan_micro_batches, plan_stats  # noqa: E402
 
@@ -167,9 +166,7 @@ def main() -> None:
     worst_packed_waste = max((r["padding_waste"] for r in packed), default=None)
     real = [sum(b) for b in batches]
     record = {
-        "benchmark": "packing", "command": "python bench/packing.py " + " ".join(sys.argv[1:]),
-        "measured": time.strftime("%Y-%m-%d %H:%M:%S %Z"),
-        "machine": {"cpus": os.cpu_count(), "platform": platform.platform(), "python": platform.python_version()},
+        "benchmark": "packing",
         "setting": {"batch": args.batch, "ranks": args.ranks, "micro": args.micro, "budgets": args.budgets,
                     "batches": args.batches, "seed": args.seed, **source},
         "definitions": {
@@ -192,7 +189,7 @@ def main() -> None:
     }
     default = f"packing_{Path(args.lengths).stem}.json" if args.lengths else "packing.json"
     out = Path(args.out) if args.out else ROOT / "bench" / "results" / default
-    out.write_text(json.dumps(record, indent=2) + "\n")
+    write_result(out, record)
 
     print(f"{args.batches} global batches of {args.batch} samples over {args.ranks} ranks; "
           f"{record['lengths']['real_tokens_per_batch_mean']:,} real tokens per batch (mean), sample median "

@@ -28,7 +28,6 @@ import argparse
 import hashlib
 import json
 import os
-import platform
 import shutil
 import statistics
 import subprocess
@@ -40,6 +39,8 @@ from typing import Any, Optional
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
+
+from bench.provenance import write_result  # noqa: E402
 
 PROBE = ROOT / "bench" / "_memory_probe.py"
 RESULTS = ROOT / "bench" / "results" / "planner_accuracy.json"
@@ -239,17 +240,6 @@ def table(rows: list[dict[str, Any]]) -> str:
     return "\n".join(lines + [f"note: {n}" for n in notes])
 
 
-def machine() -> dict[str, Any]:
-    import torch
-    import transformers
-
-    with open("/proc/meminfo") as f:
-        ram_kb = int(next(line for line in f if line.startswith("MemTotal")).split()[1])
-    return {"cpu_count": os.cpu_count(), "ram_bytes": ram_kb * 1024, "platform": platform.platform(),
-            "python": platform.python_version(), "torch": torch.__version__, "transformers": transformers.__version__,
-            "torch_threads": torch.get_num_threads()}
-
-
 # ----------------------------------------------------------------------------- main
 
 
@@ -295,16 +285,15 @@ def main() -> None:
         rows.append({**row, "tag": case.tag})
     score(rows, {name: b["VmHWM"] for name, b in baselines.items()}, folder, with_predictions=not args.measure_only)
     print(table(rows))
-    result = {"command": "python bench/planner_accuracy.py " + " ".join(sys.argv[1:]),
-              "date": time.strftime("%Y-%m-%d %H:%M:%S"), "machine": machine(),
+    reused = args.rescore or bool(args.only)  # measurements kept from the previous file: say which one
+    result = {"measurements_reused_from": {k: old.get(k) for k in ("commit", "date", "command")} if reused else None,
               "bench_model": {"folder": str(folder), "placeholder": BENCH_MODEL, "text": BENCH_TEXT,
                               "vision": BENCH_VISION, "tie_word_embeddings": False},
               "allocators": ALLOCATORS, "baselines": baselines,
               "calibrated_constants": "none: the planner has no constant fitted to these measurements",
               **summary(rows), "rows": rows,
               "wall_s": time.perf_counter() - start if not args.rescore else old.get("wall_s")}
-    RESULTS.parent.mkdir(parents=True, exist_ok=True)
-    RESULTS.write_text(json.dumps(result, indent=1) + "\n")
+    write_result(RESULTS, result, indent=1)
     goal = result["goal"]
     print(f"max |error|: all {result['max_abs_error']['all']}, held_out {result['max_abs_error']['held_out']}; "
           f"goal ({goal['text']}): {'met' if goal['met'] else 'not met' if goal['met'] is False else 'not scored'}"

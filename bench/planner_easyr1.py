@@ -20,9 +20,6 @@ imports included), which is what a user waits for before a launch.
 
 from __future__ import annotations
 
-import json
-import os
-import platform
 import statistics
 import subprocess
 import sys
@@ -32,6 +29,8 @@ from typing import Any
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
+
+from bench.provenance import write_result  # noqa: E402
 
 EASYR1 = {"source": "hiyouga/EasyR1 assets/baselines.md (v0.3.2), Performance Baselines, 7B rows at batch 1 / 2",
           "peak_vram_gb": {"AMP": 68, "BF16": 58}, "peak_cpu_mem_gb": 120}
@@ -124,15 +123,9 @@ def time_plan_command(repeats: int = 3) -> list[float]:
 
 
 def main() -> None:
-    import torch
-    import transformers
-
     variants = {name: plan_variant(extra) for name, extra in VARIANTS.items()}
     times = time_plan_command()
     result = {
-        "command": ".venv/bin/python bench/planner_easyr1.py",
-        "machine": {"cpus": os.cpu_count(), "python": platform.python_version(), "torch": torch.__version__,
-                    "transformers": transformers.__version__},
         "easyr1": EASYR1, "easytrain": variants,
         "bf16_vs_amp_states_per_gpu_gb": round(bf16_states_difference(), 1),
         "assumptions": ASSUMPTIONS,
@@ -141,7 +134,7 @@ def main() -> None:
     }
     result["comparison"] = explain(variants, result["bf16_vs_amp_states_per_gpu_gb"])
     out = ROOT / "bench" / "results" / "planner_easyr1.json"
-    out.write_text(json.dumps(result, indent=2) + "\n")
+    write_result(out, result)
     print(f"EasyR1: peak VRAM {EASYR1['peak_vram_gb']} GB, peak CPU memory {EASYR1['peak_cpu_mem_gb']} GB")
     for name, v in variants.items():
         print(f"easytrain, {name}: peak {v['device_peak_gb']} GB/GPU, host {v['host_peak_gb']} GB/node ({v['verdict']})")

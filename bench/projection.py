@@ -29,13 +29,14 @@ import json
 import math
 import statistics
 import sys
-import time
 from dataclasses import replace
 from pathlib import Path
 from typing import Any, Optional, Sequence
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
+
+from bench.provenance import command_line, write_result  # noqa: E402
 
 PRESET = ["+exp=qwen25vl_7b", "trainer.memory_check=off"]
 NODES = (1, 2, 4)
@@ -332,14 +333,12 @@ def main(argv: Optional[Sequence[str]] = None) -> dict[str, Any]:
                                "was chosen or fitted to them"}
     notes = assumptions(args, rows, driver)
     print(render(rows, notes, comparison))
-    command = "python bench/projection.py" + "".join(f" {x}" for x in (argv if argv is not None else sys.argv[1:]))
-    result = {"benchmark": "projection", "command": command,
-              "computed": time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime()),
+    result = {"benchmark": "projection",
               "preset": PRESET, "hardware_and_workload": {k: v for k, v in vars(args).items() if k != "out"},
               "assumptions": notes, "driver_cost_per_call_s": driver, "rows": rows,
               "easyr1": EASYR1, "comparison": comparison}
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(json.dumps(result, indent=2) + "\n")
+    # called with argv (tests), the command is the script with those arguments, not the caller's command line
+    write_result(Path(args.out), result, command=command_line([__file__, *argv]) if argv is not None else None)
     return result
 
 

@@ -20,8 +20,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import platform
 import shutil
 import statistics
 import sys
@@ -32,6 +30,8 @@ from typing import Any
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
+
+from bench.provenance import write_result  # noqa: E402
 
 BATCH = ["data.synthetic_size=64", "data.rollout_batch_size=16", "worker.rollout.n=4",
          "data.max_response_length=32", "worker.actor.global_batch_size=16",
@@ -154,6 +154,11 @@ def weight_sync(hidden: int, layers: int, bucket_mb: float, repeats: int, out_di
             "runs": records}
 
 
+def kept_from(previous: dict[str, Any]) -> dict[str, Any]:
+    """Commit and date of the results file a part is kept from (``--only`` re-measures the other part)."""
+    return {"commit": previous.get("commit"), "date": previous.get("date", previous.get("measured"))}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--repeats", type=int, default=5)
@@ -165,9 +170,6 @@ def main() -> None:
     args = parser.parse_args()
 
     import ray
-    import torch
-    import transformers
-    import vllm
 
     from easytrain.config.schema import RayConfig
     from easytrain.distributed.cluster import init_ray
@@ -177,32 +179,27 @@ def main() -> None:
     previous = json.loads(path.read_text()) if args.only and path.exists() else {}
     init_ray(RayConfig(num_cpus=8))  # logical CPUs: actor, rollout and engine workers coexist on 2 cores
     summary: dict[str, Any] = {
-        "benchmark": "rollout", "command": f"python bench/rollout.py --repeats {args.repeats} "
-                                           f"--sync-hidden {args.sync_hidden} --sync-layers {args.sync_layers} "
-                                           f"--bucket-mb {args.bucket_mb}",
-        "measured": time.strftime("%Y-%m-%d %H:%M:%S %Z"),
-        "machine": {"cpus": os.cpu_count(), "platform": platform.platform()},
-        "versions": {"torch": torch.__version__, "transformers": transformers.__version__, "ray": ray.__version__,
-                     "vllm": vllm.__version__},
+        "benchmark": "rollout",
         "settings": {"prompts": 16, "n": 4, "max_new_tokens": 32, "temperature": 1.0, "dtype": "float32",
-                     "workers_per_engine": 1},
+                     "workers_per_engine": 1, "repeats": args.repeats, "sync_hidden": args.sync_hidden,
+                     "sync_layers": args.sync_layers, "bucket_mb": args.bucket_mb},
     }
     if args.only == "sync":
         summary["generation"] = previous["generation"]
-        summary["generation_measured"] = previous.get("generation_measured", previous["measured"])
+        summary["generation_measured"] = previous.get("generation_measured") or kept_from(previous)
     else:
         summary["generation"] = {size: generation(size, args.repeats, out_dir) for size in ("tiny", "small")}
     summary["memcpy_gb_per_s"] = round(memcpy_gb_per_s(), 2)
     if args.only == "generation":
         summary["weight_sync"] = previous["weight_sync"]
-        summary["weight_sync_measured"] = previous.get("weight_sync_measured", previous["measured"])
+        summary["weight_sync_measured"] = previous.get("weight_sync_measured") or kept_from(previous)
     else:
         summary["weight_sync"] = weight_sync(args.sync_hidden, args.sync_layers, args.bucket_mb, args.repeats,
                                              out_dir)
     sync = summary["weight_sync"]
     sync["fraction_of_memcpy"] = round(sync["gb_per_s"] / summary["memcpy_gb_per_s"], 3)
     ray.shutdown()
-    path.write_text(json.dumps(summary, indent=2) + "\n")
+    write_result(path, summary)
     for size, result in summary["generation"].items():
         print(f"generation ({size} qwen2): HF {result['hf']['median_tokens_per_s']} tok/s, "
               f"vLLM {result['vllm']['median_tokens_per_s']} tok/s ({result['vllm_over_hf']}x)")

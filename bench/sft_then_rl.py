@@ -21,8 +21,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import platform
 import subprocess
 import sys
 import tempfile
@@ -31,6 +29,9 @@ from pathlib import Path
 from typing import Any
 
 ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from bench.provenance import write_result  # noqa: E402
 
 
 def run(name: str, *overrides: str) -> tuple[list[dict[str, Any]], float, str]:
@@ -63,14 +64,11 @@ def main() -> None:
     sft_val, rl_val = curve(sft, "val/reward/mean"), curve(rl, "val/reward/mean")
     record = {
         "benchmark": "sft_then_rl",
-        "command": "python bench/sft_then_rl.py" + (f" --rl-epochs {args.rl_epochs}" if args.rl_epochs != 2 else ""),
         "runs": ["python -m easytrain.main +exp=tiny_sft",
                  "python -m easytrain.main +exp=tiny_sft trainer.val_only=true model.path=<sft>/hf "
                  "data.blank_images=true",
                  f"python -m easytrain.main model.path=<sft>/hf data.max_response_length=4 "
                  f"trainer.total_epochs={args.rl_epochs} trainer.val_freq=16"],
-        "measured": time.strftime("%Y-%m-%d %H:%M:%S %Z"),
-        "machine": {"cpus": os.cpu_count(), "platform": platform.platform()},
         "chance_accuracy": 0.25,
         "sft": {"wall_s": round(sft_s, 1), "train_loss": curve(sft, "train/loss")[::8] + curve(sft, "train/loss")[-1:],
                 "val_loss": curve(sft, "val/loss"), "val_accuracy": sft_val},
@@ -81,7 +79,7 @@ def main() -> None:
                               len([r for r in rl if "time/step" in r]) // 2]},
     }
     out = ROOT / "bench" / "results" / "sft_then_rl.json"
-    out.write_text(json.dumps(record, indent=2) + "\n")
+    write_result(out, record)
     print(f"SFT ({sft_s:.0f} s): train loss {record['sft']['train_loss'][0][1]} -> {record['sft']['train_loss'][-1][1]}; "
           f"held-out accuracy {' '.join(f'{s}:{a}' for s, a in sft_val)}")
     print(f"SFT model, images blanked: accuracy {record['sft_blank_images']['val_accuracy'][-1][1]} (chance 0.25)")

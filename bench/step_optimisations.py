@@ -38,6 +38,10 @@ import tempfile
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from bench.provenance import write_result  # noqa: E402
+
 SWITCHES = ["model.dedupe_images", "worker.rollout.share_prefill", "worker.rollout.drop_finished",
             "worker.actor.share_prompt"]
 VARIANTS = {"plain": [f"{s}=false" for s in SWITCHES], "optimised": [f"{s}=true" for s in SWITCHES]}
@@ -81,12 +85,11 @@ def main() -> None:
         table[size]["speedup_generate"] = round(plain["median_phase_s"]["generate"]
                                                 / fast["median_phase_s"]["generate"], 3)
     result = {"benchmark": "step_optimisations",
-              "command": " ".join(["python bench/step_optimisations.py", *sys.argv[1:]]),
               "variants": VARIANTS, "settings": {"repeats": args.repeats, "steps_per_run": args.steps,
                                                  "per_run": "bench/grpo_step.py settings"},
               "results": table}
     path = ROOT / "bench" / "results" / "step_optimisations.json"
-    path.write_text(json.dumps(result, indent=2) + "\n")
+    write_result(path, result)
     for size, rows in table.items():
         for name in VARIANTS:
             r = rows[name]

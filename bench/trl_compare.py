@@ -72,7 +72,6 @@ import argparse
 import hashlib
 import json
 import os
-import platform
 import statistics
 import subprocess
 import sys
@@ -84,6 +83,9 @@ from typing import Any, Optional
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
+
+from bench.provenance import command_line, git_state, utc_now, write_result  # noqa: E402
+
 RESULT = ROOT / "bench" / "results" / "trl_compare.json"
 DEFAULT_BENCH_PYTHON = os.environ.get("EASYTRAIN_BENCH_PYTHON", "/work/bench-venv/bin/python")
 ONE_WORKER = ["trainer.workers_per_node=1", "worker.actor.micro_batch_size_per_device_for_update=32",
@@ -286,14 +288,6 @@ def sha256(path: Path) -> str:
     return digest.hexdigest()
 
 
-def git_state() -> dict[str, Any]:
-    def git(*args: str) -> str:
-        return subprocess.run(["git", *args], cwd=ROOT, capture_output=True, text=True).stdout.strip()
-    dirty = git("status", "--porcelain", "--untracked-files=no")
-    return {"commit": git("rev-parse", "HEAD"), "dirty_files": dirty.splitlines(),
-            "diff_sha1": hashlib.sha1(git("diff", "HEAD").encode()).hexdigest() if dirty else None}
-
-
 def summarise(runs: dict[str, list[dict[str, Any]]]) -> dict[str, Any]:
     median = statistics.median
     out: dict[str, Any] = {}
@@ -346,7 +340,7 @@ def main() -> None:
 
     from easytrain.models.tiny import build_tiny, count_parameters
 
-    command = " ".join(["python bench/trl_compare.py", *sys.argv[1:]])
+    command = command_line()
     previous: dict[str, Any] = {}
     if args.out.is_file() and not args.fresh:
         previous = json.loads(args.out.read_text())
@@ -381,7 +375,7 @@ def main() -> None:
                 runs[variant].append(result)
                 print(f"{key} {variant:16s} run {repeat + 1}: {result['median_step_s']:.3f} s/step, "
                       f"{result['median_tokens_per_s']:.0f} tok/s (wall {result['run_wall_s']} s)", flush=True)
-        entry = {"command": command, "measured": time.strftime("%Y-%m-%d %H:%M:%S %Z"),
+        entry = {"command": command, "measured": utc_now(),
                  "model": f"tiny:{args.family} ({size})", "model_folder": str(folder),
                  "parameters": count_parameters(folder), "weights_sha256": sha256(folder / "model.safetensors"),
                  "repeats": args.repeats, "steps_per_run": args.steps, "warmup_steps_per_run": args.warmup,
@@ -391,12 +385,12 @@ def main() -> None:
         trl_versions = next((r["versions"] for r in runs.get("trl", [])), None)
         et_versions = next((r["versions"] for v, rs in runs.items() if v != "trl" for r in rs), None)
         commands = list(dict.fromkeys([*previous.get("commands", []), command]))
+        previous_sides = previous.get("side_versions") or previous.get("versions", {})
         result_file = {
             "benchmark": "trl_compare",
             "commands": commands,
-            "machine": {"cpus": os.cpu_count(), "platform": platform.platform()},
-            "versions": {"easytrain_side": et_versions or previous.get("versions", {}).get("easytrain_side"),
-                         "trl_side": trl_versions or previous.get("versions", {}).get("trl_side")},
+            "side_versions": {"easytrain_side": et_versions or previous_sides.get("easytrain_side"),
+                              "trl_side": trl_versions or previous_sides.get("trl_side")},
             "settings": {"prompts_per_step": 8, "samples_per_prompt": 4, "new_tokens": 32, "kl_coef_beta": 0.04,
                          "kl_estimator": "k3 (easytrain low_var_kl; TRL's)", "kl_in_loss": True,
                          "loss": "token-mean (TRL loss_type=dapo)", "clip": [0.2, 0.28], "lr": 1e-3,
@@ -413,7 +407,7 @@ def main() -> None:
                          "ratio": "step_rate = TRL s/step / easytrain s/step (>1: easytrain faster)"},
             "results": entries,
         }
-        args.out.write_text(json.dumps(result_file, indent=2, default=str) + "\n")
+        write_result(args.out, result_file)
         print(f"\n{key}: parameters {entry['parameters']:,}")
         for variant, row in entry["variants"].items():
             print(f"  {variant:16s} {row['median_step_s']:.3f} s/step  {row['median_tokens_per_s']:7.1f} tok/s  "

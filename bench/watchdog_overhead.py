@@ -15,7 +15,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import statistics
 import subprocess
 import sys
@@ -29,6 +28,7 @@ import psutil
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from bench.provenance import write_result  # noqa: E402
 from easytrain.memory.readings import node_ram, process_rss  # noqa: E402
 
 
@@ -73,9 +73,7 @@ def main() -> None:
     boundary_share = median(r["time/watchdog"] / r["time/step"] for r in on)
     sampler_share = per_sample / period / (psutil.cpu_count() or 1)
     report = {
-        "benchmark": "watchdog_overhead", "command": "python bench/watchdog_overhead.py " + " ".join(sys.argv[1:]),
-        "measured": time.strftime("%Y-%m-%d %H:%M:%S %Z"),
-        "machine": {"cpus": os.cpu_count(), "platform": platform.platform()},
+        "benchmark": "watchdog_overhead",
         "setting": f"default preset (+exp=tiny), {args.steps} steps per run, first {args.warmup} dropped, "
                    f"watchdog.sample_period_s={period}, on/off alternated {args.repeats} times",
         "sample_ms": round(per_sample * 1e3, 3),
@@ -87,7 +85,7 @@ def main() -> None:
         "goal": "sampling under 1% of step time",
         "goal_met": bool(boundary_share + sampler_share < 0.01),
     }
-    Path(args.out).write_text(json.dumps(report, indent=1) + "\n")
+    write_result(Path(args.out), report, indent=1)
     print(json.dumps(report, indent=1))
 
 

@@ -14,8 +14,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import platform
 import random
 import shutil
 import sys
@@ -28,6 +26,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "tests"))
 
+from bench.provenance import write_result  # noqa: E402
 from pressure_harness import EXIT_MEMORY, HARD_MB, WATCH, limits, records  # noqa: E402
 from resume_harness import STEPS, Run, data_order, final_weights, logged_steps, max_difference  # noqa: E402
 
@@ -85,15 +84,13 @@ def main() -> None:
         if result["passed"]:
             shutil.rmtree(run_dir, ignore_errors=True)
     passed = sum(r["passed"] for r in results)
-    report = {"command": "python bench/watchdog_pressure.py " + " ".join(sys.argv[1:]),
-              "machine": {"cpus": os.cpu_count(), "python": platform.python_version()},
-              "setting": f"tests/resume_harness.py RUN_ARGS + tests/pressure_harness.py WATCH: tiny Qwen2.5-VL, "
+    report = {"setting": f"tests/resume_harness.py RUN_ARGS + tests/pressure_harness.py WATCH: tiny Qwen2.5-VL, "
                          f"{STEPS} steps, checkpoint every step; {HARD_MB} MB held in a reward worker",
               "reference_peak_node_ram_gb": round(peak / 2**30, 3), "thresholds": thresholds,
               "passed": f"{passed}/{len(results)}",
               "steps_lost_total": sum(r.get("steps_lost", 0) for r in results if "steps_lost" in r),
               "trials": results, "work_dir": str(work)}
-    Path(args.out).write_text(json.dumps(report, indent=1) + "\n")
+    write_result(Path(args.out), report, indent=1)
     print(f"watchdog hard stop + resume: {passed}/{len(results)} trials ended exactly as the uninterrupted run, "
           f"{report['steps_lost_total']} step(s) lost -> {args.out}")
     if passed == len(results):
