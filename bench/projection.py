@@ -239,7 +239,7 @@ def driver_costs(files: Sequence[str]) -> dict[str, float]:
     rest of the step's orchestration (driver loop, reward wait); the max over the given files."""
     out: dict[str, float] = {}
     for name in files:
-        steps = json.loads((ROOT / name if not Path(name).is_absolute() else Path(name)).read_text())["steps"]
+        steps = load_measured(name)["steps"]
         phases = list(steps[0]["worker_busy_s"])
         cost = {ph: statistics.median(x["phases_s"][ph] - x["worker_busy_s"][ph] for x in steps) for ph in phases}
         cost["rest"] = statistics.median(x["orchestration_s"] - sum(x["phases_s"][ph] - x["worker_busy_s"][ph]
@@ -247,6 +247,17 @@ def driver_costs(files: Sequence[str]) -> dict[str, float]:
         for k, v in cost.items():
             out[k] = max(out.get(k, 0.0), v)
     return out
+
+
+def load_measured(name: str) -> dict[str, Any]:
+    """A grpo_step.py results file, by path (relative to the repository unless absolute)."""
+    return json.loads((ROOT / name if not Path(name).is_absolute() else Path(name)).read_text())
+
+
+def input_provenance(files: Sequence[str]) -> dict[str, dict[str, Any]]:
+    """Commit and date of each measured input (a re-measured input means this projection is due again)."""
+    records = {name: load_measured(name) for name in files}
+    return {name: {"commit": r.get("commit"), "date": r.get("date", r.get("measured"))} for name, r in records.items()}
 
 
 def assumptions(args: argparse.Namespace, rows: list[dict[str, Any]], driver: dict[str, float]) -> list[str]:
@@ -335,7 +346,8 @@ def main(argv: Optional[Sequence[str]] = None) -> dict[str, Any]:
     print(render(rows, notes, comparison))
     result = {"benchmark": "projection",
               "preset": PRESET, "hardware_and_workload": {k: v for k, v in vars(args).items() if k != "out"},
-              "assumptions": notes, "driver_cost_per_call_s": driver, "rows": rows,
+              "assumptions": notes, "driver_cost_per_call_s": driver,
+              "driver_cost_measured_at": input_provenance(args.measured), "rows": rows,
               "easyr1": EASYR1, "comparison": comparison}
     # called with argv (tests), the command is the script with those arguments, not the caller's command line
     write_result(Path(args.out), result, command=command_line([__file__, *argv]) if argv is not None else None)
