@@ -11,8 +11,9 @@ to its sinks; ``MetricsLogger.add`` takes any other object with ``log`` and
 - ``tensorboard``: event files in ``<run>/tensorboard/<experiment_name>/``.
 - ``wandb``: offline into ``<run>/wandb/`` unless ``WANDB_MODE`` says otherwise or
   ``WANDB_API_KEY`` is set (then online); ``wandb sync <run>/wandb/offline-run-*`` uploads later.
+  Offline reaches no network (W&B's telemetry included).
 - ``mlflow``: a file store at ``<run>/mlruns`` unless ``MLFLOW_TRACKING_URI`` is set
-  (``mlflow ui --backend-store-uri <run>/mlruns`` shows it).
+  (``mlflow ui --backend-store-uri <run>/mlruns`` shows it); with the file store MLflow's telemetry is off.
 
 W&B and MLflow are imported only when selected; validation refuses them when
 their package is missing. A resumed run continues the same W&B / MLflow run
@@ -141,9 +142,12 @@ class WandbSink:
     def __init__(self, folder: Path, project: str, run_name: str, config: Optional[dict[str, Any]]) -> None:
         import wandb
 
+        mode = wandb_mode()
+        if mode is not None:  # the process-wide settings too: their telemetry exporter probes the server unless
+            wandb.setup(wandb.Settings(mode=mode))  # offline (wandb 0.31 does so even for an offline run)
         run_id = _run_id(folder, "wandb") or uuid.uuid4().hex[:12]
         self.run: Optional[Any] = wandb.init(project=project, name=run_name, id=run_id, resume="allow",
-                                             dir=str(folder), mode=wandb_mode(), config=config)
+                                             dir=str(folder), mode=mode, config=config)
         _save_run_id(folder, "wandb", run_id)
         self.run.define_metric("step")
         self.run.define_metric("*", step_metric="step")
@@ -171,6 +175,8 @@ def mlflow_uri(folder: Path, env: Optional[dict[str, str]] = None) -> str:
 ALLOW_FILE_STORE = "MLFLOW_ALLOW_FILE_STORE"
 """MLflow 3 refuses a file store unless this is true (it keeps the store "in maintenance mode"); easytrain's
 offline default sets it, an explicit ``MLFLOW_TRACKING_URI`` (e.g. ``sqlite:///mlflow.db``) does not need it."""
+NO_TELEMETRY = "MLFLOW_DISABLE_TELEMETRY"
+"""MLflow 3 sends usage telemetry unless this is true; easytrain's offline default (the file store) sets it."""
 
 
 def _mlflow_params(config: dict[str, Any], prefix: str = "") -> dict[str, str]:
@@ -189,11 +195,12 @@ class MlflowSink:
     """An MLflow run through ``MlflowClient`` (no global active run); the config goes in as params."""
 
     def __init__(self, folder: Path, project: str, run_name: str, config: Optional[dict[str, Any]]) -> None:
+        uri = mlflow_uri(folder)
+        if uri.startswith("file:"):  # offline: no telemetry either (MLflow reads the switch when imported)
+            os.environ.setdefault(ALLOW_FILE_STORE, "true")
+            os.environ.setdefault(NO_TELEMETRY, "true")
         from mlflow.tracking import MlflowClient
 
-        uri = mlflow_uri(folder)
-        if uri.startswith("file:"):
-            os.environ.setdefault(ALLOW_FILE_STORE, "true")
         self.client = MlflowClient(tracking_uri=uri)
         run_id = _run_id(folder, "mlflow")
         if run_id is not None:
