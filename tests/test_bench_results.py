@@ -104,7 +104,10 @@ def test_result_carries_provenance(path: Path) -> None:
     missing = [key for key in REQUIRED if key not in record]
     assert not missing, f"bench/results/{path.name} lacks {missing}: not written by bench/provenance.py; " \
                         f"{rerun(path, record)}"
-    datetime.fromisoformat(record["date"])
+    try:
+        datetime.fromisoformat(record["date"])
+    except (TypeError, ValueError):
+        pytest.fail(f"bench/results/{path.name}: date {record['date']!r} is not ISO 8601; {rerun(path, record)}")
     machine = record["machine"]
     assert isinstance(machine, dict) and all(k in machine for k in MACHINE_KEYS), \
         f"bench/results/{path.name}: machine {machine!r} lacks {MACHINE_KEYS}; {rerun(path, record)}"
