@@ -8,7 +8,9 @@ Three question types, equally frequent, each with exactly balanced answers
 - largest: "Which shape is the largest?"               circle | square | triangle
 - colour:  "What colour is the square?"                red | green | blue | yellow
 
-``difficulty`` adds distractor shapes and grows the canvas. The text-only
+``difficulty`` adds distractor shapes and grows the canvas; at 0 the colour
+question's one shape is drawn large (radius 26-34 px of 112), so its colour is
+what the image mostly shows (a tiny random model learns it reliably). The text-only
 variant describes the same scene in words instead of showing it, for text
 models. Splits are generated deterministically from (seed, split) and written
 to parquet in the geometry3k schema (``images`` as a list of
@@ -33,7 +35,7 @@ COLOURS = {"red": (220, 40, 40), "green": (40, 170, 60), "blue": (40, 80, 220), 
 QUESTION_TYPES = ("count", "largest", "colour")
 COUNTS = ("1", "2", "3", "4")
 INSTRUCTION = " Put the final answer in \\boxed{}."
-VERSION = 1
+VERSION = 2
 
 
 @dataclass
@@ -65,7 +67,8 @@ def _scene(kind: str, answer: str, rng: random.Random, difficulty: int) -> tuple
                  for s in [s for s in SHAPES if s != answer] + [rng.choice(SHAPES) for _ in range(extra)]]
         return [big, *small], "Which shape is the largest: circle, square or triangle?"
     shape = rng.choice(SHAPES)
-    target = Item(shape, answer, rng.randint(14, 22))
+    # alone on the canvas (difficulty 0) the shape is drawn large: its colour is the image's main signal
+    target = Item(shape, answer, rng.randint(26, 34) if difficulty == 0 else rng.randint(14, 22))
     others = [Item(rng.choice([s for s in SHAPES if s != shape]), rng.choice(list(COLOURS)), rng.randint(10, 18))
               for _ in range(extra)]
     return [target, *others], f"What colour is the {shape}?"
