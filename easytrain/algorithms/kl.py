@@ -26,6 +26,14 @@ def kl_penalty(log_probs: torch.Tensor, ref_log_probs: torch.Tensor, kind: str) 
     raise ValueError(f"unknown kl_penalty {kind!r}")
 
 
+def kl_in_reward(rewards: torch.Tensor, log_probs: torch.Tensor, ref_log_probs: torch.Tensor,
+                 response_mask: torch.Tensor, coef: float, kind: str) -> tuple[torch.Tensor, float]:
+    """KL in the reward: each response's reward minus ``coef`` times its summed per-token KL estimate; and the
+    token mean of that estimate over the batch's response tokens (what an adaptive coefficient steers)."""
+    kl = kl_penalty(log_probs, ref_log_probs, kind) * response_mask
+    return rewards - coef * kl.sum(-1), float(kl.sum() / response_mask.sum().clamp(min=1))
+
+
 class KLController:
     """Fixed coefficient, or adaptive toward a target KL (proportional control, error clipped to +-20%)."""
 

@@ -16,7 +16,7 @@ from typing import Any, Iterator, Optional
 import torch
 
 from easytrain.algorithms.advantages import compute_advantages, token_advantages
-from easytrain.algorithms.kl import KLController, kl_penalty
+from easytrain.algorithms.kl import KLController, kl_in_reward
 from easytrain.config.schema import Config
 from easytrain.distributed.batch import Batch
 from easytrain.distributed.group import WorkerGroup
@@ -74,14 +74,15 @@ class RLTrainer(Trainer):
             if not (self.on_policy and self.config.worker.actor.reuse_log_probs_on_policy):
                 batch = batch.union(self.log_probs(self.roles.actor, "compute_log_probs", batch))
         with timer("advantages"):
-            batch = self.add_advantages(batch, scores)
+            batch, shaping = self.add_advantages(batch, scores)
         with timer("update"):
             update = self.update(batch)
         with timer("sync"):
             synced = self.roles.transport.sync(self.roles.actor, self.roles.rollout)
         metrics = {**reward_metrics(scores), **response_metrics(batch, self.config.data.max_response_length),
-                   **reduce_update_metrics(update), **sampling, **synced, **log_prob_agreement(batch)}
-        self.kl.update(metrics.get("actor/kl_loss", 0.0), len(batch))
+                   **reduce_update_metrics(update), **sampling, **synced, **log_prob_agreement(batch), **shaping}
+        # the KL the coefficient weighs: in the loss (the update's token mean) or in the reward (the rollout's)
+        self.kl.update(metrics.get("actor/kl_loss", metrics.get("actor/reward_kl", 0.0)), len(batch))
         metrics["actor/kl_coef"] = self.kl.coef
         metrics.update(timer.times)
         metrics["time/step"] = time.perf_counter() - start
@@ -130,17 +131,20 @@ class RLTrainer(Trainer):
         batch.meta["texts"] = texts
         return batch, table
 
-    def add_advantages(self, batch: Batch, scores: dict[str, torch.Tensor]) -> Batch:
+    def add_advantages(self, batch: Batch, scores: dict[str, torch.Tensor]) -> tuple[Batch, dict[str, float]]:
+        """Per-token advantages of each response's reward (minus the KL when it is in the reward); with the KL in
+        the reward, its token mean as ``actor/reward_kl``."""
         a, n = self.config.algorithm, self.config.worker.rollout.n
         rewards = scores["overall"].to(torch.float32)
         mask = batch["response_mask"]
+        metrics: dict[str, float] = {}
         if not a.use_kl_loss and "ref_log_probs" in batch:  # KL in the reward, of the actor's log-probs
             policy = batch["old_log_probs"] if "old_log_probs" in batch else batch["rollout_log_probs"]
-            kl = kl_penalty(policy, batch["ref_log_probs"], a.kl_penalty)
-            rewards = rewards - self.kl.coef * (kl * mask).sum(-1)
+            rewards, metrics["actor/reward_kl"] = kl_in_reward(rewards, policy, batch["ref_log_probs"], mask,
+                                                               self.kl.coef, a.kl_penalty)
         groups = torch.arange(len(batch)) // n
         advantages = compute_advantages(a.adv_estimator, rewards, groups, a.norm_adv_by_std)
-        return batch.union(Batch({"advantages": token_advantages(advantages, mask)}))
+        return batch.union(Batch({"advantages": token_advantages(advantages, mask)})), metrics
 
     def log_probs(self, group: WorkerGroup, method: str, batch: Batch) -> Batch:
         """Per-token log-probs from ``group``: fixed padded micro batches, or token-budget padding-free ones."""
