@@ -193,7 +193,8 @@ def log_in_this_process(run_dir: str, loggers: str, first: str, last: str, reach
     logger.close()
 
 
-CHILD = "import sys; sys.path.insert(0, sys.argv[1]); import test_loggers; test_loggers.log_in_this_process(*sys.argv[2:])"
+CHILD = ("import sys; sys.path.insert(0, sys.argv[1]); import test_loggers; "
+         "test_loggers.log_in_this_process(*sys.argv[2:])")
 NOT_INHERITED = ("WANDB_", "MLFLOW_", "PYTEST_", "CI", "GITHUB_ACTIONS", "DO_NOT_TRACK")
 """Left out of the child's environment: no server, key or mode chosen, and nothing that tells MLflow it runs
 under a test or CI (it turns its telemetry off by itself there: the logger must)."""
