@@ -4,8 +4,9 @@
 - ``ray_two_nodes``: a 2-node Ray cluster on this machine (``ray.cluster_utils.Cluster``, 2 CPUs each);
   tests using it run last, because only one Ray can be connected at a time.
 - ``tiny_model``: ``tiny_model(family, size)`` builds a tiny model once per session.
-- ``default_run``: the default run shortened to ``DEFAULT_RUN_STEPS`` steps, once per session (its own
-  Ray, in a subprocess); the watchdog, logger and report tests read its run folder.
+- ``default_run``: the README's first command, the default run as it ships (``DEFAULT_RUN_STEPS`` steps),
+  once per session (its own Ray, in a subprocess); the learning, watchdog, logger and report tests read its
+  run folder.
 - markers: ``slow`` (end-to-end; ``pytest -m 'not slow'`` skips them), ``gpu``
   (skipped without CUDA).
 """
@@ -158,22 +159,22 @@ def uninterrupted_run(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, i
     return run_dir, peak
 
 
-DEFAULT_RUN_STEPS = 10
+DEFAULT_RUN_STEPS = 192
+"""conf/exp/tiny.yaml: 512 synthetic prompts / 16 per step x 6 epochs."""
 
 
 @pytest.fixture(scope="session")
 def default_run(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """``python -m easytrain.main`` as it ships (watchdog, loggers, report), ``DEFAULT_RUN_STEPS`` steps, no
-    validation before training and no dashboard; its run folder."""
+    """``python -m easytrain.main`` as it ships (watchdog, loggers, validation, report; no dashboard), all of its
+    ``DEFAULT_RUN_STEPS`` steps; its run folder."""
     import subprocess
     import sys
 
     run_dir = tmp_path_factory.mktemp("default") / "run"
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
     env.pop("RAY_ADDRESS", None)
-    proc = subprocess.run([sys.executable, "-m", "easytrain.main", f"trainer.max_steps={DEFAULT_RUN_STEPS}",
-                           "trainer.val_before_train=false", "ray.include_dashboard=false", f"hydra.run.dir={run_dir}"],
-                          cwd=Path(__file__).resolve().parents[1], env=env, capture_output=True, text=True,
-                          timeout=900)
+    proc = subprocess.run([sys.executable, "-m", "easytrain.main", "ray.include_dashboard=false",
+                           f"hydra.run.dir={run_dir}"], cwd=Path(__file__).resolve().parents[1], env=env,
+                          capture_output=True, text=True, timeout=1200)
     assert proc.returncode == 0, proc.stderr[-3000:]
     return run_dir

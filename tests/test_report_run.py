@@ -1,4 +1,4 @@
-"""The default run, shortened (conftest's ``default_run``), as it ships: TensorBoard event files hold every
+"""The default run (conftest's ``default_run``), as it ships: TensorBoard event files hold every
 step's metrics, the run folder keeps its resolved config, and the report's PNGs (beside memory.png) and
 index.html are written when the run closes."""
 
@@ -24,7 +24,7 @@ def test_tensorboard_event_files_hold_the_runs_step_metrics(default_run: Path) -
                 "perf/tokens_per_s"):
         assert [s for s, _ in scalars[key]] == list(range(1, STEPS + 1)), key
         assert [v for _, v in scalars[key]] == pytest.approx([r[key] for r in train], rel=1e-6, abs=1e-6), key
-    assert [s for s, _ in scalars["val/reward/mean"]] == [STEPS]
+    assert [s for s, _ in scalars["val/reward/mean"]] == list(range(0, STEPS + 1, 32))  # before training, every 32
 
 
 def test_the_report_shows_the_runs_plots_and_config(default_run: Path) -> None:
@@ -34,5 +34,5 @@ def test_the_report_shows_the_runs_plots_and_config(default_run: Path) -> None:
     for name in shown:
         assert_nontrivial_png(default_run / name)
     config = (default_run / "config.yaml").read_text()
-    assert "experiment_name: tiny" in config and f"max_steps: {STEPS}" in config
-    assert "<h1>tiny (run)</h1>" in page and f"max_steps: {STEPS}" in page and "<td>reward/mean</td>" in page
+    assert "experiment_name: tiny" in config and "total_epochs: 6" in config and "val_freq: 32" in config
+    assert "<h1>tiny (run)</h1>" in page and "total_epochs: 6" in page and "<td>reward/mean</td>" in page

@@ -1,4 +1,4 @@
-"""The default run, shortened, with the watchdog on as it ships: memory.jsonl covers every process of the
+"""The default run, with the watchdog on as it ships: memory.jsonl covers every process of the
 run on its node, memory.png is drawn, and nothing is flagged on a healthy run."""
 
 from __future__ import annotations

@@ -87,8 +87,11 @@ class LeakDetector:
 
     warmup: int = 5
     threshold_mb: float = 20.0
-    window: int = 16
-    min_points: int = 8
+    window: int = 32
+    min_points: int = 24
+    """A claim spans 24-32 steps: a node's RAM is shared with Ray's object store and whatever else runs there,
+    which here rise and fall by ~0.5 GB over 8-16 steps (the default run's node, step by step); a window of two
+    such cycles keeps them from reading as a leak, while a process that really grows keeps growing in it."""
     steady: float = 0.6
     series: dict[str, list[tuple[int, float]]] = field(default_factory=dict)
     reported: set[str] = field(default_factory=set)
