@@ -116,6 +116,8 @@ def main() -> None:
     parser.add_argument("--list", action="store_true", help="list the mutants and exit")
     parser.add_argument("--timeout", type=int, default=900, help="seconds per mutant's test run")
     parser.add_argument("--out", type=Path, help="also write the verdicts as JSON here")
+    parser.add_argument("--tests", nargs="*", help="run these test files for every chosen mutant instead of its own "
+                                                   "(e.g. to see that a second test catches it too)")
     args = parser.parse_args()
     chosen = [m for m in MUTANTS if not args.only or m.name in args.only]
     unknown = set(args.only or ()) - {m.name for m in MUTANTS}
@@ -127,6 +129,8 @@ def main() -> None:
         return
     verdicts = []
     for mutant in chosen:
+        if args.tests:
+            mutant = Mutant(mutant.name, mutant.path, mutant.old, mutant.new, tuple(args.tests))
         verdict = check(mutant, args.timeout)
         verdicts.append(verdict)
         print(f"{verdict['mutant']:26} {verdict['verdict']:8} {verdict.get('seconds', '')!s:>7}  "

@@ -37,6 +37,9 @@ N, PROMPTS, PER_STEP_PROMPTS, EPOCHS, RESPONSE = 4, 8, 2, 2, 6
 LR, WARMUP, BETAS, WEIGHT_DECAY, MAX_NORM = 3e-3, 3, (0.9, 0.999), 0.01, 0.5
 CLIP_LOW, CLIP_HIGH, CLIP_DUAL, KL_COEF, TEMPERATURE = 0.02, 0.03, 1.5, 0.05, 0.9
 SYNTHETIC_SIZE, EPOCHS_OF_DATA = 32, 2
+STOPS = [chr(c) for c in range(ord("A"), ord("Z") + 1)] + [chr(c) for c in range(ord("a"), ord("z") + 1)]
+"""Single-letter tokens that end a response (~5% of the random model's draws): responses of varied lengths, so
+the response mask and the per-sequence means matter."""
 SPREAD = Path(__file__).parent / "assets" / "spread_reward.py"  # scores spread over any responses: non-zero advantages
 VISION_TOKENS = ("image_token_id", "video_token_id", "vision_start_token_id", "vision_end_token_id")
 
@@ -60,6 +63,7 @@ def offpolicy_config(tmp: Path, ranks: int, mode: str) -> Config:
         "data.num_workers=0", f"data.synthetic_size={SYNTHETIC_SIZE}", "data.synthetic_val_size=4",
         f"trainer.total_epochs={EPOCHS_OF_DATA}", f"data.rollout_batch_size={PROMPTS}",
         f"data.max_response_length={RESPONSE}", f"worker.rollout.n={N}", f"worker.rollout.temperature={TEMPERATURE}",
+        f"worker.rollout.stop_tokens=[{','.join(STOPS)}]",
         f"worker.actor.global_batch_size={PER_STEP_PROMPTS}", f"worker.actor.ppo_epochs={EPOCHS}",
         "worker.actor.micro_batch_size_per_device_for_update=2", f"worker.actor.loss_agg_mode={mode}",
         f"worker.actor.clip_ratio_low={CLIP_LOW}", f"worker.actor.clip_ratio_high={CLIP_HIGH}",
@@ -178,6 +182,8 @@ def test_offpolicy_multi_epoch_update_equals_the_formulas(ray_local: None, tmp_p
         trainer.roles.shutdown()
     (batch, scores), = trainer.generated
     assert batch.meta["uids"] == [u for u in dict.fromkeys(batch.meta["uids"]) for _ in range(N)]  # grouped rows
+    lengths = batch["response_mask"].sum(1)
+    assert 0 < int((lengths < RESPONSE).sum()) < len(batch) // 2, lengths  # some stopped early, most did not
     total = (SYNTHETIC_SIZE // PROMPTS) * EPOCHS_OF_DATA * (PROMPTS // PER_STEP_PROMPTS) * EPOCHS
     expected, weights = reference_run(config, initial, batch, scores["overall"].float(), total)
 
