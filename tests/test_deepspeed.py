@@ -89,7 +89,7 @@ def actor_config(strategy: str = "fsdp", stage: int = 3, offload_optimizer: bool
 def load(folder: str, lora: bool = False) -> nn.Module:
     """The model as the workers build it: fp32, whole, the same weights every time (LoRA: vision frozen too)."""
     from easytrain.models.hf import load_model
-    from easytrain.workers.base import apply_lora
+    from easytrain.models.parts import apply_lora
 
     torch.manual_seed(0)
     model = load_model(ModelConfig(), folder, dtype="float32")

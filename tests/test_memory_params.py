@@ -68,7 +68,7 @@ def test_trainable_counts_follow_the_actors_own_set_up(tiny_model: Any, extra: l
     """The meta model goes through the same freeze_parts/apply_lora as the actor's real one."""
     from easytrain.config import load
     from easytrain.memory.params import trainable_parameters
-    from easytrain.workers.base import apply_lora, freeze_parts
+    from easytrain.models.parts import apply_lora, freeze_parts
 
     config = load(["model.tiny_size=small", *extra]).model
     model = model_class_for("qwen2_5_vl").from_pretrained(tiny_model("qwen2_5_vl", "small"))

@@ -86,7 +86,7 @@ def _actor_model(hf_config: dict[str, Any], model_cfg: Any) -> Any:
     the LoRA adapters."""
     import torch
 
-    from easytrain.workers.base import apply_lora, freeze_parts
+    from easytrain.models.parts import apply_lora, freeze_parts
 
     model = meta_model(hf_config)
     freeze_parts(model, model_cfg.freeze_vision_tower, model_cfg.freeze_aligner, model_cfg.freeze_llm)

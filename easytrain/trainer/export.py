@@ -60,7 +60,7 @@ def export(checkpoint: str | Path, out: str | Path, merge: bool = False, dtype: 
     import torch
 
     from easytrain.models.hf import load_image_processor, load_model, load_tokenizer, model_folder
-    from easytrain.workers.base import apply_lora
+    from easytrain.models.parts import apply_lora
 
     folder = resolve(checkpoint)
     config = checkpoint_config(folder)
