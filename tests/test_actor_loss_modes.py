@@ -15,7 +15,6 @@ the whole mini batch's loss, computed here from the model's logits:
 from __future__ import annotations
 
 import dataclasses
-from typing import Callable
 
 import pytest
 import torch
@@ -26,25 +25,12 @@ from easytrain.distributed.batch import Batch
 from easytrain.workers.actor import ActorWorker
 from easytrain.workers.forward import suppressed_tokens
 
+from reference import aggregate, kl_estimate, ppo_token_loss
 from rl_batches import grads, rl_config, rollout_batch
 
 MODES = ("token-mean", "seq-mean-token-mean")
 KL_COEF = 0.3
 TEMPERATURE = 0.7
-Aggregate = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
-
-
-def token_mean(values: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-    return (values * mask).sum() / mask.sum()
-
-
-def seq_mean_token_mean(values: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-    return ((values * mask).sum(-1) / mask.sum(-1)).mean()
-
-
-AGGREGATES: dict[str, Aggregate] = {"token-mean": token_mean, "seq-mean-token-mean": seq_mean_token_mean}
-
-
 def log_probs_by_hand(model: torch.nn.Module, batch: Batch) -> torch.Tensor:
     """log softmax(logits / T) of each response token, from the model's logits over the whole sequence."""
     attention = batch["attention_mask"]
@@ -56,26 +42,15 @@ def log_probs_by_hand(model: torch.nn.Module, batch: Batch) -> torch.Tensor:
     return torch.log_softmax(scaled, -1).gather(-1, responses[..., None]).squeeze(-1)
 
 
-def ppo_token_loss(log_probs: torch.Tensor, old: torch.Tensor, advantages: torch.Tensor,
-                   cfg: ActorConfig) -> torch.Tensor:
-    ratio = torch.exp(log_probs - old)
-    clipped = ratio.clamp(1 - cfg.clip_ratio_low, 1 + cfg.clip_ratio_high)
-    loss = torch.maximum(-advantages * ratio, -advantages * clipped)
-    return torch.where(advantages < 0, torch.minimum(loss, -advantages * cfg.clip_ratio_dual), loss)
-
-
-def k3(log_probs: torch.Tensor, ref: torch.Tensor) -> torch.Tensor:
-    d = ref - log_probs
-    return torch.exp(d) - d - 1
-
-
 def expected_loss(model: torch.nn.Module, batch: Batch, config: Config) -> torch.Tensor:
     mask = batch["response_mask"].float()
     log_probs = log_probs_by_hand(model, batch)
-    aggregate = AGGREGATES[config.worker.actor.loss_agg_mode]
-    loss = aggregate(ppo_token_loss(log_probs, batch["old_log_probs"], batch["advantages"], config.worker.actor), mask)
+    a, mode = config.worker.actor, config.worker.actor.loss_agg_mode
+    token_loss = ppo_token_loss(log_probs, batch["old_log_probs"], batch["advantages"], a.clip_ratio_low,
+                                a.clip_ratio_high, a.clip_ratio_dual)
+    loss = aggregate(token_loss, mask, mode)
     if config.algorithm.use_kl_loss:
-        loss = loss + KL_COEF * aggregate(k3(log_probs, batch["ref_log_probs"]), mask)
+        loss = loss + KL_COEF * aggregate(kl_estimate(log_probs, batch["ref_log_probs"], "low_var_kl"), mask, mode)
     return loss
 
 

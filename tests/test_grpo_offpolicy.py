@@ -17,7 +17,6 @@ shares no code with easytrain's loss, advantage, schedule or update paths.
 
 from __future__ import annotations
 
-import math
 from pathlib import Path
 from typing import Any
 
@@ -29,6 +28,7 @@ from easytrain.distributed.batch import Batch
 from easytrain.models.hf import load_model, model_folder
 from easytrain.trainer.rl import RLTrainer
 
+from reference import aggregate, grpo_advantages, kl_estimate, lr_at, ppo_token_loss
 from tolerance import assert_updates_agree
 
 pytestmark = pytest.mark.slow
@@ -77,19 +77,6 @@ def offpolicy_config(tmp: Path, ranks: int, mode: str) -> Config:
 
 # ---------------------------------------------------------------------- the reference, from the formulas
 
-def schedule(step: int, total: int) -> float:
-    """Linear warm-up over WARMUP steps, then cosine decay to zero at ``total`` (0-based optimizer step)."""
-    if step < WARMUP:
-        return LR * (step + 1) / WARMUP
-    return LR * 0.5 * (1 + math.cos(math.pi * (step - WARMUP) / (total - WARMUP)))
-
-
-def grpo_advantages(rewards: torch.Tensor) -> torch.Tensor:
-    """Each response's reward minus its prompt's mean over the std (unbiased) of the prompt's N rewards."""
-    groups = rewards.view(-1, N)
-    return ((groups - groups.mean(1, keepdim=True)) / (groups.std(1, keepdim=True) + 1e-6)).flatten()
-
-
 def response_log_probs(model: torch.nn.Module, batch: Batch) -> torch.Tensor:
     """log softmax(logits / T) at each response token, vision tokens excluded from the distribution."""
     inputs = {k: batch[k] for k in ("input_ids", "attention_mask", "position_ids", "pixel_values",
@@ -102,25 +89,13 @@ def response_log_probs(model: torch.nn.Module, batch: Batch) -> torch.Tensor:
     return torch.log_softmax(logits, -1).gather(-1, batch["responses"].unsqueeze(-1)).squeeze(-1)
 
 
-def ppo_terms(log_probs: torch.Tensor, old: torch.Tensor, ref: torch.Tensor,
-              advantages: torch.Tensor) -> dict[str, torch.Tensor]:
-    """Per-token PPO surrogate (clip-higher bounds, dual clip), the k3 KL to the reference, clip indicators."""
-    ratio = torch.exp(log_probs - old)
-    a = advantages[:, None]
+def clip_counts(log_probs: torch.Tensor, old: torch.Tensor, advantages: torch.Tensor) -> dict[str, torch.Tensor]:
+    """Where each clip bound acts, and ratios within 1e-4 of a bound (rounding may put them either side)."""
+    ratio, a = torch.exp(log_probs - old), advantages[:, None]
     surrogate = torch.maximum(-a * ratio, -a * ratio.clamp(1 - CLIP_LOW, 1 + CLIP_HIGH))
-    dual = (a < 0) & (surrogate > -a * CLIP_DUAL)
-    loss = torch.where(dual, -a * CLIP_DUAL, surrogate)
-    log_q_over_p = (ref - log_probs).clamp(-10, 10)
-    kl = (log_q_over_p.exp() - log_q_over_p - 1).clamp(-10, 10)
-    return {"loss": loss, "kl": kl, "low": (a < 0) & (ratio < 1 - CLIP_LOW), "high": (a > 0) & (ratio > 1 + CLIP_HIGH),
-            "dual": dual, "near_bound": torch.stack([(ratio - b).abs() < 1e-4 for b in
-                                                     (1 - CLIP_LOW, 1 + CLIP_HIGH, CLIP_DUAL)]).any(0)}
-
-
-def aggregate(values: torch.Tensor, mask: torch.Tensor, mode: str) -> torch.Tensor:
-    if mode == "token-mean":
-        return (values * mask).sum() / mask.sum()
-    return ((values * mask).sum(1) / mask.sum(1)).mean()  # seq-mean-token-mean
+    return {"low": (a < 0) & (ratio < 1 - CLIP_LOW), "high": (a > 0) & (ratio > 1 + CLIP_HIGH),
+            "dual": (a < 0) & (surrogate > -a * CLIP_DUAL),
+            "near_bound": torch.stack([(ratio - b).abs() < 1e-4 for b in (1 - CLIP_LOW, 1 + CLIP_HIGH, CLIP_DUAL)]).any(0)}
 
 
 def reference_run(config: Config, initial: dict[str, torch.Tensor], batch: Batch,
@@ -133,18 +108,21 @@ def reference_run(config: Config, initial: dict[str, torch.Tensor], batch: Batch
     mask = batch["response_mask"].float()
     with torch.no_grad():
         old = response_log_probs(model.eval(), batch)
-    advantages = grpo_advantages(rewards)
+    advantages = grpo_advantages(rewards, N)
     optimizer = torch.optim.AdamW(model.parameters(), lr=LR, betas=BETAS, weight_decay=WEIGHT_DECAY)
     rows, steps = PER_STEP_PROMPTS * N, []
     for k in range(EPOCHS * (PROMPTS // PER_STEP_PROMPTS)):
         for group in optimizer.param_groups:
-            group["lr"] = schedule(k, total_steps)
+            group["lr"] = lr_at(k, "cosine", WARMUP, total_steps, LR)
         part = list(range((k * rows) % len(batch), (k * rows) % len(batch) + rows))
         mini, m = batch.select(part), mask[part]
         lp = response_log_probs(model, mini)
-        terms = ppo_terms(lp, old[part], old[part], advantages[part])  # the reference is the initial policy
-        loss = aggregate(terms["loss"], m, config.worker.actor.loss_agg_mode) + KL_COEF * aggregate(
-            terms["kl"], m, config.worker.actor.loss_agg_mode)
+        a = advantages[part][:, None]
+        terms = {"loss": ppo_token_loss(lp, old[part], a, CLIP_LOW, CLIP_HIGH, CLIP_DUAL),
+                 "kl": kl_estimate(lp, old[part], "low_var_kl"),  # the reference is the initial policy
+                 **clip_counts(lp, old[part], advantages[part])}
+        mode = config.worker.actor.loss_agg_mode
+        loss = aggregate(terms["loss"], m, mode) + KL_COEF * aggregate(terms["kl"], m, mode)
         loss.backward()
         norm = torch.nn.utils.clip_grad_norm_(model.parameters(), MAX_NORM)
         optimizer.step()

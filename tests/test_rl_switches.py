@@ -31,6 +31,7 @@ from easytrain.trainer.metrics import PhaseTimer
 from easytrain.trainer.rl import RLTrainer
 
 from grpo_helpers import make_config
+from reference import grpo_advantages, kl_estimate
 
 REWARD = Path(__file__).parent / "assets" / "answer_split_reward.py"
 N = 2
@@ -46,23 +47,6 @@ EPS = 1e-6
 
 
 # ----------------------------------------------------------------------------- the formulas
-
-
-def kl_estimate(log_probs: torch.Tensor, ref: torch.Tensor, kind: str) -> torch.Tensor:
-    """k1 = log p - log q; k3 = q/p - log(q/p) - 1 (Schulman, "Approximating KL divergence")."""
-    if kind == "kl":
-        return log_probs - ref
-    log_q_over_p = ref - log_probs
-    return torch.exp(log_q_over_p) - log_q_over_p - 1
-
-
-def group_advantages(rewards: torch.Tensor, by_std: bool) -> torch.Tensor:
-    """GRPO over consecutive groups of N: reward minus the group mean, over the unbiased group std (+ EPS)."""
-    groups = rewards.view(-1, N)
-    centred = groups - groups.mean(-1, keepdim=True)
-    if by_std:
-        centred = centred / (groups.std(-1, keepdim=True) + EPS)
-    return centred.flatten()
 
 
 def adaptive_step(coef: float, kl: float, n_samples: int, target: float = KL_TARGET,
@@ -203,7 +187,7 @@ def test_advantages_of_rewards_minus_the_kl_of_the_actors_log_probs(
 
     kl = kl_estimate(policy, ref, kind) * mask
     rewards = scores["overall"] - 0.37 * kl.sum(-1)
-    expected = group_advantages(rewards, by_std)[:, None] * mask
+    expected = grpo_advantages(rewards, N, by_std)[:, None] * mask
     torch.testing.assert_close(out["advantages"], expected, rtol=1e-5, atol=1e-6)
     assert metrics["actor/reward_kl"] == pytest.approx(float(kl.sum() / mask.sum()), rel=1e-5)
     assert float(kl.sum()) != pytest.approx(0.0, abs=1e-3)
@@ -216,7 +200,7 @@ def test_with_the_kl_in_the_loss_the_reward_is_left_alone(trainer: RLTrainer, pr
     batch, scores = rollout_with_ref(trainer, prompts.batch("SSFS"))
     batch = batch.union(Batch({"ref_log_probs": batch["ref_log_probs"] - 1.0}))
     out, metrics = trainer.add_advantages(batch, scores)
-    expected = group_advantages(scores["overall"], True)[:, None] * batch["response_mask"]
+    expected = grpo_advantages(scores["overall"], N)[:, None] * batch["response_mask"]
     torch.testing.assert_close(out["advantages"], expected, rtol=1e-5, atol=1e-6)
     assert metrics == {}
 

@@ -14,7 +14,6 @@ in this process; DeepSpeed's in one spawned gloo rank (``deepspeed.initialize`` 
 
 from __future__ import annotations
 
-import math
 import socket
 from pathlib import Path
 from typing import Any
@@ -28,6 +27,8 @@ from torch import nn
 from easytrain.config.schema import ActorConfig
 from easytrain.distributed.strategy import TrainStrategy, build_strategy
 
+from reference import lr_at
+
 PEAK_LR = 3e-3
 WARMUP = 3
 TOTAL = 10
@@ -35,15 +36,7 @@ KINDS = ("constant", "linear", "cosine")
 
 
 def expected_lr(k: int, kind: str, warmup: int = WARMUP, total: int = TOTAL, lr: float = PEAK_LR) -> float:
-    """The published schedule, written out for step k (0-based)."""
-    if k < warmup:
-        return lr * (k + 1) / warmup
-    if kind == "constant":
-        return lr
-    progress = (k - warmup) / (total - warmup)
-    if kind == "linear":
-        return lr * (1 - progress)
-    return lr * 0.5 * (1 + math.cos(math.pi * progress))
+    return lr_at(k, kind, warmup, total, lr)
 
 
 def actor_config(kind: str, warmup: int = WARMUP, strategy: str = "fsdp") -> ActorConfig:
