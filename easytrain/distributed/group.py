@@ -10,8 +10,15 @@ from the gathered result) and concatenates the ranks' result batches;
 member (work the driver has already planned, e.g. token-balanced micro
 batches) and returns each member's result. A member is a block of
 ``block_size`` ranks that take the same input (a Ulysses sequence-parallel
-group, a tensor-parallel engine); the block leader's result stands for it. One remote call per rank per phase; tensors travel through Ray's
-object store.
+group, a tensor-parallel engine); the block leader's result stands for it.
+One remote call per rank per phase; tensors travel through Ray's object
+store.
+
+A group can host several roles in each process (fused workers: one process
+per device holding the actor, the reference and the rollout engine). Each
+role then gets a view (:meth:`WorkerGroup.view`): a group with the role's
+name, dispatch modes and block size that addresses the same processes, its
+calls routed to the role inside (``call_role``).
 
 Workers are created with ``max_restarts=0`` on purpose: a restarted rank
 would come back without its shard of the model and optimizer and hang the
@@ -104,8 +111,10 @@ class WorkerGroup:
         if pool.world_size % block_size:
             raise ValueError(f"{role}: blocks of {block_size} ranks do not tile {pool.world_size} workers")
         self.block_size = block_size
+        self.hosted: Optional[str] = None
+        """The role this view addresses inside multi-role processes (None: the process's own methods)."""
         remote_cls = ray.remote(worker_cls)
-        self.workers = []
+        self.workers: list[Any] = []
         for placement in pool.placements:
             options = dict(num_cpus=num_cpus, num_gpus=num_gpus, max_restarts=0, max_task_retries=0,
                            scheduling_strategy=pool.strategy(placement.rank),
@@ -113,6 +122,22 @@ class WorkerGroup:
                            runtime_env={"env_vars": dict(env or {})})
             self.workers.append(remote_cls.options(**options).remote(
                 *init_args, role=role, rank=placement.rank, world_size=pool.world_size))
+
+    def view(self, role: str, role_cls: type, block_size: int = 1) -> "WorkerGroup":
+        """The ``role`` hosted in each of this group's processes (a :class:`role_cls` inside), as a group of its
+        own: same ranks, same processes, the role's dispatch modes and block size."""
+        if self.world_size % block_size:
+            raise ValueError(f"{role}: blocks of {block_size} ranks do not tile {self.world_size} workers")
+        view = object.__new__(WorkerGroup)
+        view.role, view.pool, view.worker_cls, view.block_size = role, self.pool, role_cls, block_size
+        view.hosted, view.workers = role, self.workers
+        return view
+
+    def _method(self, worker: Any, method: str) -> Any:
+        """The remote method to call on ``worker``: its own, or the hosted role's through ``call_role``."""
+        if self.hosted is None:
+            return getattr(worker, method).remote
+        return functools.partial(worker.call_role.remote, self.hosted, method)
 
     @property
     def world_size(self) -> int:
@@ -140,7 +165,7 @@ class WorkerGroup:
         b = self.block_size
         for leader in range(0, self.world_size, b):
             address, port = self._rendezvous(leader)
-            self._get([self.workers[leader + i].set_block_env.remote(address, port, i, b) for i in range(b)],
+            self._get([self._method(self.workers[leader + i], "set_block_env")(address, port, i, b) for i in range(b)],
                       "set_block_env")
 
     def _mode(self, method: str) -> Dispatch:
@@ -161,10 +186,10 @@ class WorkerGroup:
             if len(shares) != self.members:
                 raise ValueError(f"{self.role}.{method} takes one share per data-parallel member: {len(shares)} "
                                  f"for {self.members} ({self.world_size} ranks in blocks of {self.block_size})")
-            return Pending(method, mode, [getattr(w, method).remote(shares[rank // self.block_size], *rest, **kwargs)
+            return Pending(method, mode, [self._method(w, method)(shares[rank // self.block_size], *rest, **kwargs)
                                           for rank, w in enumerate(self.workers)], block_size=self.block_size)
         if mode is not Dispatch.SCATTER:
-            refs = [getattr(w, method).remote(*args, **kwargs) for w in self.workers]
+            refs = [self._method(w, method)(*args, **kwargs) for w in self.workers]
             return Pending(method, mode, refs)
         batch, rest = args[0], args[1:]
         if not isinstance(batch, Batch):
@@ -174,7 +199,7 @@ class WorkerGroup:
         if pad:  # repeat leading samples; their results are dropped in collect
             batch = batch.select(list(range(n)) + [i % n for i in range(pad)])
         chunks = batch.split(members)
-        refs = [getattr(w, method).remote(chunks[rank // self.block_size], *rest, **kwargs)
+        refs = [self._method(w, method)(chunks[rank // self.block_size], *rest, **kwargs)
                 for rank, w in enumerate(self.workers)]
         real, start = [], 0
         for chunk in chunks:  # how many samples of each chunk are real (padding sits at the end)
@@ -229,6 +254,7 @@ class WorkerGroup:
                 if is_dead(worker)]
 
     def shutdown(self) -> None:
+        """Kill the group's processes (a view's are its host's: killing them twice is harmless)."""
         for worker in self.workers:
             ray.kill(worker)
         self.workers = []

@@ -164,11 +164,11 @@ class Trainer:
     def memory(self) -> dict[str, float]:
         """Each role's largest per-worker reading; all workers are asked at once. Their in-worker readings
         (RSS, torch allocator) are kept for the memory watchdog."""
-        groups = {"actor": self.roles.actor, "ref": self.roles.ref, "rollout": self.roles.rollout}
-        pending = {name: group.submit("memory") for name, group in groups.items() if group is not None}
+        groups = self.roles.processes()
+        pending = {name: group.submit("memory") for name, group in groups.items()}
         out, self.worker_readings = {}, []
         for name, calls in pending.items():
-            readings = groups[name].collect(calls)  # type: ignore[union-attr]
+            readings = groups[name].collect(calls)
             self.worker_readings += [r.pop("watch") for r in readings]
             for key in readings[0]:
                 out[f"memory/{name}_{key}_max"] = max(r[key] for r in readings)

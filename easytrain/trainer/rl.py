@@ -1,7 +1,9 @@
 """The GRPO driver (single controller): one worker-group call per phase, each timed.
 
-    generate -> reward (in the background) -> reference log-probs -> old log-probs
+    generate -> reward -> engine sleeps -> reference log-probs -> old log-probs
     -> advantages -> update -> weight sync
+
+the order of :data:`easytrain.workers.phases.STEP` (fused workers put their engine in each phase's state).
 
 The driver holds prompts, token ids, rewards and advantages; models live in
 the worker groups. Run it through ``python -m easytrain.main``.
@@ -70,6 +72,9 @@ class RLTrainer(Trainer):
         if self.roles.rollout_sleeps:  # hand the device to the training roles until the next sync
             with timer("sleep"):
                 self.roles.rollout.call("sleep")
+        if self.roles.reference is not None:
+            with timer("ref"):
+                batch = batch.union(self.log_probs(self.roles.reference, "compute_ref_log_probs", batch))
         with timer("old_log_probs"):
             if not (self.on_policy and self.config.worker.actor.reuse_log_probs_on_policy):
                 batch = batch.union(self.log_probs(self.roles.actor, "compute_log_probs", batch))
@@ -120,10 +125,6 @@ class RLTrainer(Trainer):
             batch = self.roles.rollout.call("generate", prompts, self.step, validate, call)
         texts = self.data.decode(batch)
         pending = self.roles.rewards.submit(texts, batch.meta["answers"])
-        reference = self.roles.reference
-        if not validate and reference is not None:
-            with timer("ref"):  # runs while the reward actors score
-                batch = batch.union(self.log_probs(reference, "compute_ref_log_probs", batch))
         with timer("reward"):
             scores, errors = self.roles.rewards.collect(pending)
         table = {key: torch.tensor([s.get(key, 0.0) for s in scores]) for key in scores[0]}

@@ -1,4 +1,11 @@
-"""Placing the roles on the cluster: one resource pool (colocated) or one per role, and their worker groups."""
+"""Placing the roles on the cluster, and their worker groups.
+
+With ``trainer.colocate=true`` (the default) each device gets one fused worker process hosting the actor, the
+reference and the rollout engine (:mod:`easytrain.workers.fused`); the driver's per-role groups are views of
+that one group, so they address the same processes. With ``colocate=false`` each role gets its own pool: its
+own processes on its own devices. Either way a pool is one placement-group bundle per device and rank i of a
+group runs on bundle i (:mod:`easytrain.distributed.resources`).
+"""
 
 from __future__ import annotations
 
@@ -11,12 +18,16 @@ from easytrain.config.validate import needs_reference
 from easytrain.distributed.group import WorkerGroup
 from easytrain.distributed.resources import ResourcePool
 from easytrain.workers.actor import ActorWorker
+from easytrain.workers.fused import FusedWorker
 from easytrain.workers.reference import ReferenceWorker
 from easytrain.workers.reward_pool import RewardPool
 from easytrain.workers.rollout.worker import RolloutWorker
-from easytrain.workers.weight_sync import BucketedTransport, WeightTransport
+from easytrain.workers.weight_sync import BucketedTransport, InProcessTransport, WeightTransport
 
 logger = logging.getLogger(__name__)
+
+ROLE_CLASSES: dict[str, type] = {"actor": ActorWorker, "rollout": RolloutWorker, "ref": ReferenceWorker}
+ENV = {"TOKENIZERS_PARALLELISM": "false"}
 
 
 @dataclass
@@ -31,7 +42,9 @@ class Roles:
     pools: list[ResourcePool]
     lora_reference: bool = False
     rollout_sleeps: bool = False
-    """The engine frees its device memory after each rollout (vLLM sleep mode on colocated GPUs)."""
+    """The engine frees its device memory after each rollout (fused workers whose engine can sleep)."""
+    fused: Optional[WorkerGroup] = None
+    """The fused workers' own group (one process per device) when the role groups are views of it."""
 
     @property
     def reference(self) -> Optional[WorkerGroup]:
@@ -40,19 +53,25 @@ class Roles:
             return self.ref
         return self.actor if self.lora_reference else None
 
+    def processes(self) -> dict[str, WorkerGroup]:
+        """The run's worker processes by group name, each process once: ``worker`` (fused), or one group per role."""
+        if self.fused is not None:
+            return {"worker": self.fused}
+        return {name: g for name, g in (("actor", self.actor), ("ref", self.ref), ("rollout", self.rollout))
+                if g is not None}
+
     def groups(self) -> list[WorkerGroup]:
-        """The worker groups of this run (actor, reference if separate, rollout)."""
-        return [g for g in (self.actor, self.ref, self.rollout) if g is not None]
+        """The worker groups whose processes make up the run (for process-wide calls: memory, caches)."""
+        return list(self.processes().values())
 
     def dead_workers(self) -> list[str]:
         """Role, rank and node of every training or rollout worker Ray reports dead."""
-        return [f"{group.role} rank {rank} on node {ip}" for group in (self.actor, self.ref, self.rollout)
-                if group is not None for rank, ip in group.dead_ranks()] + (self.rewards.dead() if self.rewards else [])
+        return [f"{group.role} rank {rank} on node {ip}" for group in self.groups()
+                for rank, ip in group.dead_ranks()] + (self.rewards.dead() if self.rewards else [])
 
     def shutdown(self) -> None:
-        for group in (self.actor, self.ref, self.rollout):
-            if group is not None:
-                group.shutdown()
+        for group in self.groups():
+            group.shutdown()
         if self.rewards is not None:
             self.rewards.shutdown()
         for pool in self.pools:
@@ -60,14 +79,13 @@ class Roles:
 
 
 def build_sft_roles(config: Config, total_optimizer_steps: int) -> Roles:
-    """The one role of an SFT run: the actor on every worker of the pool (its own process group)."""
+    """The one role of an SFT run: the actor on every device of its pool (its own process group)."""
     from easytrain.workers.sft import SFTWorker
 
     t = config.trainer
     pool = ResourcePool("sft", t.nnodes, t.workers_per_node, t.device)
     actor = WorkerGroup(SFTWorker, "actor", pool, num_cpus=1.0, num_gpus=1.0 if t.device == "cuda" else 0.0,
-                        init_args=(config,), env={"TOKENIZERS_PARALLELISM": "false"},
-                        block_size=config.worker.actor.ulysses_size)
+                        init_args=(config,), env=ENV, block_size=config.worker.actor.ulysses_size)
     actor.init_process_group()
     sizes = actor.call("setup", total_optimizer_steps)
     logger.info("actor: %s parameters (%s trainable) on %d rank(s), strategy %s", sizes[0]["total"],
@@ -75,42 +93,48 @@ def build_sft_roles(config: Config, total_optimizer_steps: int) -> Roles:
     return Roles(actor, None, None, None, None, [pool])
 
 
-def build_roles(config: Config, total_optimizer_steps: int) -> Roles:
-    """Create pools and groups, start process groups, load models (in parallel across roles)."""
-    t = config.trainer
-    with_ref = needs_reference(config)
-    names = ["actor", "rollout"] + (["ref"] if with_ref else [])
-    gpu = 1.0 if t.device == "cuda" else 0.0
+def start_groups(config: Config, fused_cls: type = FusedWorker,
+                 classes: Optional[dict[str, type]] = None) -> tuple[dict[str, WorkerGroup], list[ResourcePool],
+                                                                     Optional[WorkerGroup]]:
+    """The RL roles' worker groups, started but not set up: (groups by role, pools, the fused group or None).
+    Each worker takes one device (a CPU share on CPU) of its pool."""
+    t, w = config.trainer, config.worker
+    classes = classes or ROLE_CLASSES
+    names = ["actor", "rollout"] + (["ref"] if needs_reference(config) else [])
+    blocks = {"actor": w.actor.ulysses_size, "rollout": w.rollout.tensor_parallel_size, "ref": w.ref.ulysses_size}
+    gpus = 1.0 if t.device == "cuda" else 0.0
     if t.colocate:
-        pool = ResourcePool("colocated", t.nnodes, t.workers_per_node, t.device)
-        pools = {name: pool for name in names}
-        share = round(1.0 / len(names), 4)  # roles time-slice each device
-        cpus, gpus = share, gpu * share
+        pool = ResourcePool("fused", t.nnodes, t.workers_per_node, t.device)
+        fused = WorkerGroup(fused_cls, "worker", pool, num_cpus=1.0, num_gpus=gpus, init_args=(config,), env=ENV)
+        return {name: fused.view(name, classes[name], blocks[name]) for name in names}, [pool], fused
+    pools = {name: ResourcePool(name, t.nnodes, t.workers_per_node, t.device) for name in names}
+    groups = {name: WorkerGroup(classes[name], name, pools[name], num_cpus=1.0, num_gpus=gpus, init_args=(config,),
+                                env=ENV, block_size=blocks[name]) for name in names}
+    return groups, list(pools.values()), None
+
+
+def build_roles(config: Config, total_optimizer_steps: int) -> Roles:
+    """Create pools and groups, start process groups, load models (in parallel across separate roles)."""
+    groups, pools, fused = start_groups(config)
+    actor, rollout, ref = groups["actor"], groups["rollout"], groups.get("ref")
+    if fused is not None:  # one world per process: actor, reference and vLLM's external launcher share it
+        fused.init_process_group()
     else:
-        pools = {name: ResourcePool(name, t.nnodes, t.workers_per_node, t.device) for name in names}
-        cpus, gpus = 1.0, gpu
-    env = {"TOKENIZERS_PARALLELISM": "false"}
-    actor = WorkerGroup(ActorWorker, "actor", pools["actor"], num_cpus=cpus, num_gpus=gpus, init_args=(config,),
-                        env=env, block_size=config.worker.actor.ulysses_size)
-    tp = config.worker.rollout.tensor_parallel_size
-    rollout = WorkerGroup(RolloutWorker, "rollout", pools["rollout"], num_cpus=cpus, num_gpus=gpus,
-                          init_args=(config,), env=env, block_size=tp)
-    if tp > 1:
-        rollout.init_blocks()
-    ref = (WorkerGroup(ReferenceWorker, "ref", pools["ref"], num_cpus=cpus, num_gpus=gpus, init_args=(config,),
-                       env=env, block_size=config.worker.ref.ulysses_size) if with_ref else None)
-    training = [g for g in (actor, ref) if g is not None]
-    for group in training:
-        group.init_process_group()
+        for group in (actor, ref):
+            if group is not None:
+                group.init_process_group()
+        if rollout.block_size > 1:
+            rollout.init_blocks()
     pending = [actor.submit("setup", total_optimizer_steps), rollout.submit("setup")]
     if ref is not None:
         pending.append(ref.submit("setup"))
     sizes = [group.collect(p) for group, p in zip([actor, rollout] + ([ref] if ref else []), pending)]
-    logger.info("actor: %s parameters (%s trainable) on %d rank(s); rollout engine %s; reference %s",
+    logger.info("actor: %s parameters (%s trainable) on %d rank(s); rollout engine %s; reference %s; %s",
                 sizes[0][0]["total"], sizes[0][0]["trainable"], actor.world_size, sizes[1][0]["engine"],
-                "on" if ref else "off")
-    transport = BucketedTransport(config.worker.rollout.sync_bucket_mb)
-    return Roles(actor, ref, rollout, RewardPool(config.reward), transport,
-                 list({id(p): p for p in pools.values()}.values()),
+                "on" if ref else "off",
+                "one fused process per device" if fused is not None else "a pool of processes per role")
+    bucket_mb = config.worker.rollout.sync_bucket_mb
+    transport = InProcessTransport(fused, bucket_mb) if fused is not None else BucketedTransport(bucket_mb)
+    return Roles(actor, ref, rollout, RewardPool(config.reward), transport, pools,
                  lora_reference=config.model.lora.rank > 0 and config.algorithm.kl_coef > 0,
-                 rollout_sleeps=bool(sizes[1][0]["can_sleep"]))
+                 rollout_sleeps=bool(sizes[1][0]["can_sleep"]), fused=fused)

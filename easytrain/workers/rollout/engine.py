@@ -44,9 +44,16 @@ class EngineSpec:
     device: torch.device
     member: int = 0
     """Which data-parallel engine this is (engines seed differently)."""
+    fused: bool = False
+    """The engine shares its process (and torch.distributed world) with the actor: a fused worker."""
 
 
 class RolloutEngine(abc.ABC):
+    device: torch.device = torch.device("cpu")
+    """Where the engine computes (weights are gathered there for the in-process sync)."""
+    asleep: frozenset[str] | set[str] = frozenset()
+    """What :meth:`sleep` released and no :meth:`wake` has brought back yet (``weights``, ``kv_cache``)."""
+
     @classmethod
     @abc.abstractmethod
     def build(cls, config: Any, spec: EngineSpec) -> "RolloutEngine":
@@ -74,7 +81,8 @@ class RolloutEngine(abc.ABC):
         return False
 
     def sleep(self) -> int:
-        """Free the engine's device memory between rollouts; returns the bytes freed (0 where it cannot)."""
+        """Free the engine's device memory between rollouts; returns the bytes freed (0 where it cannot, or
+        when it already sleeps)."""
         return 0
 
     def wake(self, tags: Sequence[str] = ("weights", "kv_cache")) -> None:

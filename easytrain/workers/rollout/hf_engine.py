@@ -1,9 +1,15 @@
-"""Generation with transformers ``generate``: the engine on CPU, and a reference on any device."""
+"""Generation with transformers ``generate``: the engine on CPU, and a reference on any device.
+
+In a fused worker the engine sleeps while the other roles compute: level 2 drops its weights (the next sync
+refills them in place; on CPU this frees the engine's host copy for the training phases), level 1 moves them
+to host memory (on a GPU; on CPU they are already there, so level 1 frees nothing and the engine stays awake).
+It holds no KV cache between generations.
+"""
 
 from __future__ import annotations
 
 import logging
-from typing import Any, Iterable
+from typing import Any, Iterable, Sequence
 
 import torch
 
@@ -21,13 +27,19 @@ GENERATE_INPUTS = ("input_ids", "attention_mask", "pixel_values", "image_grid_th
 
 class HFEngine(RolloutEngine):
     def __init__(self, model: Any, stop_ids: list[int], pad_id: int, device: torch.device,
-                 share_prefill: bool = True, drop_finished: bool = True) -> None:
+                 share_prefill: bool = True, drop_finished: bool = True, sleep_level: int = 0) -> None:
         self.model, self.eos_ids, self.pad_id, self.device = model.eval(), stop_ids, pad_id, device
         self.share_prefill = share_prefill
         """Prefill each prompt once for its n samples (worker.rollout.share_prefill)."""
         self.drop_finished = drop_finished
         """Decode with easytrain's loop, finished rows leaving the batch (worker.rollout.drop_finished)."""
         self.suppressed = suppressed_tokens(model.config)
+        self.sleep_level = sleep_level if device.type == "cuda" or sleep_level == 2 else 0
+        self.asleep: set[str] = set()
+        self.stale = False
+        """Level-2 sleep dropped the weights and no sync has refilled them yet."""
+        self._shapes: dict[int, tuple[torch.Size, torch.dtype]] = {}
+        self._filled: set[int] = set()
 
     @classmethod
     def build(cls, config: Any, spec: EngineSpec) -> "HFEngine":
@@ -37,10 +49,51 @@ class HFEngine(RolloutEngine):
         if config.model.dedupe_images:  # the prompts' n copies share their images: one prefill of each
             dedupe_images(model)
         rollout = config.worker.rollout
-        return cls(model, spec.stop_ids, spec.pad_id, spec.device, rollout.share_prefill, rollout.drop_finished)
+        return cls(model, spec.stop_ids, spec.pad_id, spec.device, rollout.share_prefill, rollout.drop_finished,
+                   rollout.sleep_level if spec.fused else 0)
+
+    # ------------------------------------------------------------------ sleep
+
+    @property
+    def can_sleep(self) -> bool:
+        return self.sleep_level > 0
+
+    def _parameters(self) -> list[torch.nn.Parameter]:
+        return list({id(p): p for p in self.model.parameters()}.values())  # tied weights once
+
+    def sleep(self) -> int:
+        if not self.can_sleep or self.asleep:
+            return 0
+        freed = 0
+        for param in self._parameters():
+            freed += param.numel() * param.element_size()
+            if self.sleep_level == 2:
+                self._shapes[id(param)] = (param.shape, param.dtype)
+                param.data = torch.empty(0, dtype=param.dtype, device=self.device)
+            else:
+                param.data = param.data.to("cpu")
+        if self.device.type == "cuda":
+            torch.cuda.empty_cache()
+        self.asleep = {"weights", "kv_cache"}
+        self.stale = self.sleep_level == 2
+        return freed
+
+    def wake(self, tags: Sequence[str] = ("weights", "kv_cache")) -> None:
+        if "weights" in tags and "weights" in self.asleep:
+            for param in self._parameters():
+                if self.sleep_level == 2:  # room for the sync to fill
+                    shape, dtype = self._shapes.pop(id(param))
+                    param.data = torch.empty(shape, dtype=dtype, device=self.device)
+                else:
+                    param.data = param.data.to(self.device)
+        self.asleep -= set(tags)
 
     @torch.no_grad()
     def generate(self, prompts: Batch, params: SamplingParams) -> Batch:
+        self.wake()
+        if self.stale:
+            raise RuntimeError("the HF engine dropped its weights when it went to sleep (level 2); sync weights "
+                               "before generating")
         if self.drop_finished:
             return self._decode(prompts, params)
         expanded = prompts.repeat_interleave(params.n)
@@ -109,5 +162,17 @@ class HFEngine(RolloutEngine):
             if target is None:
                 raise KeyError(f"rollout model has no weight named {name!r}")
             target.copy_(tensor.to(target.device, target.dtype))
+            self._filled.add(id(target))
             loaded += 1
         return loaded
+
+    def begin_weight_update(self) -> None:
+        self.wake(("weights",))
+        self._filled = set()
+
+    def finish_weight_update(self) -> None:
+        if self.stale:  # every dropped weight must have been refilled
+            missing = [name for name, p in self.model.named_parameters() if id(p) not in self._filled]
+            if missing:
+                raise RuntimeError(f"weight sync left {len(missing)} dropped weights unfilled (e.g. {missing[0]})")
+        self.stale = False

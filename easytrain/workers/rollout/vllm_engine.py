@@ -1,8 +1,13 @@
 """Generation with vLLM, behind the rollout engine interface.
 
 One in-process engine per rollout worker (``VLLM_ENABLE_V1_MULTIPROCESSING=0``):
-the worker's Ray actor is the engine's process, so vLLM's thread pinning never
-touches a training process. Requests are built from the same templated
+the worker's Ray actor is the engine's process. In a fused worker (the actor
+and the engine in one process per device) the engine joins the process's
+torch.distributed world through vLLM's external launcher, each rank one
+engine (a tensor-parallel engine spans consecutive ranks), and on CPU it
+leaves the threads alone (``VLLM_CPU_OMP_THREADS_BIND=nobind``): its default
+binding pins the process's OpenMP threads and turns ``torch.set_num_threads``
+into a no-op, which would starve the actor's passes in the same process. Requests are built from the same templated
 prompts as the HF engine: token ids for text-only prompts (the very ids the
 actor scores), the chat text plus PIL images for multimodal ones (vLLM
 expands the image placeholders with its own processor, bounded by the same
@@ -45,7 +50,7 @@ INSTALL_HINT = ("vLLM is not installed: install the extra for your machine "
                 "or set worker.rollout.engine=hf")
 
 
-def engine_environment(cache_dir: Optional[str], on_cpu: bool) -> dict[str, str]:
+def engine_environment(cache_dir: Optional[str], on_cpu: bool, fused: bool = False) -> dict[str, str]:
     """Environment an in-process vLLM engine needs, set before vLLM reads it (values already set win)."""
     from easytrain.models.tiny import default_cache_dir
 
@@ -55,6 +60,8 @@ def engine_environment(cache_dir: Optional[str], on_cpu: bool) -> dict[str, str]
            "TORCHINDUCTOR_CACHE_DIR": os.path.join(cache, "inductor")}
     if on_cpu:
         env["VLLM_CPU_KVCACHE_SPACE"] = "1"  # GiB of KV cache per engine
+        if fused:  # the actor's torch threads share this process: no pinning
+            env["VLLM_CPU_OMP_THREADS_BIND"] = "nobind"
     env["VLLM_LOGGING_LEVEL"] = "WARNING"  # vLLM's per-request INFO lines drown the run's own log
     return {k: os.environ.get(k, v) for k, v in env.items()}
 
@@ -73,7 +80,7 @@ def engine_kwargs(config: Any, spec: EngineSpec, vision: bool) -> dict[str, Any]
     if on_gpu:
         kwargs["gpu_memory_utilization"] = r.gpu_memory_utilization
         kwargs["enable_sleep_mode"] = config.trainer.colocate and r.sleep_level > 0
-    if r.tensor_parallel_size > 1:  # each rank of a tensor-parallel block is one engine process
+    if r.tensor_parallel_size > 1 or spec.fused:  # one engine per rank of a torch world
         kwargs["distributed_executor_backend"] = "external_launcher"
     if vision:
         kwargs["limit_mm_per_prompt"] = {"image": d.limit_images}
@@ -117,7 +124,7 @@ class _QuietUnloadedRotary(logging.Filter):
 class VLLMEngine(RolloutEngine):
     def __init__(self, llm: Any, spec: EngineSpec, suppressed: list[int], vocab_size: int,
                  sleep_level: int) -> None:
-        self.llm, self.spec = llm, spec
+        self.llm, self.spec, self.device = llm, spec, spec.device
         self.allowed: Optional[list[int]] = None
         if suppressed:
             banned = set(suppressed)
@@ -129,7 +136,8 @@ class VLLMEngine(RolloutEngine):
     def build(cls, config: Any, spec: EngineSpec) -> "VLLMEngine":
         from transformers import AutoConfig
 
-        os.environ.update(engine_environment(config.model.cache_dir, spec.device.type != "cuda"))
+        os.environ.update(engine_environment(config.model.cache_dir, spec.device.type != "cuda",
+                                             fused=spec.fused))
         try:
             from vllm import LLM
         except ImportError as err:
@@ -212,7 +220,7 @@ class VLLMEngine(RolloutEngine):
     # ------------------------------------------------------------------ memory
 
     def sleep(self) -> int:
-        if self.sleep_level == 0:  # said once when the engine was built
+        if self.sleep_level == 0 or self.asleep:  # (level 0 was said once when the engine was built)
             return 0
         free_before = torch.cuda.mem_get_info()[0]
         self.llm.sleep(level=self.sleep_level)

@@ -54,6 +54,8 @@ class RolloutWorker(WorkerBase):
         self._parts: dict[int, dict[int, dict[str, torch.Tensor]]] = {}
         self._lora_scale, self._loaded = 1.0, 0
         self.freed_bytes = 0
+        self.fused = False
+        """Hosted by a fused worker (set by it): the engine shares the process and its torch world."""
 
     @property
     def member(self) -> int:
@@ -68,6 +70,11 @@ class RolloutWorker(WorkerBase):
         os.environ.update({"RANK": str(block_rank), "LOCAL_RANK": "0", "WORLD_SIZE": str(block_size),
                            "MASTER_ADDR": address, "MASTER_PORT": str(port)})
 
+    @property
+    def engine_dtype(self) -> torch.dtype:
+        """The dtype the engine computes in (model.dtype): weights are gathered in it."""
+        return getattr(torch, self.config.model.dtype)
+
     @dispatch(Dispatch.BROADCAST)
     def setup(self) -> dict[str, Any]:
         from transformers import AutoConfig
@@ -75,7 +82,7 @@ class RolloutWorker(WorkerBase):
         tokenizer = load_tokenizer(self.config.model, self.folder)
         r = self.config.worker.rollout
         spec = EngineSpec(self.folder, stop_token_ids(tokenizer, r.stop_tokens), tokenizer.pad_token_id,
-                          self.device, self.member)
+                          self.device, self.member, self.fused)
         self.engine = engine_class(r.engine).build(self.config, spec)
         vision = getattr(AutoConfig.from_pretrained(self.folder), "vision_config", None)
         self.merge_size = int(getattr(vision, "spatial_merge_size", 2))
