@@ -41,7 +41,7 @@ class RayClusters:
             return
         self.stop()
         # 8 logical CPUs on 2 cores: tests place several small worker groups side by side.
-        ray.init(num_cpus=8, include_dashboard=False, namespace="easytrain-tests", log_to_driver=False)
+        ray.init(address="local", num_cpus=8, include_dashboard=False, namespace="easytrain-tests", log_to_driver=False)
         self.kind = "local"
 
     def two_nodes(self):  # -> ray.cluster_utils.Cluster

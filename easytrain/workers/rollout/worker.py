@@ -111,6 +111,14 @@ class RolloutWorker(WorkerBase):
         self.freed_bytes = self.engine.sleep()
         return self.freed_bytes
 
+    @dispatch(Dispatch.BROADCAST)
+    def engine_weights(self) -> dict[str, torch.Tensor]:
+        """The HF engine's current weights by name, on CPU (to check what a sync delivered)."""
+        model = getattr(self.engine, "model", None)
+        if model is None:
+            raise NotImplementedError(f"the {self.config.worker.rollout.engine} engine does not expose its weights")
+        return {name: tensor.detach().cpu().clone() for name, tensor in model.state_dict().items()}
+
     # ------------------------------------------------------------------ weights (called by the actor ranks)
 
     def begin_weight_update(self, lora_scale: float = 1.0) -> None:

@@ -1,0 +1,64 @@
+"""Fused workers: one process per device hosts actor, reference and rollout engine, and the step's phases take
+the device in the order easytrain.workers.phases writes down: the engine sleeps before the reference and actor
+passes, wakes its weights before the sync and its KV cache before the next generation. The HF engine sleeps
+for real on CPU at level 2 (its weights are dropped and refilled by the sync), so the recorded order is the
+one a GPU node runs."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from easytrain.trainer.rl import RLTrainer
+from easytrain.workers.phases import ORDER
+from grpo_helpers import make_config
+
+pytestmark = pytest.mark.slow
+
+
+def test_phase_order_with_a_sleeping_engine(ray_local: None, tmp_path: Path) -> None:
+    config = make_config(str(tmp_path), "algorithm.kl_coef=0.01", "algorithm.use_kl_loss=true",
+                         "worker.actor.ppo_epochs=2", "worker.rollout.sleep_level=2", "trainer.workers_per_node=2",
+                         "trainer.val_freq=-1", "trainer.save_freq=-1")
+    trainer = RLTrainer(config)
+    try:
+        roles = trainer.roles
+        assert roles.fused is not None and roles.rollout_sleeps
+        assert roles.actor.workers is roles.rollout.workers is roles.ref.workers  # the same processes
+        pids = roles.fused.call("process_info")
+        assert len({p["pid"] for p in pids}) == roles.fused.world_size == 2
+        roles.fused.call("phase_log")  # forget setup and the step-0 validation
+        steps = []
+        for _ in range(2):
+            metrics = trainer.train_step()
+            trainer.step += 1
+            steps.append([[name for name, _ in log] for log in roles.fused.call("phase_log")])
+            assert metrics["memory/worker_sleep_freed_gb_max"] > 0  # the sleep dropped real weights
+        first = ["generate", "sleep", "ref", "old_log_probs", "update", "wake_weights", "sync"]
+        for rank_events in steps[0]:
+            assert rank_events == first
+        for rank_events in steps[1]:  # the KV cache wakes before the next generation
+            assert rank_events == ["wake_kv"] + first
+        assert first == [p for p in ORDER if p in first]  # the driver runs phases.STEP's order
+    finally:
+        trainer.close()
+
+
+def test_sync_refills_dropped_weights(ray_local: None, tmp_path: Path) -> None:
+    """After a level-2 sleep and the in-process sync, the engine's weights equal the actor's (both ranks)."""
+    config = make_config(str(tmp_path), "trainer.workers_per_node=2", "trainer.val_freq=-1", "trainer.save_freq=-1",
+                         "model.lora.rank=4", "model.lora.alpha=8", "algorithm.kl_coef=0.01")
+    trainer = RLTrainer(config)
+    try:
+        trainer.train_step()
+        actor = trainer.roles.actor.call("full_state_dict")  # HF names, LoRA merged
+        engines = trainer.roles.rollout.call("engine_weights")
+        assert len(engines) == 2
+        for engine in engines:
+            assert set(engine) == set(actor)
+            for name, tensor in actor.items():  # the same gather and the same merge (W + s * B @ A) in one process
+                assert torch.equal(engine[name], tensor), name
+    finally:
+        trainer.close()
