@@ -51,9 +51,14 @@ ASSUMPTIONS = [
     "AMP: fp32 master weights, gradients and AdamW moments = 16 bytes/parameter, sharded over 8 GPUs",
     "EasyR1's offload moves actor states to host between phases (they are on the GPU during the update); "
     "easytrain's offload.params is FSDP CPU offload (states stay on host, the update streams them)",
-    "vLLM reserves gpu_memory_utilization x 80 GB while generating; sleep level 2 frees it for training phases",
-    "per-process CUDA context 0.5 GB (assumed), 3 processes per GPU (actor, ref, rollout)",
-    "host: one empty worker process = 0.48 GB (measured here by bench/planner_accuracy.py); driver 1 GB assumed",
+    "vLLM reserves gpu_memory_utilization x 80 GB while generating; sleep level 2 frees it for ref, old log-probs "
+    "and update (the phase order of easytrain/workers/phases.py), and the sync wakes its weights only",
+    "fused workers (trainer.colocate=true): one process per GPU hosts actor, reference and vLLM, so one CUDA "
+    "context per GPU, 0.5 GB (assumed)",
+    "weight sync in-process: one bucket of full bf16 tensors gathered on the GPU (256 MB, or the 1.09 GB "
+    "embedding: a module never splits), no host copy",
+    "host: one empty worker process per GPU = 0.48 GB (measured here by bench/planner_accuracy.py); driver 1 GB "
+    "assumed; at load one whole fp32 checkpoint per node (the load row, not part of the step's peak)",
 ]
 
 
@@ -66,6 +71,9 @@ def plan_variant(overrides: list[str]) -> dict[str, Any]:
     states = next(r for r in p.rows if r.phase == "update").parts
     return {"overrides": SETTING[1:] + overrides, "verdict": p.verdict,
             "device_peak_gb": round(p.device_peak / GB, 1), "host_peak_gb": round(p.host_peak / GB, 1),
+            "load": {r.phase: {"device_gb": round(r.device / GB, 1), "host_gb": round(r.host / GB, 1),
+                               "host_parts_gb": {k: round(v / GB, 2) for k, v in r.host_parts.items()}}
+                     for r in p.once},
             "phases": {r.phase: {"device_gb": round(r.device / GB, 1), "host_gb": round(r.host / GB, 1),
                                  "parts_gb": {k: round(v / GB, 2) for k, v in r.parts.items()}} for r in p.rows},
             "update_parts_gb": {k: round(v / GB, 2) for k, v in states.items()},

@@ -12,9 +12,11 @@ import pytest
 
 from easytrain.config import compose, to_config, with_default_preset
 from easytrain.memory.activations import MicroBatch, activation_bytes, layer_saved, logits_bytes, model_dims
+from easytrain.memory.capacity import FRAMEWORK_BYTES, GB
 from easytrain.memory.planner import CUDA_CONTEXT_BYTES, plan
 from easytrain.memory.suggest import fit, override_value, suggestions
 from easytrain.models.shapes import hf_config_for, known_hf_configs
+from easytrain.workers.phases import STEP
 
 QWEN25_7B = known_hf_configs()["Qwen/Qwen2.5-7B-Instruct"]
 
@@ -46,12 +48,96 @@ def test_logits_and_loss_peak_by_hand() -> None:
 def test_colocated_device_peak_is_the_largest_phase_not_the_sum() -> None:
     config = load(["+exp=qwen25vl_7b"])  # 80 GB GPUs, actor and ref offloaded, vLLM at 0.6, sleep level 2
     p = plan(config)
-    # generation: vLLM's 0.6 x 80 GB plus three CUDA contexts; the offloaded roles hold nothing on the GPU
-    assert p.row("generation").device == 48_000_000_000 + 3 * CUDA_CONTEXT_BYTES
+    # generation: vLLM's 0.6 x 80 GB plus the fused process's one CUDA context; the offloaded roles hold nothing
+    assert p.row("generation").device == int(0.6 * 80 * GB) + CUDA_CONTEXT_BYTES
     assert p.device_peak == max(r.device for r in p.rows) < sum(r.device for r in p.rows)
     assert "vllm reservation" not in p.row("update").parts  # asleep while the actor trains
     awake = plan(load(["+exp=qwen25vl_7b", "worker.rollout.sleep_level=0"]))
-    assert awake.row("update").device == p.row("update").device + 48_000_000_000
+    assert awake.row("update").device == p.row("update").device + int(0.6 * 80 * GB)
+
+
+def test_fused_workers_one_process_and_one_cuda_context_per_gpu() -> None:
+    fused, pools = plan(load(["+exp=qwen25vl_7b"])), plan(load(["+exp=qwen25vl_7b", "trainer.colocate=false"]))
+    roles = 3  # actor, reference, rollout
+    for row in fused.rows + fused.once:
+        assert row.parts["cuda context"] == CUDA_CONTEXT_BYTES and "cuda contexts" not in row.parts, row.phase
+    # host: one empty worker process per GPU fused, one per role per GPU in pools
+    assert fused.row("update").host_parts["worker processes"] == 8 * FRAMEWORK_BYTES
+    assert pools.row("update").host_parts["worker processes"] == 8 * roles * FRAMEWORK_BYTES
+    assert pools.row("update").host - fused.row("update").host == 8 * (roles - 1) * FRAMEWORK_BYTES
+    cpu = plan(load(["+exp=tiny"]))  # CPU, colocated: one process per CPU worker, it holds every role
+    workers = cpu.rows[0].host_parts["worker processes"]
+    assert workers == load(["+exp=tiny"]).trainer.workers_per_node * FRAMEWORK_BYTES
+    for row in cpu.rows:
+        assert row.host_parts["fused workers"] == load(["+exp=tiny"]).trainer.workers_per_node * row.device
+
+
+def test_phase_rows_follow_the_step_order_of_phases_step() -> None:
+    p = plan(load(["+exp=qwen25vl_7b"]))
+    order = [ph.planned for ph in STEP if ph.planned] + ["validation"]
+    assert [r.phase for r in p.rows] == order
+    assert [r.phase for r in p.once] == ["load"]
+    on_policy = plan(load(["+exp=qwen25vl_7b", "data.rollout_batch_size=128"]))  # old log-probs reused
+    assert [r.phase for r in on_policy.rows] == [ph for ph in order if ph != "old_log_probs"]
+    assert any("generate -> sleep -> ref -> old_log_probs -> update -> wake_weights -> sync -> wake_kv" in n
+               for n in p.notes)
+
+
+def test_engine_holds_what_the_phase_engine_state_and_sleep_level_leave() -> None:
+    base = ["+exp=qwen25vl_7b", "worker.actor.offload.params=false", "worker.actor.offload.optimizer=false",
+            "worker.ref.offload.params=false"]
+    p = plan(load(base))  # sleep level 2
+    weights = 8_292_166_656 * 2 // 2  # bf16 engine weights, tensor-parallel share of 2
+    reservation = int(0.6 * 80 * GB)
+    for phase in ("ref_log_probs", "old_log_probs", "update"):  # engine asleep: nothing of it on the device
+        row = p.row(phase)
+        assert not any(k.startswith(("vllm", "rollout")) for k in row.parts), phase
+        assert not any("asleep" in k for k in row.host_parts), phase
+    ref = p.row("ref_log_probs").parts  # the actor's states sit beside the reference's pass
+    assert ref["actor params"] == 8_292_166_656 * 4 // 8 and ref["actor optimizer"] == 2 * ref["actor params"]
+    # sync: engine weights + one gathered bucket of full tensors in bf16 (the 152064 x 3584 embedding outgrows
+    # 256 MB: a module never splits), no KV cache, no host copy
+    sync = p.row("weight_sync")
+    bucket = max(256 * 2**20, 152_064 * 3584 * 2)
+    assert sync.parts["rollout weights (woken)"] == weights
+    assert sync.parts["gathered bucket (engine dtype)"] == bucket
+    assert "vllm reservation" not in sync.parts and "kv cache" not in sync.parts
+    assert not any("sync" in k for k in sync.host_parts)
+    assert sync.device == sum(p.row("update").parts[k] for k in ("actor params", "actor optimizer", "ref params")) \
+        + weights + bucket + CUDA_CONTEXT_BYTES
+    # level 1: asleep the weights wait in host RAM, one share per GPU; woken for the sync they leave it
+    one = plan(load(base + ["worker.rollout.sleep_level=1"]))
+    for phase in ("ref_log_probs", "old_log_probs", "update"):
+        assert one.row(phase).device == p.row(phase).device
+        assert one.row(phase).host - p.row(phase).host == 8 * weights
+    assert one.row("weight_sync").host == p.row("weight_sync").host
+    # level 0: everything stays, in every phase
+    zero = plan(load(base + ["worker.rollout.sleep_level=0"]))
+    for phase in ("ref_log_probs", "old_log_probs", "update"):
+        assert zero.row(phase).device - p.row(phase).device == reservation
+    assert zero.row("weight_sync").device - p.row("weight_sync").device == reservation - weights
+    # separate pools: the sync crosses the object store (host), the actor's device holds its bucket share only
+    pools = plan(load(base + ["trainer.colocate=false"]))
+    assert pools.row("weight_sync").host_parts["sync buckets (object store + assembly)"] == (2 + 8) * bucket
+    assert "vllm reservation" not in pools.row("update").parts
+
+
+def test_load_reads_one_whole_checkpoint_per_node() -> None:
+    config = load(["+exp=qwen25vl_7b"])  # actor and reference offloaded: their fp32 shards wait in host RAM
+    load_row = plan(config).row("load")
+    total = 8_292_166_656
+    assert load_row.host_parts["checkpoint read (whole, fp32, one per node)"] == total * 4
+    assert load_row.host_parts["offloaded shards (every process's)"] == 8 * 2 * (total * 4 // 8)
+    on_gpu = plan(load(["+exp=qwen25vl_7b", "worker.actor.offload.params=false", "worker.ref.offload.params=false"]))
+    row = on_gpu.row("load")
+    assert "offloaded shards (every process's)" not in row.host_parts
+    assert row.device == 2 * (total * 4 // 8) + int(0.6 * 80 * GB) + CUDA_CONTEXT_BYTES
+
+
+def test_lora_reference_pass_runs_on_the_actor() -> None:
+    p = plan(load(["+exp=qwen25vl_7b", "model.lora.rank=16"]))
+    assert p.row("ref_log_probs").role == "actor" and "ref params" not in p.row("ref_log_probs").parts
+    assert p.row("ref_log_probs").parts["activations"] == p.row("old_log_probs").parts["activations"]
 
 
 def test_offload_moves_states_to_host_per_node() -> None:
@@ -201,3 +287,67 @@ def test_padding_free_suggestions_lower_the_token_budget() -> None:
     assert not any(k.startswith("worker.actor.micro_batch_size") for s in advice for k in s.overrides)
     fitted = fit(config, hf, p.capacity)
     assert fitted is not None and not any(k.startswith("worker.actor.micro_batch_size") for k in fitted)
+
+
+SHARED = ["+exp=qwen25vl_7b", "model.attn_implementation=sdpa", "data.max_response_length=256",
+          "worker.actor.micro_batch_size_per_device_for_update=5",
+          "worker.actor.micro_batch_size_per_device_for_experience=10"]
+"""sdpa attention (a mask the shared layout needs), n=5, 2048-token prompts with a 2048-token image, 256-token
+responses: a micro batch of 5 (10) sequences is 1 (2) whole prompt(s)."""
+
+
+def test_share_prompt_prices_each_prompt_once_with_its_responses() -> None:
+    from easytrain.memory.planner import shared_pays_off, shared_rows
+
+    config = load(SHARED)
+    hf = hf_config_for(config.model)
+    d = model_dims(hf)
+    p, plain = plan(config, hf), plan(load(SHARED + ["worker.actor.share_prompt=false"]), hf)
+    prompt, response, n = 2048, 256, 5
+    # update: 80 sequences per rank, micro batches of 5 = one whole prompt: one row of the prompt + 5 responses
+    assert shared_rows(5, n, 80) == (1, 5) and shared_rows(10, n, 320) == (2, 5)
+    assert shared_rows(4, n, 80) == (2, 4)  # straddles two prompts: a row each, the longest 4 responses
+    width = prompt + n * response
+    assert shared_pays_off(1, width, 5, prompt + response, d.hidden)
+    update = MicroBatch(sequences=1, tokens=width, response=n * response, images=1, image_tokens=2048)
+    assert p.row("update").parts["activations"] == activation_bytes(d, update, 2, grad=True, checkpointing=True,
+                                                                    vision_grad=True)
+    assert p.row("update").parts["logits"] == logits_bytes(1, n * response + 1, d.vocab, 2, grad=True)
+    logs = MicroBatch(sequences=2, tokens=width, response=n * response, images=1, image_tokens=2048)
+    for phase in ("old_log_probs", "ref_log_probs"):
+        assert p.row(phase).parts["activations"] == activation_bytes(d, logs, 2, grad=False, checkpointing=True,
+                                                                     vision_grad=True)
+        # the prompt (and its image) once instead of n times: less than the plain rows
+        assert p.row(phase).parts["activations"] < plain.row(phase).parts["activations"]
+    plain_update = MicroBatch(sequences=5, tokens=prompt + response, response=response, images=1, image_tokens=2048)
+    assert plain.row("update").parts["activations"] == activation_bytes(d, plain_update, 2, grad=True,
+                                                                        checkpointing=True, vision_grad=True)
+    # flash attention takes no such mask: plain rows
+    flash = plan(load(SHARED + ["model.attn_implementation=flash_attention_2"]), hf)
+    assert flash.row("update").parts["activations"] == plain.row("update").parts["activations"]
+    assert any("prompt-shared" in note for note in p.notes)
+
+
+def test_share_prompt_padding_free_packs_whole_prompts_into_the_budget() -> None:
+    args = ["+exp=qwen25vl_7b", "model.attn_implementation=sdpa", "worker.actor.padding_free=true",
+            "worker.actor.max_token_len_per_device=16384"]
+    config = load(args)
+    hf = hf_config_for(config.model)
+    d = model_dims(hf)
+    p = plan(config, hf)
+    group = 2048 + 5 * 2048  # a prompt once (its 2048-token image inside) and its 5 responses
+    units = 16384 // group
+    shared = MicroBatch(sequences=1, tokens=16384, response=units * 5 * 2048, images=units, image_tokens=2048)
+    assert p.row("update").parts["logits"] == logits_bytes(1, shared.response, d.vocab, 2, grad=True)
+    assert p.row("update").parts["activations"] == activation_bytes(d, shared, 2, grad=True, checkpointing=True,
+                                                                    vision_grad=True)
+    # a prompt's group over the budget: the driver plans samples, priced as full-length ones
+    small = plan(load(args[:-1] + ["worker.actor.max_token_len_per_device=8192"]), hf)
+    samples = MicroBatch(sequences=1, tokens=8192, response=2 * 2048, images=2, image_tokens=2048)
+    assert small.row("update").parts["activations"] == activation_bytes(d, samples, 2, grad=True,
+                                                                        checkpointing=True, vision_grad=True)
+    # sequence parallelism: no shared layout, full-length samples split over the 2 ranks
+    ulysses = plan(load(args + ["worker.actor.ulysses_size=2"]), hf)
+    split = MicroBatch(sequences=1, tokens=16384, response=4 * 2048, images=4, image_tokens=2048)
+    assert ulysses.row("update").parts["activations"] == activation_bytes(d, split, 2, grad=True, checkpointing=True,
+                                                                          vision_grad=True, ulysses=2)

@@ -81,6 +81,21 @@ def _count_parameters(key: str) -> ParamCounts:
     return ParamCounts(**counts)
 
 
+def largest_module(hf_config: dict[str, Any]) -> int:
+    """Elements of the model's largest module (its parameters together: what one weight-sync bucket holds at
+    least, since a module never splits)."""
+    return _largest_module(json.dumps(hf_config, sort_keys=True))
+
+
+@lru_cache(maxsize=64)
+def _largest_module(key: str) -> int:
+    sizes: dict[str, int] = {}
+    for name, parameter in meta_model(json.loads(key)).named_parameters():
+        module = name.rsplit(".", 1)[0]
+        sizes[module] = sizes.get(module, 0) + parameter.numel()
+    return max(sizes.values(), default=0)
+
+
 def _actor_model(hf_config: dict[str, Any], model_cfg: Any) -> Any:
     """The meta model after the actor's own set-up: ``model.freeze_*`` and, with ``model.lora.rank > 0``,
     the LoRA adapters."""

@@ -1,14 +1,22 @@
 """The memory plan: bytes per GPU and per node for every role in every phase, before anything starts.
 
 ``plan(config)`` prices each phase of an RL step (generation, reference log-probs,
-old log-probs, update, weight sync, validation) from the composed config and
-the model's HF config alone: the role that works in the phase holds its
-states plus its transient peak (gathered FSDP units, activations, logits, KV
-cache), the others hold what they keep between phases. Colocated roles share
-a device over time, so a device's peak is its largest phase, not the sum of
-roles. On CPU the "device" is the node's RAM: each role is a process, and the
-node total adds them up. An SFT run (``trainer.task=sft``) is planned by
-:mod:`easytrain.memory.sft`: its one role, the actor, in its own phases.
+old log-probs, update, weight sync, then validation) in the order the driver
+runs them on a shared device (:data:`easytrain.workers.phases.STEP`), from the
+composed config and the model's HF config alone: the role that works in the
+phase holds its states plus its transient peak (gathered FSDP units,
+activations, logits, KV cache), the others hold what they keep between
+phases, and the rollout engine what the phase's engine state leaves it
+(:mod:`easytrain.memory.layout`: awake, weights only, or asleep at its sleep
+level). With ``trainer.colocate=true`` the workers are fused: one process per
+device hosts every role, with one CUDA context, and a device's peak is its
+largest phase, not the sum of roles. With ``colocate=false`` every role has
+its own process and device. On CPU the "device" is one worker process in
+the node's RAM, and the node total adds up every process. Before the first
+step the models load (``Plan.once``): one whole fp32 checkpoint per node in
+host RAM, the shards where each role keeps them. An SFT run
+(``trainer.task=sft``) is planned by :mod:`easytrain.memory.sft`: its one
+role, the actor, in its own phases.
 
 The actor's and reference's passes take micro batches of
 ``micro_batch_size_per_device_for_update`` (update) or ``_for_experience``
@@ -23,6 +31,15 @@ over its ``ulysses_size``; under sequence parallelism each of the group's
 ranks holds 1/``ulysses_size`` of the sequence's activations and computes
 logits for its chunk, priced as an even share of the response positions.
 
+With ``worker.actor.share_prompt`` (sdpa or eager attention, no sequence
+parallelism: :mod:`easytrain.workers.shared_prompt`) the passes lay each
+prompt out once followed by its responses, and are priced so
+(:func:`shared_micro`): padded, a row per prompt the micro batch touches
+(at most one more than its whole groups when it straddles prompts), as
+long as the longest such row, when that layout pays off by the workers' own
+rule; padding-free, whole prompts with their n responses packed into the
+token budget (the driver's prompt-aware plan), when one fits.
+
 Assumptions (the per-process ones in :mod:`easytrain.memory.capacity`): vLLM
 reserves ``gpu_memory_utilization`` x the GPU while awake and, in sleep
 level 2, frees all of it between rollouts.
@@ -34,20 +51,23 @@ from dataclasses import dataclass
 from typing import Any, Optional
 
 from easytrain.config.schema import Config
-from easytrain.config.validate import needs_reference
 from easytrain.memory.activations import (PATCH_VALUES, MicroBatch, activation_bytes, logits_bytes, model_dims,
                                           packed_micro, shard_units)
 from easytrain.memory.budget import engine_budget, kv_bytes_per_token, sequence_shape
 from easytrain.memory.capacity import (CUDA_CONTEXT_BYTES, DRIVER_BYTES, FRAMEWORK_BYTES, GB, Capacity, Plan, Row,
                                        capacity_of, sum_parts)
-from easytrain.memory.params import count_parameters, largest_trainable, trainable_by_component
+from easytrain.memory.layout import (engine_held, engine_weights, fused, layout_note, load_host,
+                                     processes_per_device, role_names, step_phases, sync_bucket, sync_parts)
+from easytrain.memory.params import count_parameters, largest_module, largest_trainable, trainable_by_component
 from easytrain.memory.sft import plan_sft, sft_worker_parts
 from easytrain.memory.states import DTYPE_BYTES, FP32, gathered_bytes, role_states, shard_degree
+from easytrain.workers.phases import Phase
 
 __all__ = ["CUDA_CONTEXT_BYTES", "GB", "Capacity", "Plan", "Row", "capacity_of", "plan", "worker_bytes",
            "worker_parts", "shape_of", "update_transient"]
 
 PHASES = ("generation", "ref_log_probs", "old_log_probs", "update", "weight_sync", "validation")
+"""The plan's rows of a step (and validation); they run in :data:`easytrain.workers.phases.STEP`'s order."""
 
 
 # ----------------------------------------------------------------------------- the run's shape
@@ -63,12 +83,18 @@ class Shape:
     trainable: dict[str, int]
     largest_trainable: int
     """Elements of the largest trainable parameter."""
+    largest_module: int
+    """Elements of the model's largest module (a weight-sync bucket never splits one)."""
     seq_tokens: int
     response: int
     images: int
     image_tokens: int
+    hidden: int
     dtype_bytes: int
     with_ref: bool
+    """A reference model of its own (a KL term without LoRA)."""
+    ref_by_actor: bool
+    """A KL term with LoRA: the actor, adapters disabled, computes the reference log-probs."""
     old_log_probs: bool
     on_gpu: bool
 
@@ -77,12 +103,15 @@ def shape_of(config: Config, hf_config: dict[str, Any]) -> Shape:
     t, a, d = config.trainer, config.worker.actor, config.data
     seq = sequence_shape(config, hf_config)
     on_policy = a.ppo_epochs == 1 and d.rollout_batch_size == a.global_batch_size
+    kl = config.algorithm.kl_coef > 0
     return Shape(world=t.nnodes * t.workers_per_node, per_node=t.workers_per_node,
                  total_params=count_parameters(hf_config).total,
                  trainable=trainable_by_component(hf_config, config.model),
                  largest_trainable=largest_trainable(hf_config, config.model),
+                 largest_module=largest_module(hf_config),
                  seq_tokens=seq.total, response=seq.response, images=seq.images, image_tokens=seq.image_tokens,
-                 dtype_bytes=DTYPE_BYTES[config.model.dtype], with_ref=needs_reference(config),
+                 hidden=model_dims(hf_config).hidden, dtype_bytes=DTYPE_BYTES[config.model.dtype],
+                 with_ref=kl and config.model.lora.rank == 0, ref_by_actor=kl and config.model.lora.rank > 0,
                  old_log_probs=not (on_policy and a.reuse_log_probs_on_policy), on_gpu=t.device == "cuda")
 
 
@@ -92,29 +121,111 @@ def per_rank(config: Config, s: Shape, role: str, prompts: int) -> int:
     return max(1, prompts * config.worker.rollout.n // max(1, s.world // getattr(config.worker, role).ulysses_size))
 
 
-def _micro(config: Config, s: Shape, size: int, sequences: int) -> MicroBatch:
-    """A rank's micro batch among ``sequences``: ``size`` padded ones, or padding-free one flattened sequence of
-    ``max_token_len_per_device`` tokens (no more than the rank's sequences hold)."""
-    if config.worker.actor.padding_free:
-        budget = min(config.worker.actor.max_token_len_per_device, sequences * s.seq_tokens)
+# ----------------------------------------------------------------------------- micro batches
+
+
+def shares_prompt(config: Config, role: str) -> bool:
+    """Whether ``role``'s passes run each prompt once with its responses (``worker.actor.share_prompt``, an
+    attention that takes a mask, no sequence parallelism: :func:`easytrain.workers.forward.log_probs_of`)."""
+    from easytrain.workers.shared_prompt import MASKED_ATTENTION
+
+    return (config.worker.actor.share_prompt and config.model.attn_implementation in MASKED_ATTENTION
+            and getattr(config.worker, role).ulysses_size == 1)
+
+
+def prompt_planned(config: Config) -> bool:
+    """Whether the driver packs whole prompts into padding-free micro batches, counting a prompt's tokens once
+    (:func:`easytrain.trainer.dynamic.shares_prompts`)."""
+    return shares_prompt(config, "actor") and config.worker.ref.ulysses_size == 1
+
+
+def shared_rows(size: int, n: int, sequences: int) -> tuple[int, int]:
+    """(rows, responses of the longest row) of a padded micro batch of ``size`` consecutive sequences laid out
+    prompt-once, ``n`` per prompt, from a rank's ``sequences``: whole groups when micro batches and the rank's
+    share align with the prompts, else one more row where it straddles two."""
+    k = min(size, n)
+    aligned = sequences % n == 0 and (size % n == 0 or n % size == 0)
+    rows = -(-size // n) if aligned else min(size, -(-(size - 1) // n) + 1)
+    return rows, k
+
+
+def shared_pays_off(rows: int, width: int, size: int, plain_width: int, hidden: int) -> bool:
+    """The workers' rule (:func:`easytrain.workers.shared_prompt.rows_pay_off`) on the planned shapes: a row per
+    prompt when its linear and attention cost is below the plain rows' and its mask no more than twice theirs."""
+    per_token = 6 * hidden
+    plain = size * (plain_width * per_token + plain_width ** 2)
+    shared = rows * (width * per_token + width ** 2)
+    return shared < plain and rows * width ** 2 <= 2 * size * plain_width ** 2
+
+
+def packed_group(config: Config, s: Shape, prompts: int, role: str) -> Optional[int]:
+    """Tokens of one prompt with its n responses when the driver packs whole prompts (prompt once) into
+    ``role``'s padding-free micro batches: it does when it plans by prompt, one prompt's group fits the budget
+    and the batch has a prompt for every member (:func:`easytrain.trainer.dynamic.plan`); None otherwise."""
+    a, n = config.worker.actor, config.worker.rollout.n
+    group = s.seq_tokens - s.response + n * s.response
+    members = s.world // getattr(config.worker, role).ulysses_size
+    if not prompt_planned(config) or group > a.max_token_len_per_device or prompts < members:
+        return None
+    return group
+
+
+def shared_micro(config: Config, s: Shape, size: int, sequences: int, role: str) -> Optional[MicroBatch]:
+    """A padded micro batch as a prompt-shared pass lays it out (a row per prompt of its responses:
+    :func:`shared_rows`) when that pays off by the workers' rule, or None where the pass runs plain rows."""
+    if not shares_prompt(config, role) or config.worker.actor.padding_free:
+        return None
+    size = min(size, sequences)
+    rows, k = shared_rows(size, config.worker.rollout.n, sequences)
+    width = s.seq_tokens - s.response + k * s.response
+    if rows == size or not shared_pays_off(rows, width, size, s.seq_tokens, s.hidden):
+        return None
+    return MicroBatch(rows, width, k * s.response, s.images, s.image_tokens)
+
+
+def rank_tokens(config: Config, s: Shape, sequences: int, prompts: int, role: str) -> int:
+    """Tokens of a rank's ``sequences`` as the padding-free passes lay them out (whole prompts once each with
+    their responses where :func:`packed_group` applies)."""
+    group = packed_group(config, s, prompts, role)
+    n = config.worker.rollout.n
+    return -(-sequences // n) * group if group is not None else sequences * s.seq_tokens
+
+
+def _micro(config: Config, s: Shape, size: int, sequences: int, prompts: int, role: str) -> MicroBatch:
+    """A rank's micro batch among ``sequences`` (of a batch of ``prompts`` prompts): ``size`` padded ones (a row
+    per prompt where ``role`` shares prompts and it pays off), or padding-free one flattened sequence of
+    ``max_token_len_per_device`` tokens (no more than the rank's sequences hold) holding full-length samples,
+    or whole prompts with their n responses where the driver packs by prompt."""
+    a = config.worker.actor
+    if a.padding_free:
+        budget = min(a.max_token_len_per_device, rank_tokens(config, s, sequences, prompts, role))
+        group = packed_group(config, s, prompts, role)
+        if group is not None:
+            n = config.worker.rollout.n
+            return packed_micro(budget, group, n * s.response, s.images, s.image_tokens)
         return packed_micro(budget, s.seq_tokens, s.response, s.images, s.image_tokens)
+    shared = shared_micro(config, s, size, sequences, role)
+    if shared is not None:
+        return shared
     return MicroBatch(min(size, sequences), s.seq_tokens, s.response, s.images, s.image_tokens)
 
 
 def experience_micro(config: Config, s: Shape, role: str) -> MicroBatch:
     """One log-prob pass's micro batch on a rank of ``role`` (actor or ref)."""
-    sequences = per_rank(config, s, role, config.data.rollout_batch_size)
-    return _micro(config, s, config.worker.actor.micro_batch_size_per_device_for_experience, sequences)
+    prompts = config.data.rollout_batch_size
+    sequences = per_rank(config, s, role, prompts)
+    return _micro(config, s, config.worker.actor.micro_batch_size_per_device_for_experience, sequences, prompts,
+                  role)
 
 
 def update_micro(config: Config, s: Shape) -> tuple[MicroBatch, bool]:
     """The update's micro batch on an actor rank, and whether the rank accumulates gradients over several."""
     a = config.worker.actor
     sequences = per_rank(config, s, "actor", a.global_batch_size)
-    micro = _micro(config, s, a.micro_batch_size_per_device_for_update, sequences)
+    micro = _micro(config, s, a.micro_batch_size_per_device_for_update, sequences, a.global_batch_size, "actor")
     if a.padding_free:
-        return micro, sequences * s.seq_tokens > a.max_token_len_per_device
-    return micro, sequences > micro.sequences
+        return micro, rank_tokens(config, s, sequences, a.global_batch_size, "actor") > a.max_token_len_per_device
+    return micro, sequences > a.micro_batch_size_per_device_for_update
 
 
 def _gathered(config: Config, s: Shape, hf_config: dict[str, Any], role: str, grad: bool) -> int:
@@ -186,23 +297,38 @@ def rollout_phase(config: Config, s: Shape, hf_config: dict[str, Any], capacity:
     return {"weights": weights, "kv cache": kv, "logits": logits, "prefill": prefill}
 
 
-def _rollout_idle(config: Config, s: Shape, capacity: Capacity) -> dict[str, int]:
-    """What the rollout worker keeps on its device while the training roles work."""
-    r = config.worker.rollout
-    if r.engine == "vllm" and s.on_gpu:
-        if r.sleep_level > 0 and config.trainer.colocate:
-            return {}
-        assert capacity.gpu_bytes is not None
-        return {"vllm reservation": int(capacity.gpu_bytes * r.gpu_memory_utilization)}
+
+
+def engine_resident(config: Config, s: Shape, awake: dict[str, int]) -> dict[str, int]:
+    """What an engine that never sleeps keeps on its device between rollouts: vLLM its reservation (on CPU its
+    weights and KV space), the HF engine its weights (its KV cache lives only while it generates)."""
+    if config.worker.rollout.engine == "vllm":
+        return dict(awake)
     return {"rollout weights": s.total_params * s.dtype_bytes}
 
 
 # ----------------------------------------------------------------------------- the plan
 
 
+@dataclass(frozen=True)
+class _Step:
+    """What every row of the plan reads: the roles' states and what each keeps between phases."""
+
+    config: Config
+    s: Shape
+    actor: Any
+    ref: Any
+    idle: dict[str, dict[str, int]]
+    """What the actor and the reference keep on their device between their phases."""
+    awake: dict[str, int]
+    """The engine while generating (the training step's sampling)."""
+    resident: dict[str, int]
+    engine_weights: int
+
+
 def plan(config: Config, hf_config: Optional[dict[str, Any]] = None, capacity: Optional[Capacity] = None) -> Plan:
-    """The memory plan of ``config`` (its model's HF config is resolved when not given): the RL phases, or
-    with ``trainer.task=sft`` the SFT ones (:mod:`easytrain.memory.sft`)."""
+    """The memory plan of ``config`` (its model's HF config is resolved when not given): the RL phases in the
+    order they run, or with ``trainer.task=sft`` the SFT ones (:mod:`easytrain.memory.sft`)."""
     from easytrain.models.shapes import hf_config_for
 
     hf_config = hf_config if hf_config is not None else hf_config_for(config.model)
@@ -212,33 +338,33 @@ def plan(config: Config, hf_config: Optional[dict[str, Any]] = None, capacity: O
     s = shape_of(config, hf_config)
     actor, ref = actor_states(config, s), ref_states(config, s)
     upd_micro, accumulates = update_micro(config, s)
-
-    idle = {"actor": {"actor params": actor.params if not actor.offloaded else 0,
-                      "actor optimizer": actor.optimizer if not actor.offloaded else 0},
-            "ref": ({"ref params": ref.device} if s.with_ref else {}),
-            "rollout": _rollout_idle(config, s, capacity)}
+    awake = rollout_phase(config, s, hf_config, capacity, validate=False)
+    step = _Step(config, s, actor, ref,
+                 idle={"actor": {"actor params": actor.params if not actor.offloaded else 0,
+                                 "actor optimizer": actor.optimizer if not actor.offloaded else 0},
+                       "ref": ({"ref params": ref.device} if s.with_ref else {})},
+                 awake=awake, resident=engine_resident(config, s, awake),
+                 engine_weights=engine_weights(config, s.total_params, s.dtype_bytes))
     work: dict[str, tuple[str, dict[str, int]]] = {
-        "generation": ("rollout", rollout_phase(config, s, hf_config, capacity, validate=False)),
+        "generation": ("rollout", awake),
         "validation": ("rollout", rollout_phase(config, s, hf_config, capacity, validate=True)),
     }
-    if s.with_ref:
-        work["ref_log_probs"] = ("ref", forward_peak(config, s, hf_config, grad=False,
-                                                     micro=experience_micro(config, s, "ref"), role="ref"))
+    if s.with_ref or s.ref_by_actor:
+        by = "ref" if s.with_ref else "actor"  # LoRA: the actor with its adapters disabled
+        work["ref_log_probs"] = (by, forward_peak(config, s, hf_config, grad=False,
+                                                  micro=experience_micro(config, s, by), role=by))
     if s.old_log_probs:
         work["old_log_probs"] = ("actor", forward_peak(config, s, hf_config, grad=False,
                                                        micro=experience_micro(config, s, "actor"), role="actor"))
     work["update"] = ("actor", update_transient(config, s, hf_config, upd_micro, accumulates,
                                                 0 if actor.offloaded else actor.grads, actor.offloaded))
-    work["weight_sync"] = ("actor", _sync_device(config, s, hf_config))
-
-    rows = []
-    for phase in PHASES:
-        if phase not in work:
-            continue
-        role, active = work[phase]
-        rows.append(_row(config, s, capacity, phase, role, active, idle, actor, ref))
-    notes = [micro_note(config, s, upd_micro), *_notes(config, s, hf_config, capacity)]
-    return Plan(rows, capacity, s.on_gpu, notes)
+    bucket = sync_bucket(config, s.largest_module, s.dtype_bytes)
+    work["weight_sync"] = ("actor", sync_parts(config, bucket, s.per_node)[0])
+    phases = list(step_phases(set(work)))
+    rows = [_row(step, p, *work[p.planned]) for p in phases]
+    notes = [layout_note(config, s.with_ref, s.ref_by_actor, s.on_gpu, set(work)),
+             micro_note(config, s, upd_micro), *_notes(config, s, hf_config, capacity)]
+    return Plan(rows, capacity, s.on_gpu, notes, once=[_load_row(step)])
 
 
 def update_transient(config: Config, s: Shape, hf_config: dict[str, Any], micro: MicroBatch, accumulates: bool,
@@ -254,58 +380,85 @@ def update_transient(config: Config, s: Shape, hf_config: dict[str, Any], micro:
     return passes if sum_parts(passes) >= sum_parts(step) else step
 
 
-def _sync_device(config: Config, s: Shape, hf_config: dict[str, Any]) -> dict[str, int]:
-    """The weight sync: each actor rank's shard of a bucket on its way out; the rollout side assembles a
-    bucket (on GPU into the woken engine's weights: vLLM level-2 sleep reloads weights first)."""
-    bucket = int(config.worker.rollout.sync_bucket_mb * 2**20)
-    parts = {"sync bucket": bucket}
-    r = config.worker.rollout
-    if r.engine == "vllm" and s.on_gpu and r.sleep_level > 0 and config.trainer.colocate:
-        parts["rollout weights (woken)"] = -(-s.total_params // r.tensor_parallel_size) * s.dtype_bytes
-    return parts
+def _row(st: _Step, phase: Phase, role: str, active: dict[str, int]) -> Row:
+    """One phase's row. Fused (colocated): the device's one process holds every role's idle states, the
+    working role's bytes, the engine as the phase leaves it and one CUDA context. Otherwise the working
+    role's own device (CPU: process) holds its bytes alone."""
+    s = st.s
+    engine, engine_host = ((dict(active), {}) if role == "rollout" else
+                           engine_held(st.config, phase.engine, st.awake, st.resident, st.engine_weights, s.on_gpu))
+    if fused(st.config):
+        parts = {k: v for name in ("actor", "ref") if name != role for k, v in st.idle[name].items()}
+        if role != "rollout":
+            parts.update({**st.idle[role], **active})
+        parts.update(engine)
+    else:
+        parts = dict(active) if role == "rollout" else {**st.idle[role], **active}
+    if s.on_gpu:
+        parts["cuda context"] = CUDA_CONTEXT_BYTES
+    host_parts = _host(st, phase, role, active, parts, engine_host)
+    return Row(phase.planned, role, sum_parts(parts), sum_parts(host_parts), parts, host_parts)
 
 
-def _row(config: Config, s: Shape, capacity: Capacity, phase: str, role: str, active: dict[str, int],
-         idle: dict[str, dict[str, int]], actor: Any, ref: Any) -> Row:
-    roles = ["actor", "rollout"] + (["ref"] if s.with_ref else [])
-    if config.trainer.colocate and s.on_gpu:  # one device holds every role's idle state plus the active role
-        parts = {k: v for name in roles if name != role for k, v in idle[name].items()}
-        parts.update(_working(role, active, idle))
-        parts["cuda contexts"] = CUDA_CONTEXT_BYTES * len(roles)
-    else:  # one device (CPU: one process) per role
-        parts = _working(role, active, idle)
-        if s.on_gpu:
-            parts["cuda context"] = CUDA_CONTEXT_BYTES
-    host_parts = _host(config, s, phase, role, active, idle, actor, ref, roles)
-    return Row(phase, role, sum_parts(parts), sum_parts(host_parts), parts, host_parts)
-
-
-def _working(role: str, active: dict[str, int], idle: dict[str, dict[str, int]]) -> dict[str, int]:
-    """The working role's bytes: its states plus the phase's transients (the rollout's phase bytes
-    already include its weights)."""
-    return dict(active) if role == "rollout" else {**idle[role], **active}
-
-
-def _host(config: Config, s: Shape, phase: str, role: str, active: dict[str, int], idle: dict[str, dict[str, int]],
-          actor: Any, ref: Any, roles: list[str]) -> dict[str, int]:
-    """Host RAM of one node in ``phase``: processes, offloaded states, on CPU every process's memory."""
-    n = s.per_node
-    d = config.data
-    host = {"worker processes": FRAMEWORK_BYTES * n * len(roles),
+def _processes(st: _Step) -> dict[str, int]:
+    """Host RAM of one node's processes before they hold a model: the workers (one per device fused, else one
+    per role per device), the driver, reward and loader processes."""
+    n, config = st.s.per_node, st.config
+    return {"worker processes": FRAMEWORK_BYTES * n * processes_per_device(config, st.s.with_ref),
             "driver, reward and loader processes": DRIVER_BYTES + FRAMEWORK_BYTES * (config.reward.num_workers
-                                                                                     + d.num_workers)}
-    offloaded = (actor.host if actor.offloaded else 0) + (ref.host if s.with_ref and ref.offloaded else 0)
+                                                                                     + config.data.num_workers)}
+
+
+def _host(st: _Step, phase: Phase, role: str, active: dict[str, int], device: dict[str, int],
+          engine_host: dict[str, int]) -> dict[str, int]:
+    """Host RAM of one node in ``phase``: processes, offloaded states, an asleep engine's weights (level 1),
+    the step batch, the sync's transport across processes; on CPU every process's memory."""
+    s, config, n = st.s, st.config, st.s.per_node
+    host = _processes(st)
+    offloaded = (st.actor.host if st.actor.offloaded else 0) + (st.ref.host if s.with_ref and st.ref.offloaded else 0)
     if offloaded:
         host["offloaded states"] = offloaded * n
+    host.update({k: v * n for k, v in engine_host.items()})
     host["step batch (driver, object store, workers' shares)"] = 3 * batch_bytes(config, s)
-    if phase == "weight_sync":
-        bucket = int(config.worker.rollout.sync_bucket_mb * 2**20)
-        host["sync buckets (object store + assembly)"] = 2 * bucket + n * bucket
+    if phase.planned == "weight_sync":
+        host.update(sync_parts(config, sync_bucket(config, s.largest_module, s.dtype_bytes), n)[1])
     if not s.on_gpu:  # every process's device bytes are this node's RAM
-        for name in roles:
-            held = _working(role, active, idle) if name == role else idle[name]
-            host[f"{name} workers"] = n * sum_parts(held)
+        if fused(config):
+            host["fused workers"] = n * sum_parts(device)
+        else:
+            for name in role_names(s.with_ref):
+                held = ((active if name == "rollout" else {**st.idle[name], **active}) if name == role
+                        else st.resident if name == "rollout" else st.idle[name])
+                host[f"{name} workers"] = n * sum_parts(held)
     return host
+
+
+def _load_row(st: _Step) -> Row:
+    """The models' load, before the first step: the roles' parameter shards where they keep them and the engine
+    as it is built, on one device (fused) or the fullest role's; in host RAM one whole fp32 checkpoint per node
+    (:func:`easytrain.memory.layout.load_host`) besides the processes."""
+    s, config = st.s, st.config
+    shards = {"actor params": st.actor.params, "ref params": st.ref.params if s.with_ref else 0}
+    on_device = {"actor params": 0 if st.actor.offloaded else shards["actor params"],
+                 "ref params": 0 if st.ref.offloaded else shards["ref params"]}
+    if fused(config):
+        parts = {**on_device, **st.resident}
+    else:
+        parts = max(({"actor params": on_device["actor params"]}, {"ref params": on_device["ref params"]},
+                     dict(st.resident)), key=sum_parts)
+    if s.on_gpu:
+        parts["cuda context"] = CUDA_CONTEXT_BYTES
+    in_host = {k: v for k, v in shards.items() if v and (k == "actor params" and st.actor.offloaded
+                                                        or k == "ref params" and st.ref.offloaded)}
+    host = {**_processes(st), **load_host(s.total_params, s.per_node, in_host if s.on_gpu else {}, s.on_gpu)}
+    if not s.on_gpu:
+        if fused(config):
+            host["fused workers"] = s.per_node * sum_parts(parts)
+        else:
+            held = {"actor": on_device["actor params"], "ref": on_device["ref params"],
+                    "rollout": sum_parts(st.resident)}
+            host.update({f"{k} workers": s.per_node * v for k, v in held.items() if v})
+    return Row("load", "all" if fused(config) else "each", sum_parts(parts), sum_parts(host), parts, host)
 
 
 def batch_bytes(config: Config, s: Shape) -> int:
@@ -323,14 +476,26 @@ def micro_note(config: Config, s: Shape, micro: MicroBatch) -> str:
     a = config.worker.actor
     images = f", {micro.images} image(s) of {micro.image_tokens} tokens" if micro.images else ""
     if not a.padding_free:
+        experience = experience_micro(config, s, "actor")
+        shared = micro.tokens != s.seq_tokens or experience.tokens != s.seq_tokens
+        if shared:
+            return (f"micro batch, prompt-shared (worker.actor.share_prompt): update {micro.sequences} row(s) x "
+                    f"{micro.tokens} tokens (a prompt once, then {micro.response // max(1, s.response)} responses"
+                    f"{images}), log-probs {experience.sequences} row(s) x {experience.tokens} tokens, padded")
         return (f"micro batch: update {micro.sequences} sequence(s) x {micro.tokens} tokens (max_prompt_length + "
-                f"max_response_length{images} each), log-probs {experience_micro(config, s, 'actor').sequences} "
+                f"max_response_length{images} each), log-probs {experience.sequences} "
                 "sequence(s) of the same shape, padded")
-    samples = micro.response // max(1, s.response)
+    group = packed_group(config, s, a.global_batch_size, "actor")
+    if group is not None:
+        units = micro.response // max(1, config.worker.rollout.n * s.response)
+        what = (f"{units} prompt(s) once each with their n={config.worker.rollout.n} responses "
+                f"({group} tokens a prompt, share_prompt){images}")
+    else:
+        what = f"{micro.response // max(1, s.response)} full-length sample(s){images}"
     split = (f"; each of worker.actor.ulysses_size={a.ulysses_size} ranks holds 1/{a.ulysses_size} of its "
              "activations and logits" if a.ulysses_size > 1 else "")
     return (f"micro batch: one padding-free sequence of {micro.tokens} tokens (max_token_len_per_device: "
-            f"{samples} full-length sample(s){images}, logits at their {micro.response} response positions) for the "
+            f"{what}, logits at their {micro.response} response positions) for the "
             f"update and the log-prob passes; the {per_rank(config, s, 'actor', a.global_batch_size)} sequences of "
             f"a data-parallel rank per optimizer step packed into as many as they need{split}")
 
@@ -355,7 +520,7 @@ def _notes(config: Config, s: Shape, hf_config: dict[str, Any], capacity: Capaci
                      f"({s.images} image(s) of {s.image_tokens} tokens per sequence, each of the n={r.n} samples "
                      "of a prompt carrying its own copy)")
     if not s.on_gpu:
-        notes.append("CPU run: roles are processes in node RAM; offload moves nothing")
+        notes.append("CPU run: the workers are processes in node RAM; offload moves nothing")
     return notes
 
 

@@ -33,7 +33,8 @@ def render(config: Config, p: Plan, hf_config: dict[str, Any], advice: list[Sugg
     a = config.worker.actor
     strategy = f"deepspeed ZeRO-{a.deepspeed.zero_stage}" if a.strategy == "deepspeed" else "fsdp"
     roles = (f"SFT: the actor only, {strategy}" if t.task == "sft"
-             else "colocated roles" if t.colocate else "a device pool per role")
+             else f"fused workers: one process per {'GPU' if p.on_gpu else 'CPU worker'} hosting actor, reference "
+             "and rollout" if t.colocate else "a device pool per role: each role its own processes")
     lines = [f"model {config.model.path}: {counts.total / 1e9:.2f}B parameters; {where}, {roles}",
              f"checked against: {'GPU ' + _gb(c.gpu_bytes) + ' GB, ' if c.gpu_bytes else ''}node RAM {_gb(c.node_ram)} GB"
              f" x Ray memory threshold {c.ray_threshold:.2f} = {_gb(c.host_limit)} GB ({c.source})", "",
