@@ -351,3 +351,20 @@ def test_share_prompt_padding_free_packs_whole_prompts_into_the_budget() -> None
     split = MicroBatch(sequences=1, tokens=16384, response=4 * 2048, images=4, image_tokens=2048)
     assert ulysses.row("update").parts["activations"] == activation_bytes(d, split, 2, grad=True, checkpointing=True,
                                                                           vision_grad=True, ulysses=2)
+
+
+def test_hf_engine_on_cpu_sleeps_at_level_2_only_in_fused_workers() -> None:
+    from easytrain.memory.planner import shape_of
+
+    config = load(["+exp=tiny"])  # HF engine on CPU, sleep level 2
+    hf = hf_config_for(config.model)
+    s = shape_of(config, hf)
+    weights = s.total_params * s.dtype_bytes
+    fused, level1 = plan(config, hf), plan(load(["+exp=tiny", "worker.rollout.sleep_level=1"]), hf)
+    assert "rollout weights" not in fused.row("update").parts  # dropped while asleep
+    assert fused.row("weight_sync").parts["rollout weights (woken)"] == weights
+    # the sync's bucket never outgrows the model
+    assert fused.row("weight_sync").parts["gathered bucket (engine dtype)"] == min(256 * 2**20, weights)
+    assert level1.row("update").parts["rollout weights"] == weights  # level 1 on CPU: nowhere to offload to
+    pools = plan(load(["+exp=tiny", "trainer.colocate=false"]), hf)
+    assert pools.row("update").host_parts["rollout workers"] == config.trainer.workers_per_node * weights

@@ -18,8 +18,8 @@ What the engine holds on the device during a phase follows the phase's
   in ``model.dtype``), no KV cache;
 - ``asleep``: what its sleep level keeps: level 2 nothing; level 1 nothing
   on the device, its weights in host RAM until they wake; level 0, and
-  engines that cannot sleep (the HF engine, vLLM on CPU, vLLM without
-  colocated roles), everything stays.
+  engines that cannot sleep (vLLM on CPU, the HF engine on CPU at level 1,
+  any engine without colocated roles), everything stays.
 
 The weight sync on fused workers gathers FSDP2's shards bucket by bucket
 into full tensors on the device, in the engine's dtype, and loads them into
@@ -59,9 +59,14 @@ def processes_per_device(config: Config, with_ref: bool) -> int:
 
 
 def sleep_level(config: Config, on_gpu: bool) -> int:
-    """The sleep level the engine really uses: vLLM sleeps only on GPU with colocated roles."""
+    """The sleep level the engine really uses: only fused workers sleep; vLLM on GPU only, the HF engine on GPU
+    at either level and on CPU at level 2 (level 1 would move its weights to where they already are)."""
     r = config.worker.rollout
-    return r.sleep_level if r.engine == "vllm" and on_gpu and config.trainer.colocate else 0
+    if not config.trainer.colocate:
+        return 0
+    if r.engine == "vllm":
+        return r.sleep_level if on_gpu else 0
+    return r.sleep_level if on_gpu or r.sleep_level == 2 else 0
 
 
 def engine_weights(config: Config, total_params: int, dtype_bytes: int) -> int:
@@ -99,10 +104,11 @@ def running_order(planned: set[str], sleeps: bool) -> list[str]:
     return [p.name for p in STEP if (p.planned in planned if p.planned else sleeps)]
 
 
-def sync_bucket(config: Config, largest_module: int, dtype_bytes: int) -> int:
+def sync_bucket(config: Config, largest_module: int, total_params: int, dtype_bytes: int) -> int:
     """One bucket of full tensors in the engine's dtype: ``sync_bucket_mb``, or the largest module when it is
-    larger (a module never splits)."""
-    return max(int(config.worker.rollout.sync_bucket_mb * 2**20), largest_module * dtype_bytes)
+    larger (a module never splits), and never more than the whole model."""
+    bucket = max(int(config.worker.rollout.sync_bucket_mb * 2**20), largest_module * dtype_bytes)
+    return min(bucket, total_params * dtype_bytes)
 
 
 def sync_parts(config: Config, bucket: int, per_node: int) -> tuple[dict[str, int], dict[str, int]]:
@@ -132,8 +138,8 @@ def layout_note(config: Config, with_ref: bool, ref_by_actor: bool, on_gpu: bool
     if fused(config):
         ref = ("the reference (the actor with its LoRA adapters off)" if ref_by_actor
                else "the reference" if with_ref else "no reference")
-        sleeps = (f"the engine sleeps (level {level}) through ref, old_log_probs and update, then holds its weights "
-                  "alone for the sync" if level else "the engine keeps its memory between rollouts (no sleep here)")
+        sleeps = (f"the engine sleeps (level {level}) from sleep to wake_weights, then holds its weights alone for "
+                  "the sync" if level else "the engine keeps its memory between rollouts (no sleep here)")
         return (f"layout: fused workers, one process per {device} hosting the actor, {ref} and the rollout engine "
                 f"(one {'CUDA context' if on_gpu else 'framework overhead'} per {device}); step order: {order}; "
                 f"{sleeps}; validation generates with the engine awake")

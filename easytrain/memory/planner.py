@@ -358,7 +358,7 @@ def plan(config: Config, hf_config: Optional[dict[str, Any]] = None, capacity: O
                                                        micro=experience_micro(config, s, "actor"), role="actor"))
     work["update"] = ("actor", update_transient(config, s, hf_config, upd_micro, accumulates,
                                                 0 if actor.offloaded else actor.grads, actor.offloaded))
-    bucket = sync_bucket(config, s.largest_module, s.dtype_bytes)
+    bucket = sync_bucket(config, s.largest_module, s.total_params, s.dtype_bytes)
     work["weight_sync"] = ("actor", sync_parts(config, bucket, s.per_node)[0])
     phases = list(step_phases(set(work)))
     rows = [_row(step, p, *work[p.planned]) for p in phases]
@@ -421,7 +421,7 @@ def _host(st: _Step, phase: Phase, role: str, active: dict[str, int], device: di
     host.update({k: v * n for k, v in engine_host.items()})
     host["step batch (driver, object store, workers' shares)"] = 3 * batch_bytes(config, s)
     if phase.planned == "weight_sync":
-        host.update(sync_parts(config, sync_bucket(config, s.largest_module, s.dtype_bytes), n)[1])
+        host.update(sync_parts(config, sync_bucket(config, s.largest_module, s.total_params, s.dtype_bytes), n)[1])
     if not s.on_gpu:  # every process's device bytes are this node's RAM
         if fused(config):
             host["fused workers"] = n * sum_parts(device)
