@@ -15,6 +15,7 @@ from torch import nn
 from easytrain.config.schema import Config, RoleConfig
 from easytrain.distributed.fsdp import apply_activation_checkpointing, apply_fsdp, build_mesh
 from easytrain.distributed.group import Dispatch, dispatch, free_port
+from easytrain.distributed.load import load_from_rank0
 from easytrain.distributed.ulysses import SequenceParallel, apply_ulysses, sequence_parallel_group
 from easytrain.memory.readings import process_info, release_process_memory, torch_allocator
 from easytrain.models.hf import load_model, model_folder
@@ -142,30 +143,47 @@ def build_sharded_model(config: Config, role: RoleConfig, folder: str, device: t
                         sp: Optional[SequenceParallel] = None) -> nn.Module:
     """The role's model: loaded in fp32 master precision, frozen parts set, checkpointing, Ulysses attention
     when ``sp`` is given, then FSDP2 over all ranks (``shard=False`` leaves it whole for a strategy that
-    distributes it itself: DeepSpeed)."""
+    distributes it itself: DeepSpeed).
+
+    Sharded over several ranks, only rank 0 reads the checkpoint; the others build the model on the meta device
+    and receive their shards, buffers and LoRA adapters from rank 0 (``distributed.load``): one full host copy
+    per node at load, not one per process. One process (``world_size == 1``) and ``shard=False`` load the full
+    model in the process as before: there one copy per process is unavoidable."""
     model_cfg = config.model
-    model = load_model(model_cfg, folder, dtype="float32")
-    model.config.use_cache = False
-    if model_cfg.dedupe_images:
-        dedupe_images(model)
-    if sp is not None:
-        apply_ulysses(model, sp)
-    if not trainable:
-        model.requires_grad_(False)
-        model.eval()
-    else:
+    compute_dtype = DTYPES[model_cfg.dtype]
+    param_dtype: Optional[torch.dtype] = None if compute_dtype == torch.float32 else compute_dtype
+    offload = role.offload.params
+
+    def prepare(model: nn.Module) -> nn.Module:  # the same steps, in the same order, on every rank
+        getattr(model, "config").use_cache = False
+        if model_cfg.dedupe_images:
+            dedupe_images(model)
+        if sp is not None:
+            apply_ulysses(model, sp)
+        if not trainable:
+            model.requires_grad_(False)
+            model.eval()
+            return model
         freeze_parts(model, model_cfg.freeze_vision_tower, model_cfg.freeze_aligner, model_cfg.freeze_llm)
         if model_cfg.gradient_checkpointing:
             apply_activation_checkpointing(model)
         if model_cfg.lora.rank > 0:
             model = apply_lora(model, model_cfg.lora)
-    compute_dtype = DTYPES[model_cfg.dtype]
-    param_dtype: Optional[torch.dtype] = None if compute_dtype == torch.float32 else compute_dtype
-    if shard and (world_size > 1 or role.offload.params or param_dtype is not None):
+        return model
+
+    def fsdp(model: nn.Module) -> None:
         mesh = build_mesh(device.type, world_size, role.fsdp.shard_size)
-        apply_fsdp(model, mesh=mesh, reshard_after_forward=role.fsdp.full_shard, offload_params=role.offload.params,
+        apply_fsdp(model, mesh=mesh, reshard_after_forward=role.fsdp.full_shard, offload_params=offload,
                    param_dtype=param_dtype, reduce_dtype=torch.float32 if param_dtype else None,
                    device_type=device.type)
-    if not role.offload.params:
+
+    if shard and world_size > 1:
+        model = load_from_rank0(model_cfg, folder, prepare=prepare, shard=fsdp,
+                                device=torch.device("cpu") if offload else device)
+    else:
+        model = prepare(load_model(model_cfg, folder, dtype="float32"))
+        if shard and (offload or param_dtype is not None):
+            fsdp(model)
+    if not offload:
         model.to(device)
     return model
