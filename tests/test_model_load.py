@@ -24,9 +24,9 @@ from grpo_helpers import make_config
 
 pytestmark = pytest.mark.slow
 
-SIZED = dict(hidden=1024, layers=2, heads=8, kv_heads=2, intermediate=4096,
+SIZED = dict(hidden=1024, layers=4, heads=8, kv_heads=2, intermediate=4096,
              vision_depth=2, vision_hidden=128, vision_heads=2, vision_intermediate=256)
-"""~32M parameters (~128 MB in fp32): one copy is well above the process's RSS noise while loading."""
+"""~62M parameters (~250 MB in fp32): one copy is well above the process's RSS noise while loading."""
 
 
 def _hwm_bytes() -> int:
@@ -59,11 +59,17 @@ class LoadProbe(ActorWorker):
 
 @pytest.fixture(scope="module")
 def sized_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """A tiny-factory model with SIZED's shapes (the factory's sizes are ~0.2M and ~4M parameters)."""
+    """A tiny-factory model with SIZED's shapes (the factory's sizes are ~0.2M and ~4M parameters), its weights
+    file in bf16 as real checkpoints ship (loading it in fp32 converts: the old path held a copy per rank)."""
+    from safetensors.torch import load_file, save_file
+
     from easytrain.models import tiny
 
     with mock.patch.dict(tiny.SPECS, {"load-test": tiny.TinySpec(**SIZED)}):
-        return tiny.build_tiny("qwen2_5_vl", "load-test", 0, tmp_path_factory.mktemp("sized-cache"))
+        folder = tiny.build_tiny("qwen2_5_vl", "load-test", 0, tmp_path_factory.mktemp("sized-cache"))
+    weights = folder / "model.safetensors"
+    save_file({k: v.bfloat16() for k, v in load_file(str(weights)).items()}, str(weights), metadata={"format": "pt"})
+    return folder
 
 
 @pytest.fixture(scope="module")
@@ -132,6 +138,6 @@ def test_two_ranks_load_the_checkpoint_once(variant: str, sized_model: Path, ref
     copy = 4 * sum(p.numel() for p in reference.parameters())
     rank1 = (ranks[1]["peak"] - ranks[1]["before"]) / copy
     rank0 = (ranks[0]["peak"] - ranks[0]["before"]) / copy
-    # Rank 1 holds its half of the shards plus one tensor in flight (measured ~0.75 copies here); the old path
-    # held a full copy plus its shards on every rank (>= 1.5). Rank 0 holds the loaded copy plus its shards.
+    # Rank 1 holds its half of the shards plus one tensor in flight; the old path held a full fp32 copy plus its
+    # shard on every rank (1.5 copies with a bf16 checkpoint: bench/model_load.py).
     assert rank1 < 1.0, f"rank 1 peaked at {rank1:.2f} model copies above its pre-load RSS (rank 0: {rank0:.2f})"
