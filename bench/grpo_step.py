@@ -3,8 +3,9 @@
     .venv/bin/python bench/grpo_step.py                 # tiny model  -> bench/results/grpo_step_tiny.json
     .venv/bin/python bench/grpo_step.py --size small    # ~4M model   -> bench/results/grpo_step_small.json
 
-Runs the real trainer (local Ray, 2 CPU workers, colocated actor/ref/rollout,
-HF engine) on the synthetic image task: 8 prompts x 4 responses, 32 new
+Runs the real trainer (local Ray, 2 CPU devices, each a fused worker hosting
+actor, reference and rollout; ``--override trainer.colocate=false`` for a
+process per role; HF engine) on the synthetic image task: 8 prompts x 4 responses, 32 new
 tokens, reference with a KL loss, fp32. After warm-up steps it measures
 ``--steps`` steps. Orchestration overhead is the step's wall time minus the
 work: for each phase the slowest rank's time inside the worker method (each
@@ -26,10 +27,12 @@ sys.path.insert(0, str(ROOT))
 from bench.provenance import write_result  # noqa: E402
 
 PHASE_METHODS = {
-    "generate": [("rollout", "generate")], "ref": [("ref", "compute_ref_log_probs")],
-    "old_log_probs": [("actor", "compute_log_probs")], "update": [("actor", "update")],
-    "sync": [("actor", "push_weights")],  # includes the rollout ranks loading each bucket
+    "generate": ["generate"], "sleep": ["sleep"], "ref": ["compute_ref_log_probs"],
+    "old_log_probs": ["compute_log_probs"], "update": ["update"],
+    # fused workers gather and load in-process; separate pools stream buckets (the rollout ranks load them)
+    "sync": ["sync_weights", "push_weights"],
 }
+"""Each phase's worker methods: its work is the slowest process's time inside them."""
 
 
 def main() -> None:
@@ -57,7 +60,7 @@ def main() -> None:
                    *args.override])
     init_ray(config.ray)
     trainer = RLTrainer(config)
-    groups = {"actor": trainer.roles.actor, "ref": trainer.roles.ref, "rollout": trainer.roles.rollout}
+    groups = trainer.roles.processes()  # each process once: the fused workers, or a group per role
     prompts = trainer.data.train_batches()
     records = []
     for step in range(args.warmup + args.steps):
@@ -65,8 +68,8 @@ def main() -> None:
         for group in groups.values():
             group.call("busy_times")  # reset
         metrics = trainer.train_step(prompts)
-        busy = {name: group.call("busy_times") for name, group in groups.items()}
-        work = {phase: sum(max(b.get(method, 0.0) for b in busy[role]) for role, method in methods)
+        busy = [b for group in groups.values() for b in group.call("busy_times")]
+        work = {phase: max(sum(b.get(method, 0.0) for method in methods) for b in busy)
                 for phase, methods in PHASE_METHODS.items()}
         if step < args.warmup:
             continue

@@ -77,12 +77,13 @@ def test_checkpoints_span_nodes_and_a_lost_node_is_recovered_exactly(ray_two_nod
     want = run(tmp_path / "whole")
     shards = tmp_path / "whole" / "checkpoints" / "global_step_4" / "actor"
     assert sorted(p.name for p in shards.glob("*.distcp")) == ["__0_0.distcp", "__1_0.distcp"]
-    # the memory watchdog: one sampler per node, both nodes and each actor rank's node in memory.jsonl
+    # the memory watchdog: one sampler per node, both nodes and each fused worker's node in memory.jsonl (each
+    # device's process hosts actor, reference and rollout)
     memory = [json.loads(line) for line in (tmp_path / "whole" / "memory.jsonl").read_text().splitlines()]
     node_ids = {r["node_id"] for r in memory if r["kind"] == "node"}
     assert node_ids == {n.node_id for n in ray_two_nodes.list_all_nodes()}
     assert set(next(r["nodes"] for r in memory if r["kind"] == "samplers")) == node_ids  # one sampler each
-    actor_nodes = {r["rank"]: r["node_id"] for r in memory if r["kind"] == "process" and r["role"] == "actor"}
+    actor_nodes = {r["rank"]: r["node_id"] for r in memory if r["kind"] == "process" and r["role"] == "worker"}
     assert len(actor_nodes) == 2 and len(set(actor_nodes.values())) == 2
 
     # Ray starts nodes only from the main thread, so the run goes on in a thread while this one waits for

@@ -19,7 +19,7 @@ from easytrain.trainer.data import RLData
 from easytrain.trainer.roles import build_roles
 from easytrain.workers.rollout.engine import SamplingParams
 from easytrain.workers.rollout.worker import RolloutWorker
-from easytrain.workers.weight_sync import BucketedTransport
+from easytrain.workers.weight_sync import BucketedTransport, InProcessTransport
 
 pytest.importorskip("vllm")
 pytestmark = pytest.mark.slow
@@ -84,9 +84,10 @@ def test_vllm_greedy_equals_hf_before_and_after_a_sync_from_fsdp(setup: dict[str
     batch = sampled.union(Batch({"advantages": advantages}))
     per_step = setup["config"].worker.actor.global_batch_size * setup["config"].worker.rollout.n
     roles.actor.call("update", batch.interleave_for_ranks(per_step, 2), 0.0)
-    synced = BucketedTransport(bucket_mb=0.1).sync(roles.actor, roles.rollout)  # many small buckets
+    # fused workers: each process gathers the actor's shards and loads its own vLLM engine, in many small buckets
+    synced = InProcessTransport(roles.fused, bucket_mb=0.1).sync(roles.actor, roles.rollout)
     assert synced["sync/buckets"] > 3
-    BucketedTransport(bucket_mb=256).sync(roles.actor, hf)
+    BucketedTransport(bucket_mb=256).sync(roles.actor, hf)  # the object-store path to a separate process
 
     after = roles.rollout.call("generate", prompts, 1, True)
     assert torch.equal(_masked(after), _masked(hf.call("generate", prompts, 1, True)))

@@ -140,7 +140,7 @@ def test_bucketed_sync_bounds_gathered_memory_by_the_bucket(ray_local: None, tmp
 
     from grpo_helpers import make_config
 
-    config = make_config(str(tmp_path), "model.tiny_size=small", "algorithm.kl_coef=0")
+    config = make_config(str(tmp_path), "model.tiny_size=small", "algorithm.kl_coef=0", "trainer.colocate=false")
     roles = build_roles(config, total_optimizer_steps=1)
     try:
         whole = BucketedTransport(bucket_mb=1024).sync(roles.actor, roles.rollout)

@@ -82,15 +82,20 @@ def build_sft_roles(config: Config, total_optimizer_steps: int) -> Roles:
     """The one role of an SFT run: the actor on every device of its pool (its own process group)."""
     from easytrain.workers.sft import SFTWorker
 
-    t = config.trainer
-    pool = ResourcePool("sft", t.nnodes, t.workers_per_node, t.device)
-    actor = WorkerGroup(SFTWorker, "actor", pool, num_cpus=1.0, num_gpus=1.0 if t.device == "cuda" else 0.0,
-                        init_args=(config,), env=ENV, block_size=config.worker.actor.ulysses_size)
+    actor, pool = start_sft_group(config, SFTWorker)
     actor.init_process_group()
     sizes = actor.call("setup", total_optimizer_steps)
     logger.info("actor: %s parameters (%s trainable) on %d rank(s), strategy %s", sizes[0]["total"],
                 sizes[0]["trainable"], actor.world_size, config.worker.actor.strategy)
     return Roles(actor, None, None, None, None, [pool])
+
+
+def start_sft_group(config: Config, cls: type) -> tuple[WorkerGroup, ResourcePool]:
+    """The SFT actor group, started but not set up: one worker per device of its pool."""
+    t = config.trainer
+    pool = ResourcePool("sft", t.nnodes, t.workers_per_node, t.device)
+    return WorkerGroup(cls, "actor", pool, num_cpus=1.0, num_gpus=1.0 if t.device == "cuda" else 0.0,
+                       init_args=(config,), env=ENV, block_size=config.worker.actor.ulysses_size), pool
 
 
 def start_groups(config: Config, fused_cls: type = FusedWorker,

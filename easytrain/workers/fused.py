@@ -118,6 +118,8 @@ class FusedWorker(WorkerBase):
             if state == "awake" and "kv_cache" in engine.asleep:
                 engine.wake(("kv_cache",))
                 self._record("wake_kv")
+            if phase == "generate" and getattr(engine, "stale", False):  # dropped weights no sync refilled yet:
+                self._sync(int(self.config.worker.rollout.sync_bucket_mb * 2**20))  # the actor's (every rank)
         self._record(phase)
 
     def _leave(self) -> None:
@@ -144,11 +146,16 @@ class FusedWorker(WorkerBase):
         full tensors together): see :func:`easytrain.workers.weight_sync.sync_in_process`."""
         self._enter("sync")
         try:
-            assert self.rollout.engine is not None, "setup() first"
-            return sync_in_process(self.actor.model, self.rollout.engine, bucket_bytes, self.actor.lora_scale,
-                                   self.rollout.engine_dtype)
+            return self._sync(bucket_bytes, record=False)
         finally:
             self._leave()
+
+    def _sync(self, bucket_bytes: int, record: bool = True) -> dict[str, float]:
+        assert self.rollout.engine is not None, "setup() first"
+        if record:
+            self._record("sync")
+        return sync_in_process(self.actor.model, self.rollout.engine, bucket_bytes, self.actor.lora_scale,
+                               self.rollout.engine_dtype)
 
     # ------------------------------------------------------------------ the process
 

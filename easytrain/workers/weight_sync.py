@@ -326,4 +326,6 @@ class BucketedTransport(WeightTransport):
         self.bucket_bytes = max(1, int(bucket_mb * 2**20))
 
     def sync(self, actor: WorkerGroup, rollout: WorkerGroup) -> dict[str, float]:
+        if rollout.workers is actor.workers:  # a process cannot wait on a call to itself
+            raise ValueError("actor and rollout share their processes (fused workers): use InProcessTransport")
         return actor.call("push_weights", rollout.workers, self.bucket_bytes)
