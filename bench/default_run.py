@@ -59,9 +59,9 @@ def run_once(exp: Optional[str], workers: Optional[int], seed: Optional[int]) ->
     synced = [r["rollout/log_prob_diff_max"] for r in steps if "rollout/log_prob_diff_max" in r]
     if synced:  # the engine's log-probs against the actor's recomputation, every step
         record["max_rollout_log_prob_diff"] = max(synced)
-    rss = [r["memory/rollout_rss_gb_max"] for r in steps if "memory/rollout_rss_gb_max" in r]
+    rss = [r["memory/worker_rss_gb_max"] for r in steps if "memory/worker_rss_gb_max" in r]
     if rss:
-        record["rollout_rss_gb"] = {"first_step": round(rss[0], 4), "step_10": round(rss[min(9, len(rss) - 1)], 4),
+        record["worker_rss_gb"] = {"first_step": round(rss[0], 4), "step_10": round(rss[min(9, len(rss) - 1)], 4),
                                     "last_step": round(rss[-1], 4)}
     memory = run_dir / "memory.jsonl"
     if memory.exists():  # the watchdog on a healthy run: what it reported, what it cost

@@ -46,7 +46,9 @@ def probes_importable() -> None:
 
 def gpu_config(nnodes: int, per_node: int, *extra: str) -> Config:
     config = load([f"trainer.nnodes={nnodes}", f"trainer.workers_per_node={per_node}", "algorithm.kl_coef=0.01",
-                   *extra])
+                   "data.rollout_batch_size=16", "worker.actor.global_batch_size=16",  # batches that 8 ranks divide
+                   "worker.actor.micro_batch_size_per_device_for_update=1",
+                   "worker.actor.micro_batch_size_per_device_for_experience=1", *extra])
     config.trainer.device = "cuda"  # Ray's logical GPUs: the probes never touch CUDA
     return config
 

@@ -68,8 +68,8 @@ def test_grpo_with_vllm_syncs_every_step(ray_local: None, tmp_path: Path) -> Non
             logger.info("step %d: greedy tokens changed: %s", step, not torch.equal(now_tokens, tokens))
             tokens, log_probs = now_tokens, now_log_probs
         assert not torch.equal(tokens, first[0])  # and over the run the greedy answers themselves changed
-        rss = [m["memory/rollout_rss_gb_max"] for m in records]
-        logger.info("rollout RSS per step (GB): %s", ", ".join(f"{r:.3f}" for r in rss))
+        rss = [m["memory/worker_rss_gb_max"] for m in records]  # the fused process: actor and vLLM engine
+        logger.info("worker RSS per step (GB): %s", ", ".join(f"{r:.3f}" for r in rss))
         assert rss[-1] - rss[1] < 0.05, rss  # no growth across steps beyond noise (50 MB)
 
         trainer.roles.transport = SkippedSync()  # this step's weights never reach the engine...

@@ -157,6 +157,21 @@ class FusedWorker(WorkerBase):
         return sync_in_process(self.actor.model, self.rollout.engine, bucket_bytes, self.actor.lora_scale,
                                self.rollout.engine_dtype)
 
+    # the object-store path into this process's engine, from an actor elsewhere (see weight_sync.push_weights)
+
+    def begin_weight_update(self, lora_scale: float = 1.0) -> None:
+        self._enter("sync")
+        self.rollout.begin_weight_update(lora_scale)
+
+    def receive_part(self, index: int, part: int, parts: int, wire: dict[str, Any]) -> None:
+        self.rollout.receive_part(index, part, parts, wire)
+
+    def finish_weight_update(self) -> dict[str, float]:
+        try:
+            return self.rollout.finish_weight_update()
+        finally:
+            self._leave()
+
     # ------------------------------------------------------------------ the process
 
     def busy_times(self, reset: bool = True) -> dict[str, float]:
