@@ -278,9 +278,10 @@ class RolloutConfig(RoleConfig):
     enforce_eager: bool = False
     """vLLM: no CUDA graphs (less memory, slower decode); always on for CPU."""
     sleep_level: int = bounded(2, low=0, high=2)
-    """vLLM on GPU with colocated roles: free the engine's memory between rollouts (2 = drop weights and
+    """Fused workers (trainer.colocate=true): the engine frees its memory between rollouts (2 = drop weights and
     KV cache, the next weight sync refills them; 1 = offload weights to host and drop the KV cache, which
-    copies the old weights back only for the sync to overwrite them), 0 = never sleep."""
+    copies the old weights back only for the sync to overwrite them), 0 = never sleep. vLLM sleeps on GPU only;
+    the HF engine at level 2 also on CPU (its host copy is freed while the actor trains)."""
     sync_bucket_mb: float = bounded(256.0, low=0.0, low_open=True)
     """Weight sync streams the actor's weights in buckets of about this size, bounding the extra memory
     the sync holds (a module larger than the bucket travels alone)."""
@@ -332,7 +333,7 @@ class RewardConfig:
     format_weight: float = bounded(0.0, low=0.0, high=1.0)
     """Share of the format reward in `overall`: (1 - w) * accuracy + w * format."""
     num_workers: int = bounded(2, low=1)
-    """Ray actors scoring responses in parallel with the reference pass."""
+    """Ray actors scoring a rollout's responses in parallel with each other."""
 
 
 # ----------------------------------------------------------------------------- trainer
@@ -349,7 +350,8 @@ class TrainerConfig:
     workers_per_node: int = bounded(2, low=1)
     """Worker processes per node: GPUs per node on cuda, CPU workers on cpu."""
     colocate: bool = True
-    """Actor, reference and rollout share the same devices, time-sliced; false gives each role its own pool."""
+    """One process per device hosts actor, reference and rollout (fused workers; the phases take the device in
+    turn, in-process weight sync); false gives each role its own pool of processes and devices."""
     threads_per_worker: int = bounded(0, low=0)
     """torch threads of each role worker; 0 = its share of the node's CPUs (node CPUs / workers_per_node when
     colocated, also divided by the roles otherwise; Ray nodes started on one machine split its cores). Ray would

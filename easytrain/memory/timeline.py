@@ -36,8 +36,8 @@ RAY_KILL_COLOUR = "black"
 PHASE_COLOURS = ("tab:blue", "tab:green", "tab:gray", "tab:cyan", "tab:olive", "tab:pink", "tab:brown")
 """Shading only; orange, gold, red and purple stay the levels' so an event never hides in its phase."""
 
-ROLE_COLOURS = {"actor": "tab:blue", "rollout": "tab:green", "ref": "tab:brown", "reward": "tab:cyan",
-                "driver": "tab:gray"}
+ROLE_COLOURS = {"worker": "tab:purple", "actor": "tab:blue", "rollout": "tab:green", "ref": "tab:brown",
+                "reward": "tab:cyan", "driver": "tab:gray"}
 """A role keeps its colour on every node (and stays clear of the level colours)."""
 OTHER_ROLE_COLOURS = ("tab:pink", "tab:olive", "darkblue", "darkgreen")
 PHASE_ALPHA = 0.12

@@ -9,7 +9,7 @@ rollout engine, and the phases take the device in turn:
 The engine sleeps before any other compute touches the device (the reference pass included) and wakes its
 weights before the sync writes them and its KV cache before generating. Each role returns its cached device
 memory (``torch.cuda.empty_cache``) at the end of its phase, so what one role freed is free for the next.
-Scoring the responses runs on the reward actors (other processes) while the engine goes to sleep.
+Scoring the responses runs on the reward actors (other processes) right after the generation.
 
 ``engine`` says what the engine holds on the device during the phase: ``awake`` (weights and KV cache),
 ``weights`` (weights only: woken for the sync) or ``asleep`` (what its sleep level keeps: nothing at level 2,
