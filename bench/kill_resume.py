@@ -7,8 +7,8 @@ then ``--trials`` runs, each interrupted once at a random moment (after a random
 delay of 0-0.6 s, so kills land in generation, update, weight sync or a checkpoint write), cycling
 through four ways to die:
 
-- ``actor``:   SIGKILL of an actor worker; the run recovers by itself (trainer.max_failures=1)
-- ``rollout``: SIGKILL of a rollout worker; the same
+- ``worker``:  SIGKILL of a fused worker (one device's process: actor, reference and rollout); the run
+  recovers by itself (trainer.max_failures=1)
 - ``driver``:  SIGKILL of the driver; the same command is run again
 - ``sigterm``: SIGTERM to the driver (saves, exits 143); the same command is run again
 
@@ -36,19 +36,20 @@ sys.path.insert(0, str(ROOT / "tests"))
 from bench.provenance import write_result  # noqa: E402
 from resume_harness import STEPS, Run, data_order, final_weights, logged_steps, max_difference  # noqa: E402
 
-KINDS = ("actor", "rollout", "driver", "sigterm")
+KINDS = ("worker", "driver", "sigterm")
+"""A fused worker (one device's process: actor, reference and rollout), the driver, or a SIGTERM to the driver."""
 TOLERANCE = 1e-6
 
 
 def trial(run_dir: Path, kind: str, step: int, delay: float) -> dict[str, Any]:
     start = time.perf_counter()
-    extra = ("trainer.max_failures=1",) if kind in ("actor", "rollout") else ()
+    extra = ("trainer.max_failures=1",) if kind == "worker" else ()
     run = Run(run_dir, *extra).start()
     run.wait_for_step(step)
     time.sleep(delay)
     logged_at_kill = logged_steps(run_dir)
-    if kind in ("actor", "rollout"):
-        run.kill_worker("ray::ActorWorker" if kind == "actor" else "ray::RolloutWorker")
+    if kind == "worker":
+        run.kill_worker("ray::FusedWorker")
     else:
         run.signal_driver(signal.SIGKILL if kind == "driver" else signal.SIGTERM)
     codes = [run.wait()]
@@ -79,7 +80,7 @@ def main() -> None:
         try:
             result = trial(run_dir, kind, step, delay)
             diff = max_difference(final_weights(run_dir), want_weights)
-            ok_codes = result["exit_codes"] == ([0] if kind in ("actor", "rollout") else
+            ok_codes = result["exit_codes"] == ([0] if kind == "worker" else
                                                [-signal.SIGKILL, 0] if kind == "driver" else [143, 0])
             result.update(max_weight_difference=diff, same_order=data_order(run_dir) == want_order,
                           steps_once=logged_steps(run_dir) == list(range(1, STEPS + 1)), expected_exit_codes=ok_codes)
@@ -91,7 +92,7 @@ def main() -> None:
         if result["passed"]:
             shutil.rmtree(run_dir, ignore_errors=True)
     passed = sum(r["passed"] for r in results)
-    report = {"setting": "tests/resume_harness.py RUN_ARGS: tiny Qwen2.5-VL, 2 actor + 2 rollout ranks, "
+    report = {"setting": "tests/resume_harness.py RUN_ARGS: tiny Qwen2.5-VL, 2 fused workers, "
                          f"{STEPS} steps, checkpoint every step",
               "passed": f"{passed}/{len(results)}", "trials": results, "work_dir": str(work)}
     write_result(Path(args.out), report, indent=1)

@@ -70,7 +70,7 @@ class Run:
         except psutil.NoSuchProcess:
             return []
 
-    def kill_worker(self, title: str = "ray::ActorWorker") -> int:
+    def kill_worker(self, title: str = "ray::FusedWorker") -> int:
         """SIGKILL one worker process of the run (found by its Ray process title); returns its pid."""
         for child in self.descendants():
             try:

@@ -39,10 +39,10 @@ def test_a_killed_worker_is_recovered_inside_the_run(reference: Path) -> None:
     run = Run(reference.parent / "worker_killed", "trainer.max_failures=1").start()
     run.wait_for_step(3)
     time.sleep(0.4)  # past step 3's checkpoint, into step 4 (the next test kills during the save)
-    run.kill_worker("ray::ActorWorker")
+    run.kill_worker("ray::FusedWorker")  # the process of one device: actor, reference and rollout
     assert run.wait() == 0, run.tail()
     log = run.log.read_text()
-    assert re.search(r"dead: actor rank \d on node", log), run.tail()
+    assert re.search(r"dead: worker rank \d on node", log), run.tail()
     assert "recreating the worker groups and resuming from the latest checkpoint" in log
     assert "resumed from" in log
     assert_same_run(run.run_dir, reference)
@@ -52,7 +52,7 @@ def test_a_killed_worker_without_retries_stops_with_the_command_to_resume(refere
     run_dir = reference.parent / "worker_killed_no_retry"
     run = Run(run_dir).start()
     run.wait_for_step(3)
-    run.kill_worker("ray::ActorWorker")
+    run.kill_worker("ray::FusedWorker")  # the process of one device: actor, reference and rollout
     assert run.wait() == 3, run.tail()
     hint = re.search(r"Resume with: (python -m easytrain\.main .*)$", run.log.read_text(), re.M)
     assert hint is not None, run.tail()

@@ -153,8 +153,9 @@ def prompts(trainer: RLTrainer) -> Prompts:
 
 
 def rollout_with_ref(trainer: RLTrainer, prompts: Batch) -> tuple[Batch, dict[str, torch.Tensor]]:
-    """A real rollout, scored, with the reference group's log-probs."""
+    """A real rollout, scored, with the reference group's log-probs (taken after the engine sleeps)."""
     batch, scores = trainer.generate_and_score(prompts, PhaseTimer())
+    batch = trainer.with_reference(batch, PhaseTimer())
     assert "ref_log_probs" in batch and "old_log_probs" not in batch
     return batch, scores
 
@@ -316,23 +317,28 @@ def test_free_caches_releases_in_every_process_of_the_run(trainer: RLTrainer) ->
     assert trainer.guard is not None
     relief = trainer.guard.free_caches({"ram"})
     processes = {(p["role"], p["rank"]) for p in relief.processes}
-    assert processes == {("driver", 0), ("reward", 0), ("actor", 0), ("rollout", 0), ("ref", 0)}
+    assert processes == {("driver", 0), ("reward", 0), ("worker", 0)}  # one fused process per device
     assert relief.freed == sum(p["ram_freed_bytes"] + p["gpu_freed_bytes"] for p in relief.processes)
     assert all(p["ram_freed_bytes"] >= 0 for p in relief.processes)
 
 
 @pytest.mark.slow
-def test_sleep_rollout_and_offload_ref_claim_nothing_where_they_cannot_free(trainer: RLTrainer) -> None:
-    """On CPU the engine cannot sleep and the reference already sits in host memory; under RAM pressure both
-    would only move memory into RAM. Each says why and frees nothing."""
+def test_sleep_rollout_frees_the_engines_host_copy_and_offload_ref_claims_nothing(trainer: RLTrainer) -> None:
+    """On CPU a fused worker's HF engine sleeps at level 2: under RAM pressure the relief drops its weights
+    (measured bytes) and the next step refills them from the actor. GPU pressure finds nothing to free on CPU, and
+    the reference already sits in host memory."""
     guard = trainer.guard
-    assert guard is not None and not trainer.roles.rollout_sleeps
-    for action, vram_reason in (("sleep_rollout", "cannot sleep here"), ("offload_ref", "already lives in host")):
-        on_gpu_pressure = getattr(guard, action)({"vram"})
-        on_ram_pressure = getattr(guard, action)({"ram"})
-        assert vram_reason in on_gpu_pressure.detail and "host RAM is under pressure" in on_ram_pressure.detail
-        for relief in (on_gpu_pressure, on_ram_pressure):
-            assert not relief.applied and relief.freed == 0
+    assert guard is not None and trainer.roles.rollout_sleeps and trainer.config.worker.rollout.sleep_level == 2
+    on_gpu_pressure = guard.sleep_rollout({"vram"})
+    assert not on_gpu_pressure.applied and on_gpu_pressure.freed == 0 and "frees host RAM" in on_gpu_pressure.detail
+    trainer.train_step()  # the engine is awake again after the step's sync
+    held = sum(t.numel() * t.element_size() for t in trainer.roles.rollout.call("engine_weights")[0].values())
+    relief = guard.sleep_rollout({"ram"})
+    assert relief.applied and 0 < relief.freed <= held and "refills" in relief.detail
+    assert trainer.train_step()["actor/grad_norm"] > 0  # generation refilled the weights first
+    for pressure in ({"vram"}, {"ram"}):
+        relief = guard.offload_ref(pressure)
+        assert not relief.applied and relief.freed == 0
 
 
 def band(fraction: float, wanted: str) -> dict[str, float]:

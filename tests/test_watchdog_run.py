@@ -21,10 +21,10 @@ def test_default_run_writes_a_memory_timeline_covering_every_worker(default_run:
     kinds = {r["kind"] for r in records}
     assert {"thresholds", "node", "process", "phase", "worker"} <= kinds
 
-    # every process of the run: 2 actor ranks, 2 rollout ranks, the reward workers, the driver
+    # every process of the run: 2 fused workers (actor, reference and rollout of a device), the reward workers,
+    # the driver
     seen = {(r["role"], r["rank"]) for r in records if r["kind"] == "process"}
-    assert seen == {("actor", 0), ("actor", 1), ("rollout", 0), ("rollout", 1), ("reward", 0), ("reward", 1),
-                    ("driver", 0)}, seen
+    assert seen == {("worker", 0), ("worker", 1), ("reward", 0), ("reward", 1), ("driver", 0)}, seen
     pids = {r["pid"] for r in records if r["kind"] == "process"}
     assert len(pids) == len(seen)  # one process each
     # every step's phases, and samples taken during the run's steps (not only at their boundaries): the sampler
@@ -38,7 +38,7 @@ def test_default_run_writes_a_memory_timeline_covering_every_worker(default_run:
     print(f"node samples inside steps: {len(inside)} over {sum(b - a for a, b in spans.values()):.2f} s of steps")
     assert len(inside) >= 2
     workers = {(r["role"], r["rank"]) for r in records if r["kind"] == "worker"}
-    assert workers == {("actor", 0), ("actor", 1), ("rollout", 0), ("rollout", 1)}
+    assert workers == {("worker", 0), ("worker", 1)}
     assert all(r["rss_bytes"] > 100 * 2**20 for r in records if r["kind"] == "process")
 
     events = [r for r in records if r["kind"] == "event"]

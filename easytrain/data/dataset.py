@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -204,5 +205,9 @@ class PromptDataset:
         path.parent.mkdir(parents=True, exist_ok=True)
         report = json.loads(path.read_text()) if path.is_file() else {}
         report[self.split] = self.skips.as_dict()
-        path.write_text(json.dumps(report, indent=2) + "\n")
+        # written aside and renamed: a process reading it meanwhile (ranks of a run share the folder) sees the
+        # whole old report or the whole new one, never half a file
+        tmp = path.with_name(f".{path.name}.{os.getpid()}")
+        tmp.write_text(json.dumps(report, indent=2) + "\n")
+        os.replace(tmp, path)
         return path

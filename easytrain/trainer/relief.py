@@ -117,18 +117,23 @@ class MemoryGuard:
         return Relief(total, detail or "nothing held in caches (every process under 1 MB freed)", results)
 
     def sleep_rollout(self, resources: set[str]) -> Relief:
-        """Between steps the engine holds its weights (woken for the sync); level-1 sleep moves them to host
-        memory until the next rollout wakes it."""
+        """Between steps the engine holds its weights (woken for the sync). Asleep, it frees them from its device
+        until the next rollout: level 2 drops them (the fused worker refills them from the actor before the next
+        generation: one in-process sync), level 1 moves them to host memory (GPU)."""
         assert self.roles is not None
-        if "vram" not in resources:
-            return Relief(0, "host RAM is under pressure: sleep mode moves the engine's weights into host RAM")
+        level, on_gpu = self.config.worker.rollout.sleep_level, self.config.trainer.device == "cuda"
         if not self.roles.rollout_sleeps:
-            return Relief(0, "the rollout engine cannot sleep here (vLLM sleep mode needs a GPU, colocated roles and "
-                             "worker.rollout.sleep_level > 0; the HF engine holds no cache between rollouts)")
-        if self.config.worker.rollout.sleep_level == 2:
-            return Relief(0, "sleep level 2 discards the weights the next rollout needs; only level 1 can sleep "
-                             "between steps")
-        return Relief(int(sum(self.roles.rollout.call("sleep"))), "vLLM sleep mode until the next rollout")
+            return Relief(0, "the rollout engine cannot sleep here (engines sleep in fused workers, "
+                             "trainer.colocate=true, with worker.rollout.sleep_level > 0: vLLM on a GPU, the HF "
+                             "engine on a GPU or at level 2)")
+        if "vram" not in resources and (on_gpu and level == 1):
+            return Relief(0, "host RAM is under pressure: level-1 sleep moves the engine's weights into host RAM")
+        if ("vram" if on_gpu else "ram") not in resources:
+            return Relief(0, f"{'host RAM' if on_gpu else 'GPU memory'} is under pressure: the engine's sleep frees "
+                             f"{'GPU memory' if on_gpu else 'host RAM'}")
+        freed = int(sum(self.roles.rollout.call("sleep")))
+        return Relief(freed, f"engine asleep (level {level}) until the next rollout"
+                             + (", which refills its weights from the actor" if level == 2 else ""))
 
     def offload_ref(self, resources: set[str]) -> Relief:
         assert self.roles is not None

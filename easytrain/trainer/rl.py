@@ -69,12 +69,7 @@ class RLTrainer(Trainer):
         prompts = self.batches if prompts is None else prompts
         timer, start = PhaseTimer(), time.perf_counter()
         batch, scores, sampling = self.rollout(prompts, timer)
-        if self.roles.rollout_sleeps:  # hand the device to the training roles until the next sync
-            with timer("sleep"):
-                self.roles.rollout.call("sleep")
-        if self.roles.reference is not None:
-            with timer("ref"):
-                batch = batch.union(self.log_probs(self.roles.reference, "compute_ref_log_probs", batch))
+        batch = self.with_reference(batch, timer)
         with timer("old_log_probs"):
             if not (self.on_policy and self.config.worker.actor.reuse_log_probs_on_policy):
                 batch = batch.union(self.log_probs(self.roles.actor, "compute_log_probs", batch))
@@ -131,6 +126,18 @@ class RLTrainer(Trainer):
         table["errors"] = torch.full((len(scores),), float(errors) / max(1, len(scores)))
         batch.meta["texts"] = texts
         return batch, table
+
+    def with_reference(self, batch: Batch, timer: PhaseTimer) -> Batch:
+        """Hand the device to the training roles (the engine sleeps until the next sync), then add the reference
+        log-probs when the run has a reference."""
+        if self.roles.rollout_sleeps:
+            with timer("sleep"):
+                self.roles.rollout.call("sleep")
+        reference = self.roles.reference
+        if reference is None:
+            return batch
+        with timer("ref"):
+            return batch.union(self.log_probs(reference, "compute_ref_log_probs", batch))
 
     def add_advantages(self, batch: Batch, scores: dict[str, torch.Tensor]) -> tuple[Batch, dict[str, float]]:
         """Per-token advantages of each response's reward (minus the KL when it is in the reward); with the KL in

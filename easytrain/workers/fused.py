@@ -98,7 +98,7 @@ class FusedWorker(WorkerBase):
     def sleep(self) -> int:
         """The engine frees its device memory (its sleep level's share) until the next sync; bytes freed."""
         engine = self.rollout.engine
-        if engine is None or not engine.can_sleep or engine.asleep:
+        if engine is None or not engine.can_sleep or "weights" in engine.asleep:  # nothing left to free
             return 0
         freed = self.rollout.sleep()
         self._record("sleep")

@@ -62,7 +62,7 @@ class HFEngine(RolloutEngine):
         return list({id(p): p for p in self.model.parameters()}.values())  # tied weights once
 
     def sleep(self) -> int:
-        if not self.can_sleep or self.asleep:
+        if not self.can_sleep or "weights" in self.asleep:
             return 0
         freed = 0
         for param in self._parameters():

@@ -220,7 +220,7 @@ class VLLMEngine(RolloutEngine):
     # ------------------------------------------------------------------ memory
 
     def sleep(self) -> int:
-        if self.sleep_level == 0 or self.asleep:  # (level 0 was said once when the engine was built)
+        if self.sleep_level == 0 or "weights" in self.asleep:  # (level 0 was said once when the engine was built)
             return 0
         free_before = torch.cuda.mem_get_info()[0]
         self.llm.sleep(level=self.sleep_level)
