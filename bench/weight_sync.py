@@ -13,8 +13,8 @@ FSDP2 actor into 2 HF rollout engines, on local Ray, CPU:
 
 A sync delivers one full model into every engine, so its bandwidth is ``engines x model bytes / seconds``
 (the driver's wall time of ``transport.sync``, Ray calls included), set against ``memcpy``: the bandwidth of
-``dst.copy_(src)`` over a buffer of the model's size in one process of this machine (torch's threads, the
-median of ``--repeats``). ``memcpy_fraction`` is the in-process path's; the object-store path's is beside it.
+``dst.copy_(src)`` over a buffer of the model's size in one process using all of this machine's cores (the
+median of 9, measured before and after the runs; the larger counts). The sync's processes have one core each. ``memcpy_fraction`` is the in-process path's; the object-store path's is beside it.
 """
 
 from __future__ import annotations
@@ -36,10 +36,13 @@ from bench.provenance import write_result  # noqa: E402
 PATHS = {"in_process": "trainer.colocate=true", "object_store": "trainer.colocate=false"}
 
 
-def memcpy_bandwidth(nbytes: int, repeats: int) -> float:
-    """Bytes per second of one large ``copy_`` between two buffers of ``nbytes`` (pages touched first)."""
+def memcpy_bandwidth(nbytes: int, repeats: int, threads: int) -> float:
+    """Bytes per second of one large ``copy_`` between two buffers of ``nbytes`` (pages touched first) with
+    ``threads`` torch threads: the median of ``repeats``."""
     import torch
 
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
     src = torch.ones(nbytes // 4, dtype=torch.float32)
     dst = torch.zeros_like(src)
     times = []
@@ -47,6 +50,7 @@ def memcpy_bandwidth(nbytes: int, repeats: int) -> float:
         start = time.perf_counter()
         dst.copy_(src)
         times.append(time.perf_counter() - start)
+    torch.set_num_threads(before)
     return nbytes / statistics.median(times)
 
 
@@ -90,10 +94,16 @@ def main() -> None:
 
     from easytrain.models.tiny import count_parameters, default_cache_dir
 
+    import os
+
     folder = build_model(default_cache_dir() / "bench", "float32")
+    cores = len(os.sched_getaffinity(0))
+    model_bytes = count_parameters(folder) * 4
+    # the machine's copy bandwidth (all its cores), before and after the runs: the larger is the yardstick
+    copies = [memcpy_bandwidth(model_bytes, 9, cores)]
     results = {name: measure(folder, layout, args.repeats, args.bucket_mb) for name, layout in PATHS.items()}
-    model_bytes = results["in_process"]["model_bytes"]
-    memcpy = memcpy_bandwidth(model_bytes, max(args.repeats, 5))
+    copies.append(memcpy_bandwidth(model_bytes, 9, cores))
+    memcpy, one_core = max(copies), memcpy_bandwidth(model_bytes, 9, 1)
     for result in results.values():
         result["memcpy_fraction"] = round(result["bytes_per_s"] / memcpy, 4)
         result["gb_per_s"] = round(result["bytes_per_s"] / 1e9, 3)
@@ -103,13 +113,15 @@ def main() -> None:
                      "actor_ranks": 2, "engines": "hf, one per rank", "bucket_mb": args.bucket_mb,
                      "repeats": args.repeats},
         "memcpy_gb_per_s": round(memcpy / 1e9, 3),
+        "memcpy_threads": cores,
+        "memcpy_gb_per_s_before_after": [round(c / 1e9, 3) for c in copies],
+        "memcpy_one_core_gb_per_s": round(one_core / 1e9, 3),
         "memcpy_fraction": results["in_process"]["memcpy_fraction"],
         "object_store_memcpy_fraction": results["object_store"]["memcpy_fraction"],
         "paths": results,
-        "command": "python bench/weight_sync.py",
     }
     write_result(args.out, summary)
-    print(f"memcpy {memcpy / 1e9:.2f} GB/s; model {model_bytes / 2**20:.0f} MiB to 2 engines")
+    print(f"memcpy {memcpy / 1e9:.2f} GB/s ({cores} threads; one core {one_core / 1e9:.2f}); model {model_bytes / 2**20:.0f} MiB to 2 engines")
     for name, result in results.items():
         print(f"  {name:<13} {result['median_s']:.3f} s per sync, {result['gb_per_s']:.2f} GB/s, "
               f"{100 * result['memcpy_fraction']:.1f}% of memcpy")

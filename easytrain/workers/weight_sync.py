@@ -271,32 +271,77 @@ def full_bucket(state: Mapping[str, torch.Tensor], names: list[str], dtype: torc
     return out
 
 
+def _flat_shards(state: Mapping[str, torch.Tensor]) -> bool:
+    """Whether every sharded tensor is split along dim 0 over the whole world (FSDP on a 1-D mesh), so its shards
+    laid end to end in rank order are the full tensor."""
+    import torch.distributed as dist
+    from torch.distributed.tensor import DTensor
+
+    world = dist.get_world_size() if dist.is_initialized() else 1
+    return world > 1 and all(t.device_mesh.ndim == 1 and t.device_mesh.size() == world and t.placements[0].is_shard(0)
+               for t in state.values() if isinstance(t, DTensor))
+
+
+_STAGING: dict[str, Any] = {}
+"""This process's shared staging buffers (NodeStaging), kept across syncs: mapped once, pages touched once."""
+
+
+def node_staging(state: Mapping[str, torch.Tensor], buckets: list[list[str]], dtype: torch.dtype) -> Any:
+    """The node's staging buffers for these buckets (every rank calls this: collectives), or None where the
+    ranks do not share a host."""
+    import torch.distributed as dist
+    from torch.distributed.tensor import DTensor
+
+    from easytrain.workers.peer_memory import NodeStaging
+
+    width = torch.empty((), dtype=dtype).element_size()
+    need = torch.tensor([max(sum(state[n].to_local().numel() * width for n in names
+                                 if isinstance(state[n], DTensor)) for names in buckets)])
+    dist.all_reduce(need, op=dist.ReduceOp.MAX)  # one decision for every rank
+    cached = _STAGING.get("buffers")
+    if _STAGING.get("unusable") or (cached is not None and cached.capacity >= int(need)):
+        return cached
+    _STAGING["buffers"] = staging = NodeStaging.connect(int(need))
+    _STAGING["unusable"] = staging is None
+    return staging
+
+
 def sync_in_process(model: torch.nn.Module, engine: Any, bucket_bytes: int, lora_scale: float,
                     dtype: torch.dtype) -> dict[str, float]:
     """The fused workers' sync: every rank gathers each bucket's full tensors (in the engine's dtype, on its
     device) and loads them into its own engine, in the same process: no object store, no host round trip
-    where the weights live on the device. LoRA adapters are merged into their base weights (a module never
-    splits across buckets). At most one bucket of full tensors is alive beyond the engine's own weights."""
+    where the weights live on the device. On CPU the ranks of one node gather through shared staging buffers
+    (:mod:`easytrain.workers.peer_memory`), into the engine's weights where it takes them in place (HF, no
+    LoRA); elsewhere the process group all-gathers. LoRA adapters are merged into their base weights (a module
+    never splits across buckets). At most one bucket of full tensors is alive beyond the engine's own weights."""
     start = time.perf_counter()
     device = getattr(engine, "device", None) or torch.device("cpu")
     state: dict[str, torch.Tensor] = dict(model.state_dict())  # tied weights under every name (see push_weights)
     sizes = {name: t.numel() * torch.empty((), dtype=dtype).element_size() for name, t in state.items()}
     buckets = plan_buckets(sizes, bucket_bytes)
+    peers = node_staging(state, buckets, dtype) if device.type == "cpu" and _flat_shards(state) else None
+    merged = any(name.startswith(_PEFT_PREFIX) for name in state)  # LoRA: names and values change on the way
     times = {"gather": 0.0, "load": 0.0}
     engine.begin_weight_update()
-    loaded = 0
+    loaded, in_place = 0, 0
     for names in buckets:
         mark = time.perf_counter()
-        bucket = full_bucket(state, names, dtype, device)
+        targets = {} if merged or peers is None else engine.in_place_targets(names)
+        if peers is not None:
+            bucket = peers.gather(state, names, dtype, targets)
+        else:
+            bucket = full_bucket(state, names, dtype, device)
         times["gather"] += time.perf_counter() - mark
         mark = time.perf_counter()
-        loaded += engine.load_weights(to_hf_names(bucket, lora_scale).items())
+        rest = {name: tensor for name, tensor in bucket.items() if name not in targets}
+        loaded += engine.load_weights(to_hf_names(rest, lora_scale).items()) + engine.loaded_in_place(list(targets))
+        in_place += len(targets)
         times["load"] += time.perf_counter() - mark
-        del bucket
+        del bucket, rest
     engine.finish_weight_update()
     return {"sync/buckets": float(len(buckets)), "sync/model_mb": sum(sizes.values()) / 2**20,
-            "sync/tensors": float(loaded), **{f"sync/{k}_s": v for k, v in times.items()},
-            "sync/seconds": time.perf_counter() - start}
+            "sync/tensors": float(loaded), "sync/in_place": float(in_place), "sync/shared_staging": float(peers is not None),
+            **{f"sync/{k}_s": v for k, v in times.items()}, "sync/seconds": time.perf_counter() - start}
 
 
 class WeightTransport(abc.ABC):

@@ -72,6 +72,15 @@ class RolloutEngine(abc.ABC):
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> int:
         """Load one bucket of named tensors (HF names) in place; returns how many were loaded."""
 
+    def in_place_targets(self, names: Sequence[str]) -> dict[str, torch.Tensor]:
+        """The engine's own tensors that a sync may write ``names``' full values into directly (contiguous, the
+        engine's dtype and shape), by name; the others go through :meth:`load_weights`. None by default."""
+        return {}
+
+    def loaded_in_place(self, names: Sequence[str]) -> int:
+        """``names`` were written into their :meth:`in_place_targets`; returns how many."""
+        return len(names)
+
     def finish_weight_update(self) -> None:
         """Every bucket has arrived: finish processing (vLLM repacks layers that are still partial)."""
 

@@ -166,6 +166,20 @@ class HFEngine(RolloutEngine):
             loaded += 1
         return loaded
 
+    def in_place_targets(self, names: Sequence[str]) -> dict[str, torch.Tensor]:
+        """The parameters themselves (HF's tensors are plain and contiguous)."""
+        params = self.model.state_dict(keep_vars=True)
+        out: dict[str, torch.Tensor] = {}
+        for name in names:
+            param = params.get(name)
+            if isinstance(param, torch.nn.Parameter) and param.data.is_contiguous():
+                self._filled.add(id(param))
+                out[name] = param.data
+        return out
+
+    def loaded_in_place(self, names: Sequence[str]) -> int:
+        return len(names)
+
     def begin_weight_update(self) -> None:
         self.wake(("weights",))
         self._filled = set()
