@@ -129,8 +129,9 @@ class RLTrainer(Trainer):
 
     def with_reference(self, batch: Batch, timer: PhaseTimer) -> Batch:
         """Hand the device to the training roles (the engine sleeps until the next sync), then add the reference
-        log-probs when the run has a reference."""
-        if self.roles.rollout_sleeps:
+        log-probs when the run has a reference. A fused worker puts its engine to sleep as the reference pass
+        begins (phases.STEP), so the sleep is a call of its own only when nothing else would make it."""
+        if self.roles.rollout_sleeps and (self.roles.fused is None or self.roles.reference is None):
             with timer("sleep"):
                 self.roles.rollout.call("sleep")
         reference = self.roles.reference
