@@ -8,13 +8,13 @@
 What runs, for each model size, ``--repeats`` times, in rotating order:
 
 - ``easytrain``: ``bench/grpo_step.py`` (the real trainer: local Ray,
-  actor, reference and rollout in their own processes, colocated and
-  time-sliced, HF engine) with one worker process per role, which by
+  actor, reference and rollout in one fused worker process per device,
+  HF engine) with one device, whose process by
   ``trainer.threads_per_worker``'s default uses both cores, and all 32
   sequences of a step in one micro batch (TRL's
   ``per_device_train_batch_size=32``); run as a subprocess of this venv's
   python;
-- ``easytrain_2w``: two worker processes per role (FSDP2 over gloo), one
+- ``easytrain_2w``: two fused worker processes (FSDP2 over gloo), one
   core each, 16 sequences per micro batch;
 - ``easytrain_plain``: ``easytrain`` with the step optimisations off
   (``share_prompt``, ``share_prefill``, ``drop_finished``,
@@ -93,10 +93,10 @@ ONE_WORKER = ["trainer.workers_per_node=1", "worker.actor.micro_batch_size_per_d
 STEP_OPTIMISATIONS_OFF = ["worker.actor.share_prompt=false", "worker.rollout.share_prefill=false",
                           "worker.rollout.drop_finished=false", "model.dedupe_images=false"]
 VARIANTS = {
-    # one process per role using both cores (threads_per_worker's default), all 32 sequences in one micro
-    # batch as TRL's per_device_train_batch_size=32 does
+    # one fused worker process (actor, reference and rollout) using both cores (threads_per_worker's
+    # default), all 32 sequences in one micro batch as TRL's per_device_train_batch_size=32 does
     "easytrain": ONE_WORKER,
-    # two processes per role (FSDP2 over gloo), 16 sequences each
+    # two fused workers (FSDP2 over gloo), 16 sequences each
     "easytrain_2w": ["worker.actor.micro_batch_size_per_device_for_update=16",
                      "worker.actor.micro_batch_size_per_device_for_experience=16"],
     # as "easytrain" with the step optimisations switched off: what they are worth here
