@@ -46,13 +46,18 @@ def test_phase_order_with_a_sleeping_engine(ray_local: None, tmp_path: Path) -> 
         trainer.close()
 
 
-def test_sync_refills_dropped_weights(ray_local: None, tmp_path: Path) -> None:
-    """After a level-2 sleep and the in-process sync, the engine's weights equal the actor's (both ranks)."""
+@pytest.mark.parametrize("lora", [False, True])
+def test_sync_refills_dropped_weights(ray_local: None, tmp_path: Path, lora: bool) -> None:
+    """After a level-2 sleep and the in-process sync, the engine's weights equal the actor's on both ranks:
+    gathered through the node's shared staging buffers straight into the engine's parameters, or (LoRA) into
+    full tensors that are merged first."""
+    adapters = ["model.lora.rank=4", "model.lora.alpha=8"] if lora else []
     config = make_config(str(tmp_path), "trainer.workers_per_node=2", "trainer.val_freq=-1", "trainer.save_freq=-1",
-                         "model.lora.rank=4", "model.lora.alpha=8", "algorithm.kl_coef=0.01")
+                         "algorithm.kl_coef=0.01", *adapters)
     trainer = RLTrainer(config)
     try:
-        trainer.train_step()
+        synced = trainer.train_step()
+        assert synced["sync/shared_staging"] == 1.0 and (synced["sync/in_place"] > 0) != lora
         actor = trainer.roles.actor.call("full_state_dict")  # HF names, LoRA merged
         engines = trainer.roles.rollout.call("engine_weights")
         assert len(engines) == 2
