@@ -41,14 +41,9 @@ BATCH = ["data.synthetic_size=64", "data.rollout_batch_size=16", "worker.rollout
 def memcpy_gb_per_s(megabytes: int = 512, repeats: int = 5) -> float:
     import torch
 
-    src = torch.ones(megabytes * 2**20 // 4, dtype=torch.float32)
-    dst = torch.empty_like(src)
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        dst.copy_(src)
-        times.append(time.perf_counter() - start)
-    return src.numel() * 4 / statistics.median(times) / 1e9
+    from bench.weight_sync import memcpy_bandwidth
+
+    return memcpy_bandwidth(megabytes * 2**20, repeats, torch.get_num_threads()) / 1e9
 
 
 def build_sync_model(base: Path, out: Path, hidden: int, layers: int) -> Path:
