@@ -70,7 +70,7 @@ def main() -> None:
         metrics = trainer.train_step(prompts)
         busy = [b for group in groups.values() for b in group.call("busy_times")]
         work = {phase: max(sum(b.get(method, 0.0) for method in methods) for b in busy)
-                for phase, methods in PHASE_METHODS.items()}
+                for phase, methods in PHASE_METHODS.items() if f"time/{phase}" in metrics}  # phases the driver ran
         if step < args.warmup:
             continue
         compute = sum(work.values()) + metrics["time/reward"]

@@ -240,7 +240,8 @@ def driver_costs(files: Sequence[str]) -> dict[str, float]:
     out: dict[str, float] = {}
     for name in files:
         steps = load_measured(name)["steps"]
-        phases = list(steps[0]["worker_busy_s"])
+        # the phases the driver timed (a fused worker's engine sleeps inside its reference call: no call of its own)
+        phases = [ph for ph in steps[0]["worker_busy_s"] if ph in steps[0]["phases_s"]]
         cost = {ph: statistics.median(x["phases_s"][ph] - x["worker_busy_s"][ph] for x in steps) for ph in phases}
         cost["rest"] = statistics.median(x["orchestration_s"] - sum(x["phases_s"][ph] - x["worker_busy_s"][ph]
                                                                    for ph in phases) for x in steps)

@@ -186,4 +186,9 @@ def build_sharded_model(config: Config, role: RoleConfig, folder: str, device: t
             fsdp(model)
     if not offload:
         model.to(device)
+    else:  # FSDP offloads parameters only: buffers (rotary inv_freq) compute where the activations are
+        for module in model.modules():
+            for name, buffer in module.named_buffers(recurse=False):
+                if buffer.device != device:
+                    setattr(module, name, buffer.to(device))
     return model

@@ -118,7 +118,7 @@ class FusedWorker(WorkerBase):
             if state == "awake" and "kv_cache" in engine.asleep:
                 engine.wake(("kv_cache",))
                 self._record("wake_kv")
-            if phase == "generate" and getattr(engine, "stale", False):  # dropped weights no sync refilled yet:
+            if phase == "generate" and engine.stale:  # dropped weights that no sync has refilled yet:
                 self._sync(int(self.config.worker.rollout.sync_bucket_mb * 2**20))  # the actor's (every rank)
         self._record(phase)
 

@@ -27,6 +27,8 @@ import torch.distributed as dist
 logger = logging.getLogger(__name__)
 
 SHM = "/dev/shm"
+MARK = 16
+"""Bytes at the head of each buffer holding its rank's random mark (checked by the others after mapping)."""
 
 
 class NodeStaging:
@@ -37,34 +39,54 @@ class NodeStaging:
 
     @property
     def capacity(self) -> int:
-        return int(self.buffers[self.rank].numel())
+        """Bytes of shards a bucket may stage per rank."""
+        return int(self.buffers[self.rank].numel()) - MARK
 
     @classmethod
     def connect(cls, need: int) -> Optional["NodeStaging"]:
         """Every rank calls this (collectives) with its largest per-bucket share in bytes: the buffers when all
-        ranks share this host and ``/dev/shm``, else None on every rank."""
-        if not dist.is_initialized() or dist.get_world_size() == 1 or not os.path.isdir(SHM):
+        ranks share this host's ``/dev/shm`` (each finds the others' marks in their buffers), else None on every
+        rank. Each buffer is allocated in full up front, so a ``/dev/shm`` too small for it (64 MB in a default
+        container) falls back here instead of failing mid-sync."""
+        if not dist.is_initialized() or dist.get_world_size() == 1:
             return None
         rank, world = dist.get_rank(), dist.get_world_size()
         token = [uuid.uuid4().hex if rank == 0 else None]
         dist.broadcast_object_list(token, src=0)
         path = os.path.join(SHM, f"easytrain-sync-{token[0]}-{rank}")
-        size = max(1, need)
-        made = None
+        size = MARK + max(1, need)
+        mark = torch.tensor(list(uuid.uuid4().bytes), dtype=torch.uint8)
+        made: Optional[torch.Tensor] = None
         try:
+            descriptor = os.open(path, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
+            try:
+                os.posix_fallocate(descriptor, 0, size)  # ENOSPC now, not SIGBUS at the first copy
+            finally:
+                os.close(descriptor)
             made = torch.from_file(path, shared=True, size=size, dtype=torch.uint8)
-        except (OSError, RuntimeError) as err:
-            logger.info("weight sync: no shared staging buffer (%s); gathering through the process group", err)
+            made[:MARK].copy_(mark)
+        except Exception as err:  # noqa: BLE001 - any failure here means: gather through the process group
+            logger.info("weight sync: no shared staging buffer in %s (%s); gathering through the process group",
+                        SHM, err)
         peers: list[Any] = [None] * world
-        dist.all_gather_object(peers, (socket.gethostname(), path if made is not None else None, size))
-        usable = len({host for host, _, _ in peers}) == 1 and all(p is not None for _, p, _ in peers)
+        mine = (socket.gethostname(), path if made is not None else None, size, mark.tolist())
+        dist.all_gather_object(peers, mine)
+        usable = len({host for host, _, _, _ in peers}) == 1 and all(p is not None for _, p, _, _ in peers)
         buffers: list[torch.Tensor] = []
         if usable:
             try:
-                buffers = [made if r == rank else torch.from_file(p, shared=True, size=n, dtype=torch.uint8)
-                           for r, (_, p, n) in enumerate(peers)]
-            except (OSError, RuntimeError) as err:
-                logger.info("weight sync: cannot map a peer's staging buffer (%s)", err)
+                for r, (_, peer_path, peer_size, peer_mark) in enumerate(peers):
+                    if r == rank:
+                        buffers.append(made)  # type: ignore[arg-type]
+                        continue
+                    if not os.path.exists(peer_path):  # another /dev/shm (a container without the host's IPC)
+                        raise FileNotFoundError(peer_path)
+                    mapped = torch.from_file(peer_path, shared=True, size=peer_size, dtype=torch.uint8)
+                    if mapped[:MARK].tolist() != peer_mark:
+                        raise RuntimeError(f"rank {r}'s staging buffer holds another mark")
+                    buffers.append(mapped)
+            except Exception as err:  # noqa: BLE001
+                logger.info("weight sync: cannot share staging buffers with the other ranks (%s)", err)
                 usable = False
         agreed = torch.tensor([1 if usable else 0])
         dist.all_reduce(agreed, op=dist.ReduceOp.MIN)  # every rank has mapped every buffer (or given up)
@@ -80,7 +102,7 @@ class NodeStaging:
 
         mine = self.buffers[self.rank]
         sizes: list[int] = []
-        offset = 0
+        offset = MARK
         for name in names:
             tensor = state[name].detach()
             if not isinstance(tensor, DTensor):
@@ -95,12 +117,14 @@ class NodeStaging:
             offset += size
         everyone: list[Any] = [None] * len(self.buffers)
         dist.all_gather_object(everyone, sizes)  # also the barrier: every rank's shards are staged
-        starts = [0] * len(self.buffers)
+        starts = [MARK] * len(self.buffers)
         out: dict[str, torch.Tensor] = {}
         for i, name in enumerate(names):
             tensor = state[name].detach()
-            if sizes[i] < 0:
-                out[name] = tensor.to(dtype)
+            if sizes[i] < 0:  # not sharded: every rank holds it whole
+                out[name] = tensor.to(dtype) if tensor.is_floating_point() else tensor
+                if name in targets:
+                    targets[name].copy_(out[name])
                 continue
             full = targets.get(name)
             if full is None:

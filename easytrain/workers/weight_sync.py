@@ -267,7 +267,7 @@ def full_bucket(state: Mapping[str, torch.Tensor], names: list[str], dtype: torc
                 tensor = DTensor.from_local(local.to(device, non_blocking=True), tensor.device_mesh,
                                             tensor.placements, shape=tensor.shape, stride=tensor.stride())
             tensor = tensor.to(dtype).full_tensor()
-        out[name] = tensor.to(device, dtype)
+        out[name] = tensor.to(device, dtype) if tensor.is_floating_point() else tensor.to(device)
     return out
 
 
@@ -326,7 +326,9 @@ def sync_in_process(model: torch.nn.Module, engine: Any, bucket_bytes: int, lora
     loaded, in_place = 0, 0
     for names in buckets:
         mark = time.perf_counter()
-        targets = {} if merged or peers is None else engine.in_place_targets(names)
+        targets = {} if merged or peers is None else {
+            name: target for name, target in engine.in_place_targets(names).items()
+            if target.dtype == dtype and target.shape == state[name].shape}  # else through load_weights
         if peers is not None:
             bucket = peers.gather(state, names, dtype, targets)
         else:
@@ -340,7 +342,8 @@ def sync_in_process(model: torch.nn.Module, engine: Any, bucket_bytes: int, lora
         del bucket, rest
     engine.finish_weight_update()
     return {"sync/buckets": float(len(buckets)), "sync/model_mb": sum(sizes.values()) / 2**20,
-            "sync/tensors": float(loaded), "sync/in_place": float(in_place), "sync/shared_staging": float(peers is not None),
+            "sync/tensors": float(loaded), "sync/in_place": float(in_place),
+            "sync/shared_staging": float(peers is not None),
             **{f"sync/{k}_s": v for k, v in times.items()}, "sync/seconds": time.perf_counter() - start}
 
 

@@ -53,6 +53,8 @@ class RolloutEngine(abc.ABC):
     """Where the engine computes (weights are gathered there for the in-process sync)."""
     asleep: frozenset[str] | set[str] = frozenset()
     """What :meth:`sleep` released and no :meth:`wake` has brought back yet (``weights``, ``kv_cache``)."""
+    stale: bool = False
+    """A sleep discarded the weights and no sync has refilled them (generation must wait for one)."""
 
     @classmethod
     @abc.abstractmethod

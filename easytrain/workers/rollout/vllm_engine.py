@@ -131,6 +131,8 @@ class VLLMEngine(RolloutEngine):
             self.allowed = [t for t in range(vocab_size) if t not in banned]
         self.sleep_level = sleep_level
         self.asleep: set[str] = set()
+        self.stale = False
+        """Level-2 sleep discarded the weights and no sync has refilled them yet."""
 
     @classmethod
     def build(cls, config: Any, spec: EngineSpec) -> "VLLMEngine":
@@ -182,7 +184,7 @@ class VLLMEngine(RolloutEngine):
             seed=params.seed + prompt_index * params.n, allowed_token_ids=self.allowed, detokenize=False)
 
     def generate(self, prompts: Batch, params: SamplingParams) -> Batch:
-        if "weights" in self.asleep and self.sleep_level == 2:
+        if self.stale:
             raise RuntimeError("the vLLM engine discarded its weights when it went to sleep (level 2); "
                                "sync weights before generating")
         self.wake()
@@ -211,6 +213,7 @@ class VLLMEngine(RolloutEngine):
 
     def finish_weight_update(self) -> None:
         self.llm.collective_rpc(_finish_reload)
+        self.stale = False
         # everything cached was computed with the old weights: prefixes' KV, image embeddings (the engine
         # resets the scheduler's encoder-cache bookkeeping and the workers' caches together)
         self.llm.reset_prefix_cache()
@@ -225,6 +228,7 @@ class VLLMEngine(RolloutEngine):
         free_before = torch.cuda.mem_get_info()[0]
         self.llm.sleep(level=self.sleep_level)
         self.asleep = {"weights", "kv_cache"}
+        self.stale = self.sleep_level == 2
         freed = max(0, torch.cuda.mem_get_info()[0] - free_before)
         logger.info("vLLM engine asleep (level %d): %.2f GB of GPU memory freed", self.sleep_level, freed / 1e9)
         return freed
