@@ -52,7 +52,7 @@ ASSUMPTIONS = [
     "EasyR1's offload moves actor states to host between phases (they are on the GPU during the update); "
     "easytrain's offload.params is FSDP CPU offload (states stay on host, the update streams them)",
     "vLLM reserves gpu_memory_utilization x 80 GB while generating; sleep level 2 frees it for ref, old log-probs "
-    "and update (the phase order of easytrain/workers/phases.py), and the sync wakes its weights only",
+    "and update (the phase order of easytrain/memory/phases.py), and the sync wakes its weights only",
     "fused workers (trainer.colocate=true): one process per GPU hosts actor, reference and vLLM, so one CUDA "
     "context per GPU, 0.5 GB (assumed)",
     "weight sync in-process: one bucket of full bf16 tensors gathered on the GPU (256 MB, or the 1.09 GB "

@@ -1,5 +1,5 @@
 """Fused workers: one process per device hosts actor, reference and rollout engine, and the step's phases take
-the device in the order easytrain.workers.phases writes down: the engine sleeps before the reference and actor
+the device in the order easytrain.memory.phases writes down: the engine sleeps before the reference and actor
 passes, wakes its weights before the sync and its KV cache before the next generation. The HF engine sleeps
 for real on CPU at level 2 (its weights are dropped and refilled by the sync), so the recorded order is the
 one a GPU node runs."""
@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from easytrain.trainer.rl import RLTrainer
-from easytrain.workers.phases import ORDER
+from easytrain.memory.phases import ORDER
 from grpo_helpers import make_config
 
 pytestmark = pytest.mark.slow

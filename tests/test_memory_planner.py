@@ -16,7 +16,7 @@ from easytrain.memory.capacity import FRAMEWORK_BYTES, GB
 from easytrain.memory.planner import CUDA_CONTEXT_BYTES, plan
 from easytrain.memory.suggest import fit, override_value, suggestions
 from easytrain.models.shapes import hf_config_for, known_hf_configs
-from easytrain.workers.phases import STEP
+from easytrain.memory.phases import STEP
 
 QWEN25_7B = known_hf_configs()["Qwen/Qwen2.5-7B-Instruct"]
 
@@ -368,3 +368,18 @@ def test_hf_engine_on_cpu_sleeps_at_level_2_only_in_fused_workers() -> None:
     assert level1.row("update").parts["rollout weights"] == weights  # level 1 on CPU: nowhere to offload to
     pools = plan(load(["+exp=tiny", "trainer.colocate=false"]), hf)
     assert pools.row("update").host_parts["rollout workers"] == config.trainer.workers_per_node * weights
+
+
+def test_plan_describes_the_fused_layout_and_the_phase_order() -> None:
+    """`easytrain plan +exp=qwen25vl_7b` says one process per GPU hosts every role and names the step's phases in
+    easytrain.memory.phases' order; with colocate=false, a process per role."""
+    from easytrain.memory.phases import ORDER
+
+    out = subprocess.run([sys.executable, "-m", "easytrain.cli", "plan", "+exp=qwen25vl_7b"],
+                         capture_output=True, text=True, check=True).stdout
+    assert "fused workers, one process per GPU hosting the actor, the reference and the rollout engine" in out
+    order = out.split("step order: ")[1].split(";")[0].split(" -> ")
+    assert order == [p for p in ORDER if p in order] and {"generate", "sleep", "ref", "update", "sync"} <= set(order)
+    pools = subprocess.run([sys.executable, "-m", "easytrain.cli", "plan", "+exp=qwen25vl_7b",
+                            "trainer.colocate=false"], capture_output=True, text=True, check=True).stdout
+    assert "a device pool per role" in pools and "fused workers" not in pools

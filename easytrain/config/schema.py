@@ -38,6 +38,10 @@ def bounded(default: Any, low: Optional[float] = None, high: Optional[float] = N
 # ----------------------------------------------------------------------------- model
 
 
+MASKED_ATTENTION = ("sdpa", "eager")
+"""model.attn_implementation values that take an explicit attention mask (prompt-shared passes need one)."""
+
+
 @dataclass
 class LoraConfig:
     rank: int = bounded(0, low=0)

@@ -4,7 +4,7 @@ With ``trainer.colocate=true`` the workers are fused: one process per
 device hosts the actor, the reference (or, with LoRA, the actor with its
 adapters disabled) and the rollout engine, so a GPU carries one CUDA context
 and a node one framework overhead per device, and the phases take the device
-in the order :data:`easytrain.workers.phases.STEP` defines (the plan reads it
+in the order :data:`easytrain.memory.phases.STEP` defines (the plan reads it
 from there, never restates it). With ``colocate=false`` every role has its own
 pool: one process per role per device, as many devices per role.
 
@@ -36,7 +36,7 @@ from typing import Iterator
 
 from easytrain.config.schema import Config
 from easytrain.memory.states import FP32
-from easytrain.workers.phases import STEP, Phase
+from easytrain.memory.phases import STEP, Phase
 
 AWAKE, WEIGHTS, ASLEEP = "awake", "weights", "asleep"
 VALIDATION = Phase("validation", "rollout", AWAKE, "validation")

@@ -2,7 +2,7 @@
 
 ``plan(config)`` prices each phase of an RL step (generation, reference log-probs,
 old log-probs, update, weight sync, then validation) in the order the driver
-runs them on a shared device (:data:`easytrain.workers.phases.STEP`), from the
+runs them on a shared device (:data:`easytrain.memory.phases.STEP`), from the
 composed config and the model's HF config alone: the role that works in the
 phase holds its states plus its transient peak (gathered FSDP units,
 activations, logits, KV cache), the others hold what they keep between
@@ -50,7 +50,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Optional
 
-from easytrain.config.schema import Config
+from easytrain.config.schema import MASKED_ATTENTION, Config
 from easytrain.memory.activations import (PATCH_VALUES, MicroBatch, activation_bytes, logits_bytes, model_dims,
                                           packed_micro, shard_units)
 from easytrain.memory.budget import engine_budget, kv_bytes_per_token, sequence_shape
@@ -61,13 +61,13 @@ from easytrain.memory.layout import (engine_held, engine_weights, fused, layout_
 from easytrain.memory.params import count_parameters, largest_module, largest_trainable, trainable_by_component
 from easytrain.memory.sft import plan_sft, sft_worker_parts
 from easytrain.memory.states import DTYPE_BYTES, FP32, gathered_bytes, role_states, shard_degree
-from easytrain.workers.phases import Phase
+from easytrain.memory.phases import Phase
 
 __all__ = ["CUDA_CONTEXT_BYTES", "GB", "Capacity", "Plan", "Row", "capacity_of", "plan", "worker_bytes",
            "worker_parts", "shape_of", "update_transient"]
 
 PHASES = ("generation", "ref_log_probs", "old_log_probs", "update", "weight_sync", "validation")
-"""The plan's rows of a step (and validation); they run in :data:`easytrain.workers.phases.STEP`'s order."""
+"""The plan's rows of a step (and validation); they run in :data:`easytrain.memory.phases.STEP`'s order."""
 
 
 # ----------------------------------------------------------------------------- the run's shape
@@ -127,8 +127,6 @@ def per_rank(config: Config, s: Shape, role: str, prompts: int) -> int:
 def shares_prompt(config: Config, role: str) -> bool:
     """Whether ``role``'s passes run each prompt once with its responses (``worker.actor.share_prompt``, an
     attention that takes a mask, no sequence parallelism: :func:`easytrain.workers.forward.log_probs_of`)."""
-    from easytrain.workers.shared_prompt import MASKED_ATTENTION
-
     return (config.worker.actor.share_prompt and config.model.attn_implementation in MASKED_ATTENTION
             and getattr(config.worker, role).ulysses_size == 1)
 

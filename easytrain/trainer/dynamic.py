@@ -20,11 +20,10 @@ from __future__ import annotations
 
 import torch
 
-from easytrain.config.schema import Config
+from easytrain.config.schema import MASKED_ATTENTION, Config
 from easytrain.data.packing import Plan, plan_micro_batches
 from easytrain.distributed.batch import Batch
 from easytrain.distributed.group import WorkerGroup
-from easytrain.workers.shared_prompt import MASKED_ATTENTION
 
 RESULT_KEYS = {"compute_log_probs": "old_log_probs", "compute_ref_log_probs": "ref_log_probs"}
 

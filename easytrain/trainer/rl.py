@@ -3,7 +3,7 @@
     generate -> reward -> engine sleeps -> reference log-probs -> old log-probs
     -> advantages -> update -> weight sync
 
-the order of :data:`easytrain.workers.phases.STEP` (fused workers put their engine in each phase's state).
+the order of :data:`easytrain.memory.phases.STEP` (fused workers put their engine in each phase's state).
 
 The driver holds prompts, token ids, rewards and advantages; models live in
 the worker groups. Run it through ``python -m easytrain.main``.

@@ -6,7 +6,7 @@ in-process, and the actor's weights handed to the engine in-process (:func:`sync
 still talks to a group per role: each is a view of the fused group (:meth:`WorkerGroup.view`) whose calls
 land in :meth:`FusedWorker.call_role`, which enters the call's phase first.
 
-Entering a phase puts the device in the state :mod:`easytrain.workers.phases` names for it: the engine goes
+Entering a phase puts the device in the state :mod:`easytrain.memory.phases` names for it: the engine goes
 to sleep before any other role computes, wakes its weights before the sync and its KV cache before generating.
 Leaving a phase returns the role's cached device memory. Every transition and phase is recorded in order
 (:meth:`FusedWorker.phase_log`), which is how tests see what held the device when.
@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import logging
 import os
+from collections import deque
 import time
 from typing import Any
 
@@ -25,9 +26,9 @@ from easytrain.config.schema import Config
 from easytrain.config.validate import needs_reference
 from easytrain.distributed.group import Dispatch, dispatch
 from easytrain.distributed.ulysses import sequence_parallel_group
+from easytrain.memory.phases import engine_state
 from easytrain.workers.actor import ActorWorker
 from easytrain.workers.base import WorkerBase
-from easytrain.workers.phases import engine_state
 from easytrain.workers.reference import ReferenceWorker
 from easytrain.workers.rollout.worker import RolloutWorker
 from easytrain.workers.weight_sync import sync_in_process
@@ -37,7 +38,9 @@ logger = logging.getLogger(__name__)
 PHASE_OF = {"generate": "generate", "compute_ref_log_probs": "ref", "compute_ref_log_probs_planned": "ref",
             "compute_log_probs": "old_log_probs", "compute_log_probs_planned": "old_log_probs",
             "update": "update", "update_planned": "update"}
-"""The step phase (:data:`easytrain.workers.phases.STEP`) each role method computes in."""
+"""The step phase (:data:`easytrain.memory.phases.STEP`) each role method computes in."""
+EVENTS_KEPT = 1024
+"""Phase records a worker keeps between reads of :meth:`FusedWorker.phase_log` (about 100 steps)."""
 
 
 class FusedWorker(WorkerBase):
@@ -51,8 +54,8 @@ class FusedWorker(WorkerBase):
         self.rollout.fused = True
         if needs_reference(config):
             self.parts["ref"] = ReferenceWorker(config, role="ref", rank=rank, world_size=world_size)
-        self.events: list[tuple[str, float]] = []
-        """(phase or engine transition, time) in the order they happened on this device."""
+        self.events: deque[tuple[str, float]] = deque(maxlen=EVENTS_KEPT)
+        """(phase or engine transition, time) in the order they happened on this device (the latest ones)."""
 
     @property
     def actor(self) -> ActorWorker:
@@ -135,7 +138,7 @@ class FusedWorker(WorkerBase):
         """The phases and engine transitions since the last reset, in order."""
         events = list(self.events)
         if reset:
-            self.events = []
+            self.events.clear()
         return events
 
     # ------------------------------------------------------------------ weights

@@ -36,10 +36,10 @@ import torch
 from torch import nn
 
 from easytrain.algorithms.losses import entropy_from_logits, gather_log_probs, sampling_logits
+from easytrain.config.schema import MASKED_ATTENTION
 from easytrain.distributed.batch import Batch
 from easytrain.workers.packed import is_vision_model
 
-MASKED_ATTENTION = ("sdpa", "eager")
 
 
 def text_config(model: nn.Module) -> Any:

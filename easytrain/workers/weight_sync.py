@@ -336,7 +336,7 @@ def sync_in_process(model: torch.nn.Module, engine: Any, bucket_bytes: int, lora
         times["gather"] += time.perf_counter() - mark
         mark = time.perf_counter()
         rest = {name: tensor for name, tensor in bucket.items() if name not in targets}
-        loaded += engine.load_weights(to_hf_names(rest, lora_scale).items()) + engine.loaded_in_place(list(targets))
+        loaded += engine.load_weights(to_hf_names(rest, lora_scale).items()) + len(targets)
         in_place += len(targets)
         times["load"] += time.perf_counter() - mark
         del bucket, rest

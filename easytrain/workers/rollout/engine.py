@@ -79,10 +79,6 @@ class RolloutEngine(abc.ABC):
         engine's dtype and shape), by name; the others go through :meth:`load_weights`. None by default."""
         return {}
 
-    def loaded_in_place(self, names: Sequence[str]) -> int:
-        """``names`` were written into their :meth:`in_place_targets`; returns how many."""
-        return len(names)
-
     def finish_weight_update(self) -> None:
         """Every bucket has arrived: finish processing (vLLM repacks layers that are still partial)."""
 

@@ -177,9 +177,6 @@ class HFEngine(RolloutEngine):
                 out[name] = param.data
         return out
 
-    def loaded_in_place(self, names: Sequence[str]) -> int:
-        return len(names)
-
     def begin_weight_update(self) -> None:
         self.wake(("weights",))
         self._filled = set()

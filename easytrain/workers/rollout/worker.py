@@ -16,7 +16,7 @@ from easytrain.config.schema import Config
 from easytrain.distributed.batch import Batch
 from easytrain.distributed.group import Dispatch, dispatch
 from easytrain.models.hf import load_tokenizer
-from easytrain.workers.base import WorkerBase
+from easytrain.workers.base import DTYPES, WorkerBase
 from easytrain.workers.rollout.engine import EngineSpec, RolloutEngine, SamplingParams, engine_class
 from easytrain.workers.sequences import assemble
 from easytrain.workers.weight_sync import AliveBytes, Wire, from_wire, join_parts, to_hf_names
@@ -73,7 +73,7 @@ class RolloutWorker(WorkerBase):
     @property
     def engine_dtype(self) -> torch.dtype:
         """The dtype the engine computes in (model.dtype): weights are gathered in it."""
-        return getattr(torch, self.config.model.dtype)
+        return DTYPES[self.config.model.dtype]
 
     @dispatch(Dispatch.BROADCAST)
     def setup(self) -> dict[str, Any]:
