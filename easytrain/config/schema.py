@@ -376,6 +376,12 @@ class TrainerConfig:
     """Checkpoint every N steps (and at the end); -1 = only at the end; 0 = never, not even on SIGTERM."""
     save_limit: int = bounded(-1, low=-1)
     """Keep the newest N checkpoints; -1 = keep all."""
+    checkpoint_host_buffer_gb: float = -1.0
+    """Host RAM a checkpoint save may hold per process beyond the step's own (the state streams from the device
+    to disk in pieces of at most this size); -1 = sized from the node (see docs/training.md)."""
+    checkpoint_async: bool = False
+    """Save checkpoints in the background: the step loop waits only while the state is staged (the blocked time
+    is logged per checkpoint), and the next save or the end of the run waits for the write to finish."""
     resume: str = "auto"
     """auto (latest complete checkpoint in output_dir, if any), off, or a checkpoint folder
     (global_step_<N>, or a run folder meaning its latest)."""
