@@ -41,6 +41,7 @@ import ray
 
 from easytrain.distributed.batch import Batch
 from easytrain.distributed.resources import ResourcePool
+from easytrain.memory import peaks
 
 logger = logging.getLogger(__name__)
 
@@ -57,14 +58,17 @@ class Dispatch(enum.Enum):
 
 def dispatch(mode: Dispatch) -> Callable[[F], F]:
     """Declare how a worker method is called across the group; the worker's busy time is recorded
-    per method (``self.busy``) so orchestration overhead can be told apart from work."""
+    per method (``self.busy``) so orchestration overhead can be told apart from work, and so are its host and
+    device memory peaks (:mod:`easytrain.memory.peaks`), which the plan check compares with the plan."""
     def mark(fn: F) -> F:
         @functools.wraps(fn)
         def timed(self: Any, *args: Any, **kwargs: Any) -> Any:
             start = time.perf_counter()
+            peaks.enter()
             try:
                 return fn(self, *args, **kwargs)
             finally:
+                peaks.leave(fn.__name__)
                 busy = self.__dict__.setdefault("busy", {})
                 busy[fn.__name__] = busy.get(fn.__name__, 0.0) + time.perf_counter() - start
         setattr(timed, DISPATCH_ATTR, mode)

@@ -80,6 +80,8 @@ class Row:
     parts: dict[str, int] = field(default_factory=dict)
     """Breakdown of ``device`` by what holds it."""
     host_parts: dict[str, int] = field(default_factory=dict)
+    process_host: int = 0
+    """Host bytes of the phase's busiest worker process (what the plan check compares its RSS peak with)."""
 
 
 @dataclass

@@ -20,6 +20,7 @@ from tqdm import tqdm
 from easytrain.config.schema import Config
 from easytrain.distributed.checkpoint import rng_state, set_rng_state
 from easytrain.distributed.group import WorkerError
+from easytrain.memory.plan_check import PlanCheck
 from easytrain.trainer.checkpoint import (ACTOR, CONFIG_FILE, PREFIX, CheckpointWriter, check_compatible,
                                           checkpoint_root, latest, model_signature)
 from easytrain.trainer.metrics import MetricsLogger
@@ -77,6 +78,7 @@ class Trainer:
         self.stop_reason: Optional[str] = None
         self.save_requested = False
         self.guard = MemoryGuard(config, t.output_dir) if config.watchdog.enabled else None
+        self.plan_check = PlanCheck.of(config, self.guard.watchdog.write if self.guard is not None else None)
 
     def start(self, resume: Optional[Path]) -> None:
         """Build the roles, register them with the watchdog, continue from ``resume`` (None: the start)."""
@@ -84,6 +86,7 @@ class Trainer:
         if self.guard is not None:
             self.guard.register(self.roles)
         self.restore(resume)
+        self.record_peaks("start")
 
     # ------------------------------------------------------------------ what a trainer supplies
 
@@ -132,12 +135,14 @@ class Trainer:
         t = self.config.trainer
         if self.step == 0 and (t.val_before_train or t.val_only):
             first = self.validate()
+            self.record_peaks("validation")
             if t.val_only:
                 return first
         bar = tqdm(total=self.total_steps, initial=self.step, desc=self.name, unit="step")
         while self.step < self.total_steps:
             self.step += 1
             metrics = self.train_step()
+            self.record_peaks("step")
             if self.guard is not None:  # pressure is judged at the step boundary, where relief and saving can run
                 watched, stop = self.guard.after_step(self.step, self.spans, self.worker_readings)
                 metrics.update(watched)
@@ -150,11 +155,14 @@ class Trainer:
                 raise Stopped(self.stop_reason, self.step, self.save())
             if t.val_freq > 0 and self.step % t.val_freq == 0 and self.step < self.total_steps:
                 self.validate()
+                self.record_peaks("validation")
             bar.update(1)
             bar.set_postfix({self.headline: f"{metrics.get(self.headline, float('nan')):.3f}"})
         bar.close()
         final_checkpoint = self.save()
+        self.record_peaks("save")
         final = self.validate()
+        self.record_peaks("validation")
         if t.export_final and final_checkpoint is not None:
             from easytrain.trainer.export import export
 
@@ -175,6 +183,16 @@ class Trainer:
         if self.ray_metrics is not None:
             self.ray_metrics.workers(self.worker_readings)
         return out
+
+    def record_peaks(self, context: str) -> None:
+        """Every worker's peaks per call since the last drain, against the plan (:mod:`easytrain.memory.plan_check`):
+        ``memory.jsonl`` gets them, the run log the plan misses."""
+        if self.plan_check is None:
+            return
+        groups = self.roles.processes()
+        pending = [(group, group.submit("phase_peaks")) for group in groups.values()]
+        readings = [r for group, calls in pending for r in group.collect(calls)]
+        self.plan_check.record(self.step, context, readings)
 
     # ------------------------------------------------------------------ checkpoints and recovery
 

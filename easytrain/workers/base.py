@@ -17,6 +17,7 @@ from easytrain.distributed.fsdp import apply_activation_checkpointing, apply_fsd
 from easytrain.distributed.group import Dispatch, dispatch, free_port
 from easytrain.distributed.load import load_from_rank0
 from easytrain.distributed.ulysses import SequenceParallel, apply_ulysses, sequence_parallel_group
+from easytrain.memory import peaks
 from easytrain.memory.readings import process_info, release_process_memory, torch_allocator
 from easytrain.models.hf import load_model, model_folder
 from easytrain.models.image_dedup import dedupe_images
@@ -114,18 +115,25 @@ class WorkerBase:
     def memory(self) -> dict[str, Any]:
         """This process's memory: RSS now and its peak, the torch allocator's peak on GPU (step metrics), and
         under ``watch`` the watchdog's in-worker reading (RSS, allocated/reserved/peak bytes)."""
-        import resource
 
         import ray
 
         rss = psutil.Process(os.getpid()).memory_info().rss
-        reading: dict[str, Any] = {"rss_gb": rss / 2**30,
-                                   "peak_rss_gb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20}
+        reading: dict[str, Any] = {"rss_gb": rss / 2**30, "peak_rss_gb": peaks.lifetime_peak() / 2**30}
         if self.device.type == "cuda":
             reading["gpu_peak_gb"] = torch.cuda.max_memory_allocated() / 2**30
         reading["watch"] = {"role": self.role, "rank": self.rank, "node_ip": ray.util.get_node_ip_address(),
                             "rss_bytes": rss, **torch_allocator()}
         return reading
+
+    @dispatch(Dispatch.BROADCAST)
+    def phase_peaks(self) -> dict[str, Any]:
+        """This process's host and device peak per dispatched method since the last call (the plan check's
+        measurements: :mod:`easytrain.memory.peaks`), with where it runs and its RSS now."""
+        import ray
+
+        return {"role": self.role, "rank": self.rank, "node_ip": ray.util.get_node_ip_address(), "pid": os.getpid(),
+                "rss_bytes": psutil.Process(os.getpid()).memory_info().rss, "peaks": peaks.drain()}
 
     @dispatch(Dispatch.BROADCAST)
     def process_info(self) -> dict[str, Any]:

@@ -1,0 +1,108 @@
+"""What each worker call peaked at: host RSS and device memory per dispatched method, for the plan check.
+
+Every method a worker group dispatches (:func:`easytrain.distributed.group.dispatch`) runs between
+:func:`enter` and :func:`leave`. Entering resets the kernel's high-water mark of this process's resident set
+(``VmHWM``, reset by writing ``5`` to ``/proc/self/clear_refs``) and, on a GPU, torch's peak allocator
+statistics; leaving reads both. The call's peak is therefore the most the process held at any instant of the
+call, not a sample. Calls nest (a fused worker's ``call_role`` runs the role's ``update``): before an inner
+call resets the counters, the peak so far is folded into every enclosing call, so each call's figure covers its
+whole span. Worker actors run one call at a time (no concurrency groups), which is what makes one process-wide
+counter usable.
+
+:func:`drain` returns and clears the peaks per method name since the last drain (the largest when a method ran
+several times); :func:`lifetime_peak` the largest host peak of the process so far (``ru_maxrss`` no longer
+says that once the counter is reset).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from pathlib import Path
+from typing import Any
+
+logger = logging.getLogger(__name__)
+
+STATUS = Path("/proc/self/status")
+CLEAR_REFS = Path("/proc/self/clear_refs")
+
+_stack: list[list[float]] = []
+"""One [host peak, device peak, start time] per call in progress, outermost first."""
+_peaks: dict[str, list[float]] = {}
+"""Per method: host peak, device peak, first start and last end (epoch seconds) since the last drain."""
+_lifetime = [0, 0]
+_state = {"can_reset": True}
+
+
+def host_high_water() -> int:
+    """This process's resident-set high-water mark in bytes (``VmHWM``; 0 where /proc does not say)."""
+    try:
+        for line in STATUS.read_text().splitlines():
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return 0
+
+
+def _cuda() -> Any:
+    import torch
+
+    return torch.cuda if torch.cuda.is_available() and torch.cuda.is_initialized() else None
+
+
+def _read() -> tuple[int, int]:
+    cuda = _cuda()
+    return host_high_water(), int(cuda.max_memory_allocated()) if cuda is not None else 0
+
+
+def _reset() -> None:
+    if _state["can_reset"]:
+        try:
+            CLEAR_REFS.write_text("5")
+        except OSError as error:  # a kernel or sandbox without it: the peaks become lifetime peaks, said once
+            _state["can_reset"] = False
+            logger.warning("cannot reset the peak RSS (%s): per-call host peaks are the process's peaks so far",
+                           error)
+    cuda = _cuda()
+    if cuda is not None:
+        cuda.reset_peak_memory_stats()
+
+
+def _fold(host: int, device: int) -> None:
+    for frame in _stack:
+        frame[0], frame[1] = max(frame[0], host), max(frame[1], device)
+    _lifetime[0], _lifetime[1] = max(_lifetime[0], host), max(_lifetime[1], device)
+
+
+def enter() -> None:
+    """A dispatched call starts: what the enclosing calls peaked at so far is kept, the counters reset."""
+    _fold(*_read())
+    _reset()
+    _stack.append([0, 0, time.time()])
+
+
+def leave(name: str) -> None:
+    """The call ``name`` ends: its peaks (host and device bytes) are recorded."""
+    host, device = _read()
+    end = time.time()
+    frame = _stack.pop() if _stack else [0, 0, end]
+    frame[0], frame[1] = max(frame[0], host), max(frame[1], device)
+    _fold(host, device)
+    seen = _peaks.setdefault(name, [0, 0, frame[2], end])
+    seen[0], seen[1], seen[3] = max(seen[0], frame[0]), max(seen[1], frame[1]), end
+
+
+def drain() -> dict[str, dict[str, float]]:
+    """Per method since the last drain: peak host and device bytes, the first call's start and the last one's
+    end (epoch seconds)."""
+    out = {name: {"host_bytes": int(host), "device_bytes": int(device), "start": start, "end": end}
+           for name, (host, device, start, end) in _peaks.items()}
+    _peaks.clear()
+    return out
+
+
+def lifetime_peak() -> int:
+    """The largest resident set this process has had (bytes), counting the calls' peaks and now."""
+    _fold(*_read())
+    return int(_lifetime[0])
