@@ -57,11 +57,12 @@ class LoraConfig:
 @dataclass
 class ModelConfig:
     path: str = "tiny:qwen2_5_vl"
-    """HF folder or hub id, or tiny:qwen2_5_vl | tiny:qwen2_vl | tiny:qwen2 (built locally, random weights)."""
+    """HF folder or hub id, tiny:qwen2_5_vl | tiny:qwen2_vl | tiny:qwen2 (built locally, random weights), or
+    random:<conf/model file stem>, e.g. random:qwen25vl_7b (that model's real shape, random weights, tiny tokenizer)."""
     tiny_size: str = choice("tiny", "tiny", "small")
     """Size of a tiny: model: tiny (~0.2M parameters) or small (~4M)."""
     tiny_seed: int = 0
-    """Seed the tiny: model's weights and tokenizer are built from."""
+    """Seed the tiny: model's weights and tokenizer (and a random: model's weights and tokenizer) are built from."""
     tokenizer_path: Optional[str] = None
     """Tokenizer/processor folder when it differs from model.path."""
     cache_dir: Optional[str] = None

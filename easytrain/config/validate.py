@@ -323,6 +323,10 @@ def _check_model(cfg: Config) -> None:
     if m.path.startswith("tiny:") and m.path[5:] not in ("qwen2_5_vl", "qwen2_vl", "qwen2"):
         raise ConfigError("model.path", m.path, "unknown tiny model family",
                           "use tiny:qwen2_5_vl, tiny:qwen2_vl or tiny:qwen2")
+    if m.path.startswith("random:"):
+        from easytrain.models.shapes import random_hf_config
+
+        random_hf_config(m.path)  # an unknown name raises the error, listing conf/model/'s names
     betas = cfg.worker.actor.optim.betas
     if len(betas) != 2 or not all(0.0 <= b < 1.0 for b in betas):
         raise ConfigError("worker.actor.optim.betas", betas, "AdamW needs two betas in [0, 1)",

@@ -1,1 +1,2 @@
-"""Models: loading (local path, hub id, tiny:<family>), the tiny-model factory, known shapes."""
+"""Models: loading (local path, hub id, tiny:<family>, random:<name>), the tiny-model factory, real-shaped random
+models, known shapes."""

@@ -1,8 +1,10 @@
 """Loading models, tokenizers and image processors through transformers.
 
 One place turns ``model.path`` into a folder (building a tiny model when the
-path is ``tiny:<family>``) and loads from it with ``from_pretrained``, so
-tiny models and real checkpoints take the same path.
+path is ``tiny:<family>``, a weightless real-shaped one for ``random:<name>``)
+and loads from it with ``from_pretrained``, so tiny models and real
+checkpoints take the same path; a random: folder's weights are initialised in
+place instead (models/random_init.py).
 """
 
 from __future__ import annotations
@@ -13,6 +15,7 @@ from pathlib import Path
 from typing import Any, Optional
 
 from easytrain.config.schema import ModelConfig
+from easytrain.models.shapes import RANDOM_PREFIX
 from easytrain.models.tiny import build_tiny, image_processor_class, model_class_for
 
 logger = logging.getLogger(__name__)
@@ -24,6 +27,10 @@ def model_folder(model: ModelConfig) -> str:
     """A folder or hub id ``from_pretrained`` can load; builds tiny models into the cache."""
     if model.path.startswith("tiny:"):
         return str(build_tiny(model.path[5:], model.tiny_size, model.tiny_seed, model.cache_dir))
+    if model.path.startswith(RANDOM_PREFIX):
+        from easytrain.models.random_init import build_random
+
+        return str(build_random(model.path[len(RANDOM_PREFIX):], model.tiny_seed, model.cache_dir))
     return model.path
 
 
@@ -57,10 +64,15 @@ def load_model(model: ModelConfig, folder: Optional[str] = None, device: str = "
     """The transformers model of ``model.path`` in ``dtype`` (default ``model.dtype``) with the configured attention."""
     import torch
 
+    from easytrain.models.random_init import is_random_folder, random_model
+
     folder = folder or model_folder(model)
+    torch_dtype = getattr(torch, DTYPES[dtype or model.dtype])
+    if is_random_folder(folder):  # no weights to read: built and initialised on the device itself
+        return random_model(folder, torch_dtype, model.attn_implementation, device)
     cls = model_class_for(model_family(folder))
     loaded = cls.from_pretrained(
-        folder, dtype=getattr(torch, DTYPES[dtype or model.dtype]), attn_implementation=model.attn_implementation,
+        folder, dtype=torch_dtype, attn_implementation=model.attn_implementation,
         trust_remote_code=model.trust_remote_code,
     )
     return loaded.to(device)

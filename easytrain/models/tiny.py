@@ -23,7 +23,7 @@ import shutil
 import uuid
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Any, Optional, Union
+from typing import Any, Callable, Optional, Union
 
 logger = logging.getLogger(__name__)
 
@@ -207,21 +207,29 @@ def build_tiny(family: str, size: str = "tiny", seed: int = 0,
     """
     cache = Path(cache_dir).expanduser() if cache_dir else default_cache_dir()
     target = cache / "tiny" / tiny_folder_name(family, size, seed)
+    if build_once(target, lambda folder: _build_into(folder, family, size, seed)):
+        logger.info("built tiny %s (%s, seed %d) in %s", family, size, seed, target)
+    return target
+
+
+def build_once(target: Path, fill: Callable[[Path], None]) -> bool:
+    """Make the cache folder ``target`` (done once it holds a config.json) with ``fill(folder)``, which creates
+    and fills ``folder``. Safe from several processes at once: each fills its own temporary folder and the first
+    atomic rename wins. True when this call built it."""
     if (target / "config.json").is_file():
-        return target
+        return False
     target.parent.mkdir(parents=True, exist_ok=True)
     tmp = target.parent / f".{target.name}.{os.getpid()}.{uuid.uuid4().hex[:8]}"
     try:
-        _build_into(tmp, family, size, seed)
+        fill(tmp)
         try:
             os.rename(tmp, target)
-            logger.info("built tiny %s (%s, seed %d) in %s", family, size, seed, target)
+            return True
         except OSError:  # another process finished first; its folder is equivalent
-            shutil.rmtree(tmp, ignore_errors=True)
+            return False
     finally:
         if tmp.exists():
             shutil.rmtree(tmp, ignore_errors=True)
-    return target
 
 
 def _build_into(folder: Path, family: str, size: str, seed: int) -> None:

@@ -22,6 +22,7 @@ from easytrain.algorithms.kl import KLController, kl_in_reward
 from easytrain.config.schema import Config
 from easytrain.distributed.batch import Batch
 from easytrain.distributed.group import WorkerGroup
+from easytrain.models.shapes import RANDOM_PREFIX
 from easytrain.trainer.base import RunFailed, Stopped, Trainer
 from easytrain.trainer.checkpoint import check_resume
 from easytrain.trainer.data import RLData
@@ -51,7 +52,10 @@ class RLTrainer(Trainer):
         self.start(resume)
 
     def build_roles(self) -> Roles:
-        return build_roles(self.config, self.optimizer_steps)
+        roles = build_roles(self.config, self.optimizer_steps)
+        if self.config.model.path.startswith(RANDOM_PREFIX):  # the engine built its own random weights: the actor's
+            roles.transport.sync(roles.actor, roles.rollout)
+        return roles
 
     def new_batches(self) -> Iterator[Batch]:
         return self.data.train_batches()

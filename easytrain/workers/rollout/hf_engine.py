@@ -45,7 +45,7 @@ class HFEngine(RolloutEngine):
     def build(cls, config: Any, spec: EngineSpec) -> "HFEngine":
         from easytrain.models.hf import load_model
 
-        model = load_model(config.model, spec.folder).to(spec.device)
+        model = load_model(config.model, str(spec.folder), device=str(spec.device))  # a random: model is built there
         if config.model.dedupe_images:  # the prompts' n copies share their images: one prefill of each
             dedupe_images(model)
         rollout = config.worker.rollout

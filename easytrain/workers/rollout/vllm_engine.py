@@ -40,6 +40,7 @@ from typing import Any, Iterable, Optional, Sequence
 import torch
 
 from easytrain.distributed.batch import Batch
+from easytrain.models.random_init import is_random_folder
 from easytrain.workers.forward import suppressed_tokens
 from easytrain.workers.rollout.engine import EngineSpec, RolloutEngine, SamplingParams, pad_responses
 
@@ -80,6 +81,8 @@ def engine_kwargs(config: Any, spec: EngineSpec, vision: bool) -> dict[str, Any]
     if on_gpu:
         kwargs["gpu_memory_utilization"] = r.gpu_memory_utilization
         kwargs["enable_sleep_mode"] = config.trainer.colocate and r.sleep_level > 0
+    if is_random_folder(spec.folder):  # a random: model has no weights to read; the actor's arrive by sync
+        kwargs["load_format"] = "dummy"
     if r.tensor_parallel_size > 1 or spec.fused:  # one engine per rank of a torch world
         kwargs["distributed_executor_backend"] = "external_launcher"
     if vision:
