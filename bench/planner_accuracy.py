@@ -69,9 +69,9 @@ SMALL = ["model.path=tiny:qwen2_5_vl", "model.tiny_size=small"]
 MID = [f"model.path={BENCH_MODEL}", "data.max_prompt_length=256", "data.max_response_length=32",
        "data.rollout_batch_size=4", "worker.actor.global_batch_size=4", "worker.rollout.n=2"]
 CASES = [
-    Case("tiny_rl_fused", "calibration", []),
+    Case("tiny_rl_fused", "calibration", ["algorithm.kl_coef=0.01", "worker.actor.reuse_log_probs_on_policy=false"]),
     Case("small_rl_fused_lora", "held_out", SMALL + ["model.lora.rank=8"]),
-    Case("small_rl_split", "calibration", SMALL + ["trainer.colocate=false"]),
+    Case("small_rl_split", "calibration", SMALL + ["trainer.colocate=false", "trainer.workers_per_node=1"]),
     Case("tiny_rl_offload", "held_out", ["worker.actor.offload.params=true", "worker.ref.offload.params=true",
                                          "algorithm.kl_coef=0.01"]),
     Case("tiny_sft", "calibration", ["+exp=tiny_sft"]),
@@ -110,8 +110,10 @@ class TreeSampler:
                 for proc in [root, *root.children(recursive=True)]:
                     try:
                         rss[proc.pid] = proc.memory_info().rss
-                        if proc.pid not in self.kinds:
-                            self.kinds[proc.pid] = kind_of(proc, self.root)
+                        if proc.pid not in self.kinds:  # an idle Ray worker becomes an actor: ask again
+                            kind = kind_of(proc, self.root)
+                            if kind != "idle":
+                                self.kinds[proc.pid] = kind
                     except psutil.Error:
                         continue
             except psutil.Error:
@@ -131,7 +133,10 @@ def kind_of(proc: psutil.Process, root: int) -> str:
     if proc.pid == root:
         return "driver"
     title = " ".join(proc.cmdline())
-    for prefix, kind in (("ray::easytrain-", "worker"), ("ray::NodeSampler", "sampler"), ("ray::Reward", "reward")):
+    workers = ("ray::easytrain-", "ray::FusedWorker", "ray::ActorWorker", "ray::RolloutWorker", "ray::ReferenceWorker",
+               "ray::SFTWorker")
+    for prefix, kind in (*((w, "worker") for w in workers), ("ray::NodeSampler", "sampler"),
+                         ("ray::RewardWorker", "reward"), ("ray::IDLE", "idle")):
         if title.startswith(prefix):
             return kind
     return "ray" if "ray" in title else "other"
@@ -186,7 +191,7 @@ def measure_phases(records: list[dict[str, Any]], run: dict[str, Any]) -> dict[s
                     others[pid] = max(others.get(pid, 0), value)
         by_kind: dict[str, int] = {}
         for pid, value in others.items():
-            kind = run["kinds"].get(pid, "other")
+            kind = run["kinds"].get(pid, "idle")
             by_kind[kind] = by_kind.get(kind, 0) + value
         figure = {"host_bytes": sum(workers.values()) + sum(others.values()),
                   "workers_bytes": sum(workers.values()), "worker_peaks": sorted(workers.values()),
@@ -239,8 +244,10 @@ def predictions(case: Case, folder: Path) -> dict[str, Any]:
     p = plan(config)
     rows = {r.phase: r for r in p.once + p.rows}
     out = {phase: row.host for phase, row in rows.items()}
-    if "setup" in out:  # SFT names its model build setup
+    if "setup" in out:  # SFT names its model build setup, its validation validate
         out.setdefault("load", out["setup"])
+    if "validate" in out:
+        out.setdefault("validation", out["validate"])
     sft = [out[q] for q in ("forward_backward", "optimizer") if q in out]
     if sft:
         out["sft_update"] = max(sft)
@@ -306,7 +313,10 @@ def main() -> None:
         if args.rescore or (args.only and case.name not in args.only):
             continue
         print(f"measuring {case.name} ...", flush=True)
-        kept[case.name] = measure_case(case, folder)
+        try:
+            kept[case.name] = measure_case(case, folder)
+        except RuntimeError as error:  # one failed command: the other cases still count
+            print(f"{case.name}: {error}", flush=True)
     rows = []
     for case in CASES:
         row = kept.get(case.name)

@@ -12,7 +12,8 @@ import pytest
 
 from easytrain.config import compose, to_config, with_default_preset
 from easytrain.memory.activations import MicroBatch, activation_bytes, layer_saved, logits_bytes, model_dims
-from easytrain.memory.capacity import FRAMEWORK_BYTES, GB
+from easytrain.memory.capacity import GB
+from easytrain.memory.host import PHASE_WORKING_SET, WORKER_BYTES
 from easytrain.memory.planner import CUDA_CONTEXT_BYTES, plan
 from easytrain.memory.suggest import fit, override_value, suggestions
 from easytrain.models.shapes import hf_config_for, known_hf_configs
@@ -60,23 +61,25 @@ def test_fused_workers_one_process_and_one_cuda_context_per_gpu() -> None:
     fused, pools = plan(load(["+exp=qwen25vl_7b"])), plan(load(["+exp=qwen25vl_7b", "trainer.colocate=false"]))
     roles = 3  # actor, reference, rollout
     for row in fused.rows + fused.once:
-        assert row.parts["cuda context"] == CUDA_CONTEXT_BYTES and "cuda contexts" not in row.parts, row.phase
-    # host: one empty worker process per GPU fused, one per role per GPU in pools
-    assert fused.row("update").host_parts["worker processes"] == 8 * FRAMEWORK_BYTES
-    assert pools.row("update").host_parts["worker processes"] == 8 * roles * FRAMEWORK_BYTES
-    assert pools.row("update").host - fused.row("update").host == 8 * (roles - 1) * FRAMEWORK_BYTES
-    cpu = plan(load(["+exp=tiny"]))  # CPU, colocated: one process per CPU worker, it holds every role
-    workers = cpu.rows[0].host_parts["worker processes"]
-    assert workers == load(["+exp=tiny"]).trainer.workers_per_node * FRAMEWORK_BYTES
+        if row.phase != "export":  # easytrain export: one process of its own, no GPU
+            assert row.parts["cuda context"] == CUDA_CONTEXT_BYTES and "cuda contexts" not in row.parts, row.phase
+    # host: one worker process per GPU fused, one per role per GPU in pools, each with the framework's bytes
+    f, p = fused.row("update"), pools.row("update")
+    assert f.host_parts["worker processes (framework)"] == 8 * WORKER_BYTES
+    assert p.host_parts["worker processes (framework)"] == 8 * roles * WORKER_BYTES
+    assert p.host - f.host == 8 * (roles - 1) * WORKER_BYTES
+    config = load(["+exp=tiny"])
+    cpu = plan(config)  # CPU, colocated: one process per CPU worker, it holds every role's tensors in its RSS
     for row in cpu.rows:
-        assert row.host_parts["fused workers"] == load(["+exp=tiny"]).trainer.workers_per_node * row.device
+        assert row.host_parts["worker processes (framework)"] == config.trainer.workers_per_node * WORKER_BYTES
+        assert row.process_host == WORKER_BYTES + PHASE_WORKING_SET[row.phase] + row.device, row.phase
 
 
 def test_phase_rows_follow_the_step_order_of_phases_step() -> None:
     p = plan(load(["+exp=qwen25vl_7b"]))
     order = [ph.planned for ph in STEP if ph.planned] + ["validation"]
     assert [r.phase for r in p.rows] == order
-    assert [r.phase for r in p.once] == ["load"]
+    assert [r.phase for r in p.once] == ["load", "checkpoint_save", "resume_load", "export"]
     on_policy = plan(load(["+exp=qwen25vl_7b", "data.rollout_batch_size=128"]))  # old log-probs reused
     assert [r.phase for r in on_policy.rows] == [ph for ph in order if ph != "old_log_probs"]
     assert any("generate -> sleep -> ref -> old_log_probs -> update -> wake_weights -> sync -> wake_kv" in n
@@ -126,11 +129,12 @@ def test_load_reads_one_whole_checkpoint_per_node() -> None:
     config = load(["+exp=qwen25vl_7b"])  # actor and reference offloaded: their fp32 shards wait in host RAM
     load_row = plan(config).row("load")
     total = 8_292_166_656
-    assert load_row.host_parts["checkpoint read (whole, fp32, one per node)"] == total * 4
-    assert load_row.host_parts["offloaded shards (every process's)"] == 8 * 2 * (total * 4 // 8)
+    assert load_row.host_parts["checkpoint read (whole, fp32, rank 0)"] == total * 4
+    assert load_row.host_parts["actor params (offloaded)"] == load_row.host_parts["ref params (offloaded)"]
+    assert load_row.host_parts["actor params (offloaded)"] == 8 * (total * 4 // 8)
     on_gpu = plan(load(["+exp=qwen25vl_7b", "worker.actor.offload.params=false", "worker.ref.offload.params=false"]))
     row = on_gpu.row("load")
-    assert "offloaded shards (every process's)" not in row.host_parts
+    assert not any("offloaded" in key for key in row.host_parts)
     assert row.device == 2 * (total * 4 // 8) + int(0.6 * 80 * GB) + CUDA_CONTEXT_BYTES
 
 
@@ -367,7 +371,7 @@ def test_hf_engine_on_cpu_sleeps_at_level_2_only_in_fused_workers() -> None:
     assert fused.row("weight_sync").parts["gathered bucket (engine dtype)"] == min(256 * 2**20, weights)
     assert level1.row("update").parts["rollout weights"] == weights  # level 1 on CPU: nowhere to offload to
     pools = plan(load(["+exp=tiny", "trainer.colocate=false"]), hf)
-    assert pools.row("update").host_parts["rollout workers"] == config.trainer.workers_per_node * weights
+    assert pools.row("update").host_parts["rollout weights"] == config.trainer.workers_per_node * weights
 
 
 def test_plan_describes_the_fused_layout_and_the_phase_order() -> None:

@@ -9,8 +9,10 @@ bench/planner_accuracy.py as the empty-worker baseline); a GPU process adds
 
 from __future__ import annotations
 
+import json
 import os
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Optional
 
 from easytrain.config.schema import Config
@@ -34,10 +36,34 @@ class Capacity:
     ray_threshold: float
     """Ray's memory monitor kills workers above this fraction of node RAM (RAY_memory_usage_threshold)."""
     source: str
+    host_margin: float = 0.0
+    """The planner's worst recorded under-prediction of host bytes (:func:`accuracy_margin`): a plan fits when
+    its host peaks times (1 + this) fit."""
+    device_margin: float = 0.0
+    """The same for device bytes (GPU rows of the accuracy results; 0 where none were measured)."""
+    margin_source: str = ""
 
     @property
     def host_limit(self) -> int:
         return int(self.node_ram * self.ray_threshold)
+
+
+ACCURACY_RESULTS = Path(__file__).resolve().parents[2] / "bench" / "results" / "planner_accuracy.json"
+
+
+def accuracy_margin(path: Path = ACCURACY_RESULTS) -> tuple[float, float, str]:
+    """(host, device) margins and where they come from: the worst under-prediction (predicted below measured)
+    that bench/planner_accuracy.py recorded over all its phases, as a fraction of the measurement; 0 for a
+    kind it never under-predicted or never measured."""
+    try:
+        result = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return 0.0, 0.0, f"no accuracy results ({path.name} not found): no margin"
+    host = max(0.0, -float(result.get("worst_under_prediction", {}).get("all") or 0.0))
+    device = max(0.0, -float(result.get("worst_device_under_prediction") or 0.0))
+    gpu = "" if result.get("worst_device_under_prediction") is not None else "; device: none measured on a GPU"
+    return host, device, (f"margin {host:.1%} host{f', {device:.1%} device' if device else ''}: the worst "
+                          f"under-prediction in bench/results/{path.name} ({result.get('date', '?')}){gpu}")
 
 
 def capacity_of(config: Config) -> Capacity:
@@ -64,7 +90,8 @@ def capacity_of(config: Config) -> Capacity:
         ram, _ = int(t.node_memory_gb * GB), sources.append("node RAM from trainer.node_memory_gb")
     else:
         ram, _ = psutil.virtual_memory().total, sources.append("node RAM of this machine")
-    return Capacity(gpu, ram, threshold, "; ".join(sources))
+    host_margin, device_margin, margin_source = accuracy_margin()
+    return Capacity(gpu, ram, threshold, "; ".join(sources), host_margin, device_margin, margin_source)
 
 
 @dataclass
@@ -92,8 +119,9 @@ class Plan:
     on_gpu: bool
     notes: list[str]
     once: list[Row] = field(default_factory=list)
-    """Phases that run once before the first step (the SFT workers' model build): they must fit too, but
-    are not part of the running peaks."""
+    """Phases outside the step: the model load before the first step, a checkpoint save, a resume, the HF
+    export (:mod:`easytrain.memory.host`). They must fit too, but are not the step's running peaks (which
+    the watchdog compares with)."""
 
     @property
     def device_peak(self) -> int:
@@ -105,18 +133,21 @@ class Plan:
 
     @property
     def device_headroom(self) -> Optional[float]:
+        """What is left of a GPU at the step's device peak plus the margin (:attr:`Capacity.device_margin`)."""
         cap = self.capacity.gpu_bytes
-        return None if not self.on_gpu or not cap else 1 - self.device_peak / cap
+        return None if not self.on_gpu or not cap else 1 - self.device_peak * (1 + self.capacity.device_margin) / cap
 
     @property
     def host_headroom(self) -> float:
-        return 1 - self.host_peak / self.capacity.host_limit
+        """What is left of the node's RAM under Ray's threshold at the step's host peak plus the margin."""
+        return 1 - self.host_peak * (1 + self.capacity.host_margin) / self.capacity.host_limit
 
     def once_headroom(self) -> tuple[Optional[float], float]:
-        """(device, host) headroom of the once-only phases (1.0 when there are none)."""
-        cap = self.capacity.gpu_bytes
-        device = (1 - max((r.device for r in self.once), default=0) / cap) if self.on_gpu and cap else None
-        return device, 1 - max((r.host for r in self.once), default=0) / self.capacity.host_limit
+        """(device, host) headroom of the phases outside the step (1.0 when there are none), margins included."""
+        c = self.capacity
+        device = (1 - max((r.device for r in self.once), default=0) * (1 + c.device_margin) / c.gpu_bytes
+                  if self.on_gpu and c.gpu_bytes else None)
+        return device, 1 - max((r.host for r in self.once), default=0) * (1 + c.host_margin) / c.host_limit
 
     def _margins(self) -> list[float]:
         return [h for h in (self.device_headroom, self.host_headroom, *self.once_headroom()) if h is not None]
@@ -129,7 +160,11 @@ class Plan:
     def verdict(self) -> str:
         if not self.fits:
             steps = [h for h in (self.device_headroom, self.host_headroom) if h is not None]
-            return "does not fit" if min(steps) < 0 else f"does not fit ({', '.join(r.phase for r in self.once)})"
+            c = self.capacity
+            cap = c.gpu_bytes if self.on_gpu else None
+            over = [r.phase for r in self.once if r.host * (1 + c.host_margin) > c.host_limit
+                    or (cap and r.device * (1 + c.device_margin) > cap)]
+            return "does not fit" if min(steps) < 0 else f"does not fit ({', '.join(over)})"
         return "fits, tight (< 10% headroom)" if min(self._margins()) < 0.10 else "fits"
 
     def row(self, phase: str) -> Row:

@@ -30,7 +30,7 @@ METHOD_PHASE = {
     "update_planned": "update", "sync_weights": "weight_sync", "finish_weight_update": "weight_sync",
     "push_weights": "weight_sync",
     # SFT's phases (easytrain.memory.sft)
-    "sft_update": "sft_update",
+    "sft_update": "sft_update", "sft_eval": "validation",
 }
 """The plan phase each worker method computes in; methods not named here (readings, set-up calls) are skipped."""
 
@@ -44,11 +44,14 @@ class Planned:
 
 
 def planned_phases(plan: Plan) -> dict[str, Planned]:
-    """Planned figures per phase; an SFT plan's ``setup`` is the ``load``, and its one worker call per step
+    """Planned figures per phase; an SFT plan's ``setup`` is the ``load``, its ``validate`` the ``validation``,
+    and its one worker call per step
     (``sft_update``) spans its forward-backward and optimizer phases, so it gets the larger of the two."""
     out = {r.phase: Planned(r.process_host, r.device) for r in plan.once + plan.rows}
     if "setup" in out:
         out.setdefault("load", out["setup"])
+    if "validate" in out:
+        out.setdefault("validation", out["validate"])
     sft = [out[p] for p in ("forward_backward", "optimizer") if p in out]
     if sft:
         out["sft_update"] = Planned(max(p.process_host for p in sft), max(p.device for p in sft))

@@ -54,10 +54,10 @@ from easytrain.config.schema import MASKED_ATTENTION, Config
 from easytrain.memory.activations import (PATCH_VALUES, MicroBatch, activation_bytes, logits_bytes, model_dims,
                                           packed_micro, shard_units)
 from easytrain.memory.budget import engine_budget, kv_bytes_per_token, sequence_shape
-from easytrain.memory.capacity import (CUDA_CONTEXT_BYTES, DRIVER_BYTES, FRAMEWORK_BYTES, GB, Capacity, Plan, Row,
-                                       capacity_of, sum_parts)
-from easytrain.memory.layout import (engine_held, engine_weights, fused, layout_note, load_host,
-                                     processes_per_device, role_names, step_phases, sync_bucket, sync_parts)
+from easytrain.memory.capacity import CUDA_CONTEXT_BYTES, GB, Capacity, Plan, Row, capacity_of, sum_parts
+from easytrain.memory.host import node_host, run_phases, worker_process
+from easytrain.memory.layout import (engine_held, engine_weights, fused, layout_note, processes_per_device,
+                                     role_names, step_phases, sync_bucket, sync_parts)
 from easytrain.memory.params import count_parameters, largest_module, largest_trainable, trainable_by_component
 from easytrain.memory.sft import plan_sft, sft_worker_parts
 from easytrain.memory.states import DTYPE_BYTES, FP32, gathered_bytes, role_states, shard_degree
@@ -290,8 +290,11 @@ def rollout_phase(config: Config, s: Shape, hf_config: dict[str, Any], capacity:
     dims = model_dims(hf_config)
     kv = rows * s.seq_tokens * kv_bytes_per_token(hf_config, config.model.dtype)
     logits = 4 * rows * s.response * dims.vocab * s.dtype_bytes  # kept per step, stacked, scaled, log-softmax
-    prefill = activation_bytes(dims, MicroBatch(rows, s.seq_tokens - s.response, 0, s.images, s.image_tokens),
-                               s.dtype_bytes, grad=False, checkpointing=False, vision_grad=False)
+    # worker.rollout.share_prefill: each prompt's prefill runs once for its n samples
+    prefill_rows = -(-prompts // (s.world // tp)) if r.share_prefill and n > 1 else rows
+    prefill = activation_bytes(dims, MicroBatch(prefill_rows, s.seq_tokens - s.response, 0, s.images,
+                                                s.image_tokens), s.dtype_bytes, grad=False, checkpointing=False,
+                               vision_grad=False)
     return {"weights": weights, "kv cache": kv, "logits": logits, "prefill": prefill}
 
 
@@ -362,7 +365,7 @@ def plan(config: Config, hf_config: Optional[dict[str, Any]] = None, capacity: O
     rows = [_row(step, p, *work[p.planned]) for p in phases]
     notes = [layout_note(config, s.with_ref, s.ref_by_actor, s.on_gpu, set(work)),
              micro_note(config, s, upd_micro), *_notes(config, s, hf_config, capacity)]
-    return Plan(rows, capacity, s.on_gpu, notes, once=[_load_row(step)])
+    return Plan(rows, capacity, s.on_gpu, notes, once=[_load_row(step), *_run_rows(step, capacity)])
 
 
 def update_transient(config: Config, s: Shape, hf_config: dict[str, Any], micro: MicroBatch, accumulates: bool,
@@ -394,47 +397,53 @@ def _row(st: _Step, phase: Phase, role: str, active: dict[str, int]) -> Row:
         parts = dict(active) if role == "rollout" else {**st.idle[role], **active}
     if s.on_gpu:
         parts["cuda context"] = CUDA_CONTEXT_BYTES
-    host_parts = _host(st, phase, role, active, parts, engine_host)
-    return Row(phase.planned, role, sum_parts(parts), sum_parts(host_parts), parts, host_parts)
+    host_parts, process = _host(st, phase, role, active, parts, engine_host)
+    return Row(phase.planned, role, sum_parts(parts), sum_parts(host_parts), parts, host_parts, sum_parts(process))
 
 
-def _processes(st: _Step) -> dict[str, int]:
-    """Host RAM of one node's processes before they hold a model: the workers (one per device fused, else one
-    per role per device), the driver, reward and loader processes."""
-    n, config = st.s.per_node, st.config
-    return {"worker processes": FRAMEWORK_BYTES * n * processes_per_device(config, st.s.with_ref),
-            "driver, reward and loader processes": DRIVER_BYTES + FRAMEWORK_BYTES * (config.reward.num_workers
-                                                                                     + config.data.num_workers)}
+def _offloaded(st: _Step) -> dict[str, int]:
+    """What one worker process keeps in host RAM on a GPU node: its roles' offloaded states."""
+    out = {}
+    if st.actor.offloaded:
+        out["actor states (offloaded)"] = st.actor.host
+    if st.s.with_ref and st.ref.offloaded:
+        out["ref params (offloaded)"] = st.ref.host
+    return out
 
 
 def _host(st: _Step, phase: Phase, role: str, active: dict[str, int], device: dict[str, int],
-          engine_host: dict[str, int]) -> dict[str, int]:
-    """Host RAM of one node in ``phase``: processes, offloaded states, an asleep engine's weights (level 1),
-    the step batch, the sync's transport across processes; on CPU every process's memory."""
-    s, config, n = st.s, st.config, st.s.per_node
-    host = _processes(st)
-    offloaded = (st.actor.host if st.actor.offloaded else 0) + (st.ref.host if s.with_ref and st.ref.offloaded else 0)
-    if offloaded:
-        host["offloaded states"] = offloaded * n
-    host.update({k: v * n for k, v in engine_host.items()})
-    host["step batch (driver, object store, workers' shares)"] = 3 * batch_bytes(config, s)
-    if phase.planned == "weight_sync":
-        host.update(sync_parts(config, sync_bucket(config, s.largest_module, s.total_params, s.dtype_bytes), n)[1])
-    if not s.on_gpu:  # every process's device bytes are this node's RAM
-        if fused(config):
-            host["fused workers"] = n * sum_parts(device)
+          engine_host: dict[str, int]) -> tuple[dict[str, int], dict[str, int]]:
+    """(node, busiest worker process) host bytes in ``phase`` (:mod:`easytrain.memory.host`): the workers, the
+    other processes, the step batch, the sync's transport across processes. On CPU a worker's tensors are all
+    in its RSS; on a GPU node its offloaded states and an asleep engine's weights (level 1)."""
+    s, config, n, name = st.s, st.config, st.s.per_node, phase.planned
+    extra = {"step batch (driver, object store)": 2 * batch_bytes(config, s)}
+    if name == "weight_sync":
+        extra.update(sync_parts(config, sync_bucket(config, s.largest_module, s.total_params, s.dtype_bytes), n)[1])
+    if fused(config):
+        held = dict(device) if not s.on_gpu else {**_offloaded(st), **engine_host}
+        process = worker_process(name, held, s.on_gpu)
+        return node_host(config, name, [(n, process)], True, extra), process
+    workers, process = [], {}
+    for other in role_names(s.with_ref):
+        if s.on_gpu:
+            held = {k: v for k, v in _offloaded(st).items() if k.startswith(other)}
+        elif other == role:
+            held = dict(active) if role == "rollout" else {**st.idle[role], **active}
         else:
-            for name in role_names(s.with_ref):
-                held = ((active if name == "rollout" else {**st.idle[name], **active}) if name == role
-                        else st.resident if name == "rollout" else st.idle[name])
-                host[f"{name} workers"] = n * sum_parts(held)
-    return host
+            held = dict(st.resident) if other == "rollout" else dict(st.idle[other])
+        one = worker_process(name if other == role else "idle", held, s.on_gpu)
+        workers.append((n, one))
+        if other == role:
+            process = one
+    return node_host(config, name, workers, True, extra), process
 
 
 def _load_row(st: _Step) -> Row:
     """The models' load, before the first step: the roles' parameter shards where they keep them and the engine
-    as it is built, on one device (fused) or the fullest role's; in host RAM one whole fp32 checkpoint per node
-    (:func:`easytrain.memory.layout.load_host`) besides the processes."""
+    as it is built, on one device (fused) or the fullest role's; in host RAM the worker processes with their
+    host-resident shards and, sharded over several ranks, the whole fp32 checkpoint rank 0 reads (one per
+    node: :mod:`easytrain.distributed.load`)."""
     s, config = st.s, st.config
     shards = {"actor params": st.actor.params, "ref params": st.ref.params if s.with_ref else 0}
     on_device = {"actor params": 0 if st.actor.offloaded else shards["actor params"],
@@ -446,17 +455,39 @@ def _load_row(st: _Step) -> Row:
                      dict(st.resident)), key=sum_parts)
     if s.on_gpu:
         parts["cuda context"] = CUDA_CONTEXT_BYTES
-    in_host = {k: v for k, v in shards.items() if v and (k == "actor params" and st.actor.offloaded
-                                                        or k == "ref params" and st.ref.offloaded)}
-    host = {**_processes(st), **load_host(s.total_params, s.per_node, in_host if s.on_gpu else {}, s.on_gpu)}
-    if not s.on_gpu:
-        if fused(config):
-            host["fused workers"] = s.per_node * sum_parts(parts)
-        else:
-            held = {"actor": on_device["actor params"], "ref": on_device["ref params"],
-                    "rollout": sum_parts(st.resident)}
-            host.update({f"{k} workers": s.per_node * v for k, v in held.items() if v})
-    return Row("load", "all" if fused(config) else "each", sum_parts(parts), sum_parts(host), parts, host)
+    whole = {"checkpoint read (whole, fp32, rank 0)": s.total_params * FP32} if s.world > 1 else {}
+    offloaded = {f"{k} (offloaded)": v for k, v in shards.items() if v and on_device[k] == 0}
+    if fused(config):
+        held = dict(parts) if not s.on_gpu else offloaded
+        one = worker_process("load", {k: v for k, v in held.items() if k != "cuda context"}, s.on_gpu)
+        workers = [(s.per_node, one)]
+    else:
+        workers, one = [], {}
+        for name, held in (("actor", on_device["actor params"]), ("ref", on_device["ref params"]),
+                           ("rollout", sum_parts(st.resident))):
+            if name == "ref" and not s.with_ref:
+                continue
+            kept = ({f"{name} shards": held} if not s.on_gpu else
+                    {k: v for k, v in offloaded.items() if k.startswith(name)})
+            process = worker_process("load", kept, s.on_gpu)
+            workers.append((s.per_node, process))
+            one = max(one, process, key=sum_parts)
+    host = node_host(config, "load", workers, True, whole)
+    return Row("load", "all" if fused(config) else "each", sum_parts(parts), sum_parts(host), parts, host,
+               sum_parts(one) + sum_parts(whole))
+
+
+def _run_rows(st: _Step, capacity: Capacity) -> list[Row]:
+    """Checkpoint save, resume load and export (:func:`easytrain.memory.host.run_phases`)."""
+    s = st.s
+    kept = {**st.idle["actor"], **st.idle["ref"], **st.resident}
+    device = {**kept, "cuda context": CUDA_CONTEXT_BYTES} if s.on_gpu else dict(kept)
+    if s.on_gpu:
+        kept = _offloaded(st)
+    return run_phases(st.config, kept=kept, state=st.actor.params + st.actor.optimizer,
+                      largest_tensor=s.largest_module, total_params=s.total_params, per_node=s.per_node,
+                      processes_per_node=s.per_node * processes_per_device(st.config, s.with_ref),
+                      node_ram=capacity.node_ram, on_gpu=s.on_gpu, rl=True, device=device)
 
 
 def batch_bytes(config: Config, s: Shape) -> int:

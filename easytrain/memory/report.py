@@ -37,13 +37,15 @@ def render(config: Config, p: Plan, hf_config: dict[str, Any], advice: list[Sugg
              "and rollout" if t.colocate else "a device pool per role: each role its own processes")
     lines = [f"model {config.model.path}: {counts.total / 1e9:.2f}B parameters; {where}, {roles}",
              f"checked against: {'GPU ' + _gb(c.gpu_bytes) + ' GB, ' if c.gpu_bytes else ''}node RAM {_gb(c.node_ram)} GB"
-             f" x Ray memory threshold {c.ray_threshold:.2f} = {_gb(c.host_limit)} GB ({c.source})", "",
-             f"{'phase':<{w}} {'role':<8} {unit:>10} {'GB/node':>9}  "
+             f" x Ray memory threshold {c.ray_threshold:.2f} = {_gb(c.host_limit)} GB ({c.source})",
+             f"fits means the peaks plus a {c.margin_source or 'margin of 0'}", "",
+             f"{'phase':<{w}} {'role':<8} {unit:>10} {'GB/proc':>8} {'GB/node':>9}  "
              f"largest parts ({'device' if p.on_gpu else 'worker'})"]
     for r in p.once + p.rows:
-        lines.append(f"{r.phase:<{w}} {r.role:<8} {_gb(r.device):>10} {_gb(r.host):>9}  {_largest(r.parts)}")
+        lines.append(f"{r.phase:<{w}} {r.role:<8} {_gb(r.device):>10} {_gb(r.process_host):>8} {_gb(r.host):>9}  "
+                     f"{_largest(r.parts)}")
     device_cap = f" of {_gb(c.gpu_bytes)}" if p.on_gpu and c.gpu_bytes else ""
-    lines += [f"{'peak':<{w + 9}} {_gb(p.device_peak):>10} {_gb(p.host_peak):>9}  "
+    lines += [f"{'peak':<{w + 9}} {_gb(p.device_peak):>10} {'':>8} {_gb(p.host_peak):>9}  "
               f"(device{device_cap}; host of {_gb(c.host_limit)}){' while training' if p.once else ''}",
               f"verdict: {p.verdict}"]
     if p.notes:
@@ -68,7 +70,7 @@ def render(config: Config, p: Plan, hf_config: dict[str, Any], advice: list[Sugg
 
 def _row_json(r: Row) -> dict[str, Any]:
     return {"phase": r.phase, "role": r.role, "device_bytes": r.device, "host_bytes": r.host,
-            "device_parts": r.parts, "host_parts": r.host_parts}
+            "process_host_bytes": r.process_host, "device_parts": r.parts, "host_parts": r.host_parts}
 
 
 def as_json(config: Config, p: Plan, advice: list[Suggestion], fitted: Optional[dict[str, Any]] = None,
@@ -78,7 +80,8 @@ def as_json(config: Config, p: Plan, advice: list[Suggestion], fitted: Optional[
         "model": config.model.path, "task": config.trainer.task, "verdict": p.verdict, "fits": p.fits,
         "on_gpu": p.on_gpu,
         "capacity": {"gpu_bytes": c.gpu_bytes, "node_ram_bytes": c.node_ram, "ray_threshold": c.ray_threshold,
-                     "host_limit_bytes": c.host_limit, "source": c.source},
+                     "host_limit_bytes": c.host_limit, "source": c.source, "host_margin": c.host_margin,
+                     "device_margin": c.device_margin, "margin_source": c.margin_source},
         "device_peak_bytes": p.device_peak, "host_peak_bytes": p.host_peak,
         "phases": [_row_json(r) for r in p.rows],
         "once": [_row_json(r) for r in p.once],

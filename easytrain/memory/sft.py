@@ -38,7 +38,8 @@ from easytrain.config.schema import Config
 from easytrain.memory.activations import (PATCH_VALUES, MicroBatch, activation_bytes, model_dims, packed_micro,
                                           sft_logits_bytes, shard_units)
 from easytrain.memory.budget import kv_bytes_per_token
-from easytrain.memory.capacity import CUDA_CONTEXT_BYTES, DRIVER_BYTES, FRAMEWORK_BYTES, Capacity, Plan, Row, sum_parts
+from easytrain.memory.capacity import CUDA_CONTEXT_BYTES, Capacity, Plan, Row, sum_parts
+from easytrain.memory.host import node_host, run_phases, worker_process
 from easytrain.memory.params import count_parameters, hf_config_object, largest_trainable, trainable_by_component
 from easytrain.memory.states import (DTYPE_BYTES, FP32, ZERO_REDUCE_BUCKET, ZERO_SUB_GROUP, gathered_bytes,
                                      role_states, shard_degree, zero_states)
@@ -235,11 +236,15 @@ def phase_device(config: Config, s: SFTShape, st: ActorStates, hf_config: dict[s
 
 
 def setup_device(config: Config, s: SFTShape, st: ActorStates) -> dict[str, int]:
-    """The model build (``workers.base.build_sharded_model``): every worker loads the whole model in fp32 on the
-    CPU; FSDP shards it there and moves its shards to the device, DeepSpeed takes it whole onto the device
-    and partitions it after (ZeRO-3) or casts it to the compute dtype (bf16)."""
-    if not s.on_gpu or config.worker.actor.strategy == "deepspeed":
-        return {"whole fp32 model (loading)": s.total_params * FP32}
+    """The model build (``workers.base.build_sharded_model``) on its busiest device. FSDP over several ranks:
+    rank 0 reads the whole fp32 model on the CPU, the others build on the meta device, and each keeps its shard
+    (:mod:`easytrain.distributed.load`); DeepSpeed, or one rank, loads the whole model in every worker and takes
+    it whole onto the device, partitioning it after (ZeRO-3) or casting it to the compute dtype (bf16)."""
+    whole = {"whole fp32 model (loading)": s.total_params * FP32}
+    if config.worker.actor.strategy == "deepspeed":
+        return whole
+    if not s.on_gpu:
+        return {**whole, **(_shard(st) if rank0_loads(config, s) else {})}
     return {k: v for k, v in st.kept.items() if k == "actor params"}
 
 
@@ -257,39 +262,54 @@ def phase_offloaded(st: ActorStates, phase: str) -> dict[str, int]:
             **(st.step_host if phase == "optimizer" else {})}
 
 
-def _host(config: Config, s: SFTShape, st: ActorStates, phase: str, device: dict[str, int]) -> dict[str, int]:
+def _host(config: Config, s: SFTShape, st: ActorStates, phase: str,
+          device: dict[str, int]) -> tuple[dict[str, int], dict[str, int]]:
+    """(node, one worker process) host bytes in ``phase`` (:mod:`easytrain.memory.host`). The model build
+    (``setup``, the ``load`` phase) on a GPU node holds the whole fp32 model in host RAM in each worker that
+    reads it: rank 0 when FSDP shards over several ranks (:mod:`easytrain.distributed.load`), every worker
+    otherwise (DeepSpeed, one rank)."""
     n = s.per_node
-    host = {"worker processes": FRAMEWORK_BYTES * n,
-            "driver and loader processes": DRIVER_BYTES + FRAMEWORK_BYTES * config.data.num_workers}
+    extra: dict[str, int] = {}
     if phase == "setup":
-        if s.on_gpu:
-            host["models loading (whole, fp32, in every worker)"] = n * s.total_params * FP32
-        else:
-            host["actor workers"] = n * sum_parts(device)
-        return host
-    offloaded = sum_parts(phase_offloaded(st, phase))
-    if offloaded:
-        host["offloaded states"] = n * offloaded
-    host["step batch (driver, object store, workers' shares)"] = 3 * batch_bytes(config, s)
-    if not s.on_gpu:  # every worker's device bytes are this node's RAM
-        host["actor workers"] = n * sum_parts(device)
-    return host
+        whole = s.total_params * FP32
+        held = ({"model loading (whole, fp32)": whole} if s.on_gpu else dict(device))
+        process = worker_process("load", held, s.on_gpu)
+        readers = 1 if rank0_loads(config, s) else n
+        others = worker_process("load", _shard(st) if not s.on_gpu else {}, s.on_gpu)
+        return node_host(config, "load", [(readers, process), (n - readers, others)], False), process
+    held = phase_offloaded(st, phase) if s.on_gpu else {**device, **phase_offloaded(st, phase)}
+    process = worker_process(phase, held, s.on_gpu)
+    extra["step batch (driver, object store)"] = 2 * batch_bytes(config, s)
+    return node_host(config, phase, [(n, process)], False, extra), process
+
+
+def rank0_loads(config: Config, s: SFTShape) -> bool:
+    """Whether only rank 0 reads the checkpoint (FSDP over several ranks), the others building on meta."""
+    return config.worker.actor.strategy == "fsdp" and s.world > 1
+
+
+def _shard(st: ActorStates) -> dict[str, int]:
+    return {k: v for k, v in {**st.kept, **st.host}.items() if "params" in k}
 
 
 def plan_sft(config: Config, hf_config: dict[str, Any], capacity: Capacity) -> Plan:
-    """The SFT run's plan: a row per phase of the actor."""
+    """The SFT run's plan: a row per phase of the actor, then its checkpoint save, resume and export."""
     s = sft_shape(config, hf_config)
     st = actor_states(config, s)
     rows = []
     for phase in PLAN_PHASES:
-        if phase == "validate" and config.data.val_files is None:
-            continue
         parts = phase_device(config, s, st, hf_config, phase)
         if s.on_gpu:
             parts["cuda context"] = CUDA_CONTEXT_BYTES
-        host = _host(config, s, st, phase, parts)
-        rows.append(Row(phase, "actor", sum_parts(parts), sum_parts(host), parts, host))
+        host, process = _host(config, s, st, phase, parts)
+        rows.append(Row(phase, "actor", sum_parts(parts), sum_parts(host), parts, host, sum_parts(process)))
     once = [r for r in rows if r.phase == "setup"]
+    kept = {**st.kept, **st.host} if not s.on_gpu else dict(st.host)
+    state = sum(v for k, v in {**st.kept, **st.host}.items() if "params" in k or "optimizer" in k)
+    once += run_phases(config, kept=kept, state=state, largest_tensor=s.largest_trainable,
+                       total_params=s.total_params, per_node=s.per_node, processes_per_node=s.per_node,
+                       node_ram=capacity.node_ram, on_gpu=s.on_gpu, rl=False,
+                       device={**st.kept, "cuda context": CUDA_CONTEXT_BYTES} if s.on_gpu else dict(st.kept))
     return Plan([r for r in rows if r not in once], capacity, s.on_gpu, _notes(config, s), once=once)
 
 

@@ -1,0 +1,141 @@
+"""Host RAM of a run, process by process: what the plan's host figures add up.
+
+A node's host bytes in a phase are the resident sets (RSS) of its processes summed: every worker process
+(:func:`worker_process`: the framework it imports, the phase's working set, and the tensors it keeps in host
+RAM; on CPU every tensor), the driver and Ray's own processes on the head node, the watchdog's sampler, the
+reward and data-loader processes (:func:`other_processes`). That is how ``bench/planner_accuracy.py``
+measures a run, and how Ray's memory monitor chooses a process to kill. Shared library pages count once in
+every process that maps them, so the sum is above the node's used memory: on the safe side.
+
+Besides the step's phases a run has phases of its own (:func:`run_phases`), each checked like a step phase:
+
+- ``checkpoint_save``: every worker holds its step-boundary states plus what the save stages in host RAM
+  (:func:`save_staging`: at most ``trainer.checkpoint_host_buffer_gb`` per process, or with
+  ``trainer.checkpoint_async`` a whole copy of the process's state);
+- ``resume_load``: every worker holds its states (the optimizer's moments exist from the load on) plus the
+  read buffer of the largest tensor;
+- ``export``: one process (``easytrain export``) loads the whole model in fp32 and serialises it in the export
+  dtype (safetensors builds a shard's bytes before writing it; transformers' shards are up to 50 GB).
+
+The constants are resident sets measured on CPU on this machine (torch 2.13, transformers 5.x, ray 2.60, glibc
+malloc) by ``bench/planner_accuracy.py``'s calibration cases; its held-out cases check them. On a GPU node
+the workers' phase working sets live on the device and are priced there; the host figures there are the
+framework and what is offloaded, and have not been measured on a GPU.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+from easytrain.config.schema import Config
+from easytrain.memory.capacity import GB, Row, sum_parts
+from easytrain.memory.states import FP32
+
+WORKER_BYTES = int(0.54 * GB)
+"""A worker process after its set-up, before any tensor of note: python, torch, transformers, peft, Ray's core
+worker and the roles' code (0.54 GB measured: a fused worker of the tiny model after setup)."""
+PHASE_WORKING_SET = {"load": 0, "generation": int(0.12 * GB), "validation": int(0.12 * GB),
+                     "ref_log_probs": int(0.12 * GB), "old_log_probs": int(0.12 * GB), "update": int(0.20 * GB),
+                     "weight_sync": int(0.09 * GB), "checkpoint_save": int(0.09 * GB),
+                     "resume_load": int(0.01 * GB), "forward_backward": int(0.07 * GB), "optimizer": int(0.07 * GB),
+                     "validate": int(0.09 * GB)}
+"""CPU: what a phase's code path adds to a worker's RSS beyond the tensors the plan prices (kernel scratch,
+the autograd engine and its threads, malloc arenas that keep freed blocks): measured on the tiny model, where
+tensors are negligible."""
+DRIVER_START_BYTES = int(0.66 * GB)
+"""The driver while the workers load or resume (0.64 GB measured)."""
+DRIVER_BYTES = int(0.75 * GB)
+"""The driver during the steps besides the step batch it holds: data, rewards, metrics and loggers (0.72 to 0.88
+GB measured with the batch)."""
+RAY_HEAD_BYTES = int(0.54 * GB)
+"""Ray's own processes on the head node without the dashboard: GCS, raylet (the object store's touched pages
+are counted with the batch), log monitor, monitor, dashboard and runtime-env agents, multiprocessing helpers
+(0.53 GB measured)."""
+RAY_DASHBOARD_BYTES = int(1.10 * GB)
+"""The dashboard and its module processes (``ray.include_dashboard=true``, the default; 1.08 GB measured)."""
+SAMPLER_BYTES = int(0.14 * GB)
+"""The watchdog's sampler actor, one per node (0.13 GB measured)."""
+REWARD_WORKER_BYTES = int(0.14 * GB)
+"""A reward worker (0.13 GB measured)."""
+LOADER_WORKER_BYTES = int(0.48 * GB)
+"""A data-loader worker process (torch and the data code imported; assumed as an empty worker, unmeasured)."""
+EXPORT_PROCESS_BYTES = int(0.59 * GB)
+"""``easytrain export`` before it builds the model (0.586 GB measured with the tiny model)."""
+EXPORT_SHARD_BYTES = 50 * GB
+"""transformers' default ``max_shard_size``: the largest shard safetensors serialises in memory at once."""
+STARTING = ("load", "resume_load")
+
+
+def worker_process(phase: str, held: dict[str, int], on_gpu: bool) -> dict[str, int]:
+    """One worker process's host bytes in ``phase``: the framework, on CPU the phase's working set, and
+    ``held`` (the tensors it keeps in host RAM: on CPU all of them)."""
+    parts = {"worker processes (framework)": WORKER_BYTES}
+    if not on_gpu and PHASE_WORKING_SET.get(phase):
+        parts[f"{phase} working set"] = PHASE_WORKING_SET[phase]
+    parts.update({k: v for k, v in held.items() if v})
+    return parts
+
+
+def other_processes(config: Config, phase: str, rl: bool) -> dict[str, int]:
+    """The head node's processes besides the workers, in ``phase``."""
+    parts = {"driver": DRIVER_START_BYTES if phase in STARTING else DRIVER_BYTES,
+             "ray (gcs, raylet, agents)": RAY_HEAD_BYTES}
+    if config.ray.include_dashboard:
+        parts["ray dashboard"] = RAY_DASHBOARD_BYTES
+    if config.watchdog.enabled:
+        parts["memory sampler"] = SAMPLER_BYTES
+    if rl and config.reward.num_workers and phase != "load":  # the reward pool starts after the workers load
+        parts["reward workers"] = REWARD_WORKER_BYTES * config.reward.num_workers
+    if config.data.num_workers:
+        parts["data loader workers"] = LOADER_WORKER_BYTES * config.data.num_workers
+    return parts
+
+
+def node_host(config: Config, phase: str, workers: list[tuple[int, dict[str, int]]], rl: bool,
+              extra: Optional[dict[str, int]] = None) -> dict[str, int]:
+    """A node's host bytes by what holds them: ``workers`` (how many processes hold each
+    :func:`worker_process` breakdown; alike parts add up), the other processes and ``extra`` (batches,
+    transport buffers)."""
+    parts: dict[str, int] = {}
+    for count, process in workers:
+        for key, value in process.items():
+            if count and value:
+                parts[key] = parts.get(key, 0) + count * value
+    return {**parts, **other_processes(config, phase, rl), **{k: v for k, v in (extra or {}).items() if v}}
+
+
+def buffer_bytes(config: Config, node_ram: int, processes_per_node: int) -> int:
+    """The host buffer one process's checkpoint save may use (``trainer.checkpoint_host_buffer_gb``; -1: a
+    1/64 share of the node's RAM per process, between 0.25 and 2 GB)."""
+    gb = config.trainer.checkpoint_host_buffer_gb
+    if gb > 0:
+        return int(gb * 2**30)
+    share = node_ram // 64 // max(1, processes_per_node)
+    return max(2**28, min(2**31, share))
+
+
+def save_staging(config: Config, state: int, node_ram: int, processes_per_node: int) -> dict[str, int]:
+    """What a save stages in one process's host RAM: the whole state with ``checkpoint_async``, else at most
+    the buffer."""
+    if config.trainer.checkpoint_async:
+        return {"checkpoint staging (async: the whole state)": state}
+    return {"checkpoint staging (buffer)": min(state, buffer_bytes(config, node_ram, processes_per_node))}
+
+
+def run_phases(config: Config, *, kept: dict[str, int], state: int, largest_tensor: int, total_params: int,
+               per_node: int, processes_per_node: int, node_ram: int, on_gpu: bool, rl: bool,
+               device: dict[str, int]) -> list[Row]:
+    """The checkpoint save, resume load and export rows. ``kept`` is what one worker process keeps in host RAM
+    between steps (on CPU: every tensor), ``state`` the bytes of its share of the checkpoint (fp32 parameters
+    and optimizer moments), ``device`` what its device holds between steps."""
+    rows = []
+    for phase, held in (("checkpoint_save", {**kept, **save_staging(config, state, node_ram, processes_per_node)}),
+                        ("resume_load", {**kept, "checkpoint read (largest tensor)": largest_tensor * FP32})):
+        process = worker_process(phase, held, on_gpu)
+        host = node_host(config, phase, [(processes_per_node, process)], rl)
+        rows.append(Row(phase, "all", sum_parts(device), sum_parts(host), dict(device), host, sum_parts(process)))
+    dtype_bytes = FP32 if config.model.dtype == "float32" else 2
+    export = {"export process": EXPORT_PROCESS_BYTES, "model (fp32)": total_params * FP32,
+              "shard being serialised": min(total_params * dtype_bytes, EXPORT_SHARD_BYTES)}
+    rows.append(Row("export", "export", 0, sum_parts(export), {}, export, sum_parts(export)))
+    return rows
