@@ -378,8 +378,10 @@ class TrainerConfig:
     save_limit: int = bounded(-1, low=-1)
     """Keep the newest N checkpoints; -1 = keep all."""
     checkpoint_host_buffer_gb: float = -1.0
-    """Host RAM a checkpoint save may hold per process beyond the step's own (the state streams from the device
-    to disk in pieces of at most this size); -1 = sized from the node (see docs/training.md)."""
+    """Host RAM a checkpoint save may hold per process beyond the step's own: the state streams from the device
+    to disk in pieces of half this size, and written pages leave the page cache before another half accumulates;
+    -1 = 1/64 of the node's RAM (or its container's limit) / workers_per_node, clamped to 0.25-2 GiB (see
+    docs/training.md). FSDP only; DeepSpeed's own files are not bounded."""
     checkpoint_async: bool = False
     """Save checkpoints in the background: the step loop waits only while the state is staged (the blocked time
     is logged per checkpoint), and the next save or the end of the run waits for the write to finish."""

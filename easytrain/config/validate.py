@@ -348,6 +348,12 @@ def _check_trainer(cfg: Config) -> None:
     for key in ("max_steps", "val_freq", "save_freq", "save_limit"):
         if getattr(t, key) == 0:
             raise ConfigError(f"trainer.{key}", 0, "0 is not allowed", "use -1 to turn it off, or a positive number")
+    if t.checkpoint_host_buffer_gb <= 0 and t.checkpoint_host_buffer_gb != -1:
+        raise ConfigError("trainer.checkpoint_host_buffer_gb", t.checkpoint_host_buffer_gb,
+                          "must be positive, or -1 to size it from the node", "e.g. 1 (GB per process)")
+    if t.checkpoint_async and cfg.worker.actor.strategy != "fsdp":
+        raise ConfigError("trainer.checkpoint_async", True, f"background saves need worker.actor.strategy=fsdp, not "
+                          f"{cfg.worker.actor.strategy}", "set trainer.checkpoint_async=false")
     if t.resume not in ("auto", "off") and not os.path.isdir(t.resume):
         raise ConfigError("trainer.resume", t.resume, "is neither auto, off nor an existing checkpoint folder",
                           "give <output_dir>/checkpoints/global_step_<N>, or auto/off")

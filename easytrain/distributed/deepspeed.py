@@ -23,6 +23,13 @@ plus small JSON ones, all under ``folder``:
     <folder>/deepspeed.json                           world size and ZeRO stage (rank 0)
     <folder>/scheduler.json, rng_rank<r>.json         as the FSDP checkpoints
 
+DeepSpeed writes these files with ``torch.save``, so
+``trainer.checkpoint_host_buffer_gb`` does not bound them: from a GPU each flat
+partition (a rank's fp32 weights, or one Adam moment) is copied to the host
+whole while it is written; with ``offload_optimizer`` they are already there
+and written in place. The written pages are dropped from the page cache, as for
+FSDP. Background saves (``trainer.checkpoint_async``) are FSDP's only.
+
 ZeRO partitions depend on the world size, so a checkpoint resumes only on the
 same number of ranks; :func:`deepspeed_state_dict` turns one into full fp32
 weights in a single process (for ``easytrain export``).
@@ -33,15 +40,15 @@ from __future__ import annotations
 import logging
 import os
 from pathlib import Path
-from typing import Any
+from typing import Any, Optional
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
 from easytrain.config.schema import ActorConfig
-from easytrain.distributed.checkpoint import (IncompatibleCheckpoint, read_json, rng_state, set_rng_state,
-                                              write_json)
+from easytrain.distributed.checkpoint import (IncompatibleCheckpoint, drop_file_pages, read_json, rng_state,
+                                              set_rng_state, write_json)
 from easytrain.distributed.strategy import TrainStrategy, build_optimizer
 
 logger = logging.getLogger(__name__)
@@ -163,10 +170,17 @@ class DeepSpeedStrategy(TrainStrategy):
 
     # ------------------------------------------------------------------ checkpoints
 
-    def save(self, folder: Path, rank: int) -> None:
-        """Collective: DeepSpeed's per-rank files, then the schedule, the world size and this rank's RNG."""
+    def save(self, folder: Path, rank: int, *, buffer_bytes: Optional[int] = None,
+             background: bool = False) -> None:
+        """Collective: DeepSpeed's per-rank files, then the schedule, the world size and this rank's RNG. Its
+        ``torch.save`` calls are not bounded by ``buffer_bytes`` (see the module's docstring)."""
+        if background:
+            raise ValueError("trainer.checkpoint_async=true needs worker.actor.strategy=fsdp")
         folder.mkdir(parents=True, exist_ok=True)
         self.engine.save_checkpoint(str(folder), tag=CHECKPOINT_TAG, save_latest=True)
+        for path in sorted((folder / CHECKPOINT_TAG).iterdir()):
+            if f"pp_rank_{rank}_" in path.name or (rank == 0 and "pp_rank_" not in path.name):  # rank 0: the module
+                drop_file_pages(path)
         if rank == 0:
             write_json(folder / "scheduler.json", self.scheduler.state_dict())
             write_json(folder / META_FILE, {"world_size": self.world_size, "zero_stage": self.zero_stage})

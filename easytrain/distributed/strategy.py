@@ -16,13 +16,17 @@ from __future__ import annotations
 import logging
 import math
 from pathlib import Path
-from typing import Any, Callable
+from typing import TYPE_CHECKING, Any, Callable, Optional
 
 import torch
+import torch.distributed as dist
 from torch import nn
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
 from easytrain.config.schema import ActorConfig, OptimConfig
+
+if TYPE_CHECKING:
+    from easytrain.distributed.checkpoint import BackgroundSave
 
 logger = logging.getLogger(__name__)
 
@@ -71,8 +75,11 @@ class TrainStrategy:
     def lr(self) -> float:
         raise NotImplementedError
 
-    def save(self, folder: Path, rank: int) -> None:
-        """Every rank writes its shards of the training state into ``folder``."""
+    def save(self, folder: Path, rank: int, *, buffer_bytes: Optional[int] = None,
+             background: bool = False) -> Optional[BackgroundSave]:
+        """Every rank writes its shards of the training state into ``folder``, holding at most ``buffer_bytes`` of
+        host memory beyond the step's (``trainer.checkpoint_host_buffer_gb``; None: 1 GiB). ``background``: return once a host
+        copy is staged; the returned handle's ``wait()`` says when the shards are written."""
         raise NotImplementedError
 
     def load(self, folder: Path, rank: int) -> dict[str, Any]:
@@ -92,6 +99,7 @@ class FSDPStrategy(TrainStrategy):
     def __init__(self, model: nn.Module, cfg: ActorConfig, total_steps: int) -> None:
         self.model, self.cfg = model, cfg
         self.optimizer, self.scheduler = build_optimizer(self.trainable(), cfg.optim, total_steps)
+        self._background_group: Optional[dist.ProcessGroup] = None
 
     def backward(self, loss: torch.Tensor) -> None:
         loss.backward()
@@ -115,10 +123,21 @@ class FSDPStrategy(TrainStrategy):
     def lr(self) -> float:
         return float(self.scheduler.get_last_lr()[0])
 
-    def save(self, folder: Path, rank: int) -> None:
+    def save(self, folder: Path, rank: int, *, buffer_bytes: Optional[int] = None,
+             background: bool = False) -> Optional[BackgroundSave]:
         from easytrain.distributed.checkpoint import save_training_state
 
-        save_training_state(folder, self.model, self.optimizer, self.scheduler, rank)
+        return save_training_state(folder, self.model, self.optimizer, self.scheduler, rank, buffer_bytes=buffer_bytes,
+                                   background=background, process_group=self.background_group() if background else None)
+
+    def background_group(self) -> Optional[dist.ProcessGroup]:
+        """A gloo group of the same ranks for background saves: their collectives (DCP's planning and commit) run in
+        a thread while the step's run on the default group. Made at the first background save (collective)."""
+        if not dist.is_initialized():
+            return None
+        if self._background_group is None:
+            self._background_group = dist.new_group(backend="gloo")
+        return self._background_group
 
     def load(self, folder: Path, rank: int) -> dict[str, Any]:
         from easytrain.distributed.checkpoint import load_training_state

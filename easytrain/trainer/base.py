@@ -21,8 +21,8 @@ from easytrain.config.schema import Config
 from easytrain.distributed.checkpoint import rng_state, set_rng_state
 from easytrain.distributed.group import WorkerError
 from easytrain.memory.plan_check import PlanCheck
-from easytrain.trainer.checkpoint import (ACTOR, CONFIG_FILE, PREFIX, CheckpointWriter, check_compatible,
-                                          checkpoint_root, latest, model_signature)
+from easytrain.trainer.checkpoint import (ACTOR, CONFIG_FILE, PREFIX, CheckpointWriter, PendingCheckpoint,
+                                          check_compatible, checkpoint_root, latest, model_signature)
 from easytrain.trainer.metrics import MetricsLogger
 from easytrain.trainer.ray_metrics import RayMetrics
 from easytrain.trainer.relief import MemoryGuard
@@ -73,6 +73,8 @@ class Trainer:
             self.metrics.add(self.ray_metrics)
         self.checkpoints = CheckpointWriter(checkpoint_root(t.output_dir), t.save_limit)
         self.step, self.saved_step = 0, -1
+        self.pending_save: Optional[PendingCheckpoint] = None
+        """A checkpoint being written in the background (trainer.checkpoint_async), published once written."""
         self.spans: list[tuple[str, float, float]] = []
         self.worker_readings: list[dict[str, Any]] = []
         self.stop_reason: Optional[str] = None
@@ -149,8 +151,9 @@ class Trainer:
                 if stop is not None:
                     self.request_stop(stop)
             self.metrics.log(self.step, metrics)
+            self.finish_save(wait=False)
             if self.save_requested or (t.save_freq > 0 and self.step % t.save_freq == 0):
-                self.save()
+                self.save(background=t.checkpoint_async and not self.save_requested)  # the watchdog's: bounded
             if self.stop_reason is not None:
                 raise Stopped(self.stop_reason, self.step, self.save())
             if t.val_freq > 0 and self.step % t.val_freq == 0 and self.step < self.total_steps:
@@ -206,23 +209,61 @@ class Trainer:
         """Save at the end of the current step and go on (the watchdog's request)."""
         self.save_requested = True
 
-    def save(self) -> Optional[Path]:
-        """Checkpoint the current step (once); None when saving is off (trainer.save_freq=0)."""
+    def save(self, background: bool = False) -> Optional[Path]:
+        """Checkpoint the current step (once); None when saving is off (trainer.save_freq=0). ``background``: return
+        once the workers staged their state and publish it at a later step boundary, once written (also None)."""
         self.save_requested = False
         if self.config.trainer.save_freq == 0 or self.step == 0:
             return None
+        self.finish_save(wait=True)  # one checkpoint in flight at a time, published in order
         if self.saved_step == self.step:
             return self.checkpoints.root / f"{PREFIX}{self.step}"
         start = time.perf_counter()
         tmp = self.checkpoints.begin(self.step)
-        self.roles.actor.call("save_checkpoint", str(tmp / ACTOR))
+        calls = self.roles.actor.call("save_checkpoint", str(tmp / ACTOR), background)
         state = {"step": self.step, "task": self.config.trainer.task, "strategy": self.config.worker.actor.strategy,
                  "data": self.loader.state_dict(), "rng": rng_state(),
                  "actor_world_size": self.roles.actor.world_size, "model_signature": model_signature(self.config),
                  **self.driver_state()}
-        folder = self.checkpoints.commit(tmp, self.step, state, OmegaConf.to_yaml(OmegaConf.structured(self.config)))
+        pending = PendingCheckpoint(tmp, self.step, state, OmegaConf.to_yaml(OmegaConf.structured(self.config)),
+                                    start, blocked_s=time.perf_counter() - start)
         self.saved_step = self.step
-        logger.info("checkpoint %s (%.1f s)", folder, time.perf_counter() - start)
+        if not background:
+            return self.publish(pending, write_s=max(c["call_s"] for c in calls))
+        self.pending_save = pending
+        logger.info("checkpoint of step %d: staged in %.1f s, writing in the background (host RAM: a copy of each "
+                    "rank's state until written)", self.step, pending.blocked_s)
+        return None
+
+    def finish_save(self, wait: bool) -> None:
+        """Publish the background checkpoint once every actor rank's write has finished (``wait``: block until
+        then). A failed write is logged and raised, and its folder is never published."""
+        pending = self.pending_save
+        if pending is None or not (wait or all(self.roles.actor.call("checkpoint_written"))):
+            return
+        self.pending_save = None
+        start = time.perf_counter()
+        try:
+            writes = self.roles.actor.call("wait_checkpoint")
+        except WorkerError:
+            logger.error("writing the checkpoint of step %d failed; %s is not published (the last published one "
+                         "stays the latest)", pending.step, pending.tmp.name)
+            raise
+        pending.blocked_s += time.perf_counter() - start
+        self.publish(pending, write_s=max((w.get("write_s", 0.0) for w in writes), default=0.0),
+                     staged_gb=max((w.get("staged_gb", 0.0) for w in writes), default=0.0))
+
+    def publish(self, pending: PendingCheckpoint, write_s: float, staged_gb: float = 0.0) -> Path:
+        """Commit a checkpoint whose shards every rank has written; log and record what it cost the step loop (and,
+        written in the background, the host memory its largest rank staged)."""
+        start = time.perf_counter()
+        folder = self.checkpoints.commit(pending.tmp, pending.step, pending.state, pending.config_yaml)
+        blocked = pending.blocked_s + time.perf_counter() - start
+        staged = f", {staged_gb:.2f} GB staged per rank" if staged_gb else ""
+        logger.info("checkpoint %s (step loop blocked %.1f s, shards written in %.1f s%s)", folder, blocked, write_s,
+                    staged)
+        record = {"checkpoint/step": pending.step, "checkpoint/blocked_s": blocked, "checkpoint/write_s": write_s}
+        self.metrics.log(self.step, {**record, **({"checkpoint/staged_gb": staged_gb} if staged_gb else {})})
         return folder
 
     def restore(self, folder: Optional[Path]) -> None:
@@ -247,6 +288,9 @@ class Trainer:
 
     def restart(self) -> None:
         """Tear every worker group down, build them again and resume from the latest checkpoint."""
+        if self.pending_save is not None:  # its writers may be among the dead: never published
+            logger.warning("the background checkpoint of step %d is dropped unpublished", self.pending_save.step)
+            self.pending_save = None
         self.roles.shutdown()
         self.start(latest(self.checkpoints.root) if self.checkpoints.root.is_dir() else None)
 
@@ -261,6 +305,17 @@ class Trainer:
             time.sleep(0.5)
 
     def close(self) -> None:
+        if self.pending_save is not None:  # the run ended early (an error): publish it only if already written
+            step = self.pending_save.step
+            try:
+                self.finish_save(wait=False)
+            except Exception as err:  # noqa: BLE001 - the run's own error is the one to report
+                logger.warning("the background checkpoint of step %d was not published: %s", step, err)
+                self.pending_save = None
+            if self.pending_save is not None:
+                logger.warning("the background checkpoint of step %d was still being written when the run ended; "
+                               "not published", step)
+                self.pending_save = None
         if hasattr(self, "batches"):
             self.batches.close()  # type: ignore[attr-defined]
         self.metrics.close()

@@ -14,6 +14,10 @@ shared filesystem on a cluster), then renamed to ``global_step_<N>`` in one
 renamed over it). A crash at any moment leaves the previous checkpoint and
 ``latest`` untouched; a half-written folder keeps its ``.tmp_`` name and is
 removed by the next save.
+
+A background save (``trainer.checkpoint_async``) is a :class:`PendingCheckpoint`
+between the step that took it and the commit: the driver's state is taken with
+the step, and the commit waits until every rank reports its write finished.
 """
 
 from __future__ import annotations
@@ -22,6 +26,7 @@ import logging
 import os
 import re
 import shutil
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Optional
 
@@ -110,6 +115,21 @@ def check_resume(config: Config) -> Optional[Path]:
     return folder
 
 
+@dataclass
+class PendingCheckpoint:
+    """A checkpoint whose shards are (being) written into ``tmp``; what its commit writes was taken with its step."""
+
+    tmp: Path
+    step: int
+    state: dict[str, Any]
+    """The driver's state at ``step`` (trainer_state.json)."""
+    config_yaml: str
+    started: float
+    """``time.perf_counter()`` when the save began."""
+    blocked_s: float = 0.0
+    """Seconds the step loop waited for this checkpoint so far: the save call, then any wait for its write."""
+
+
 class CheckpointWriter:
     """Publishes checkpoints under ``root`` atomically and keeps the newest ``save_limit``."""
 
@@ -126,7 +146,8 @@ class CheckpointWriter:
         return tmp
 
     def commit(self, tmp: Path, step: int, state: dict[str, Any], config_yaml: str) -> Path:
-        """Write the driver's files last, rename the folder into place, then point ``latest`` at it."""
+        """Write the driver's files last, rename the folder into place, then point ``latest`` at it. Every rank's
+        shards must be complete (for a background save: every rank's write reported finished)."""
         (tmp / CONFIG_FILE).write_text(config_yaml)
         write_json(tmp / STATE_FILE, state)
         _fsync_tree(tmp)

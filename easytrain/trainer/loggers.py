@@ -71,6 +71,8 @@ def _save_run_id(folder: Path, backend: str, run_id: str) -> None:
 class ConsoleSink:
     def log(self, step: int, metrics: dict[str, float]) -> None:
         shown = {k: v for k, v in metrics.items() if k in CONSOLE or k.startswith("val/reward/mean")}
+        if not shown:  # e.g. a checkpoint's record: the driver's log line says it
+            return
         logger.info("step %d: %s", step, " ".join(f"{k}={v:.4g}" for k, v in shown.items()))
 
     def close(self) -> None:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import time
 from collections import defaultdict
 from pathlib import Path
 from typing import Any, Optional
@@ -14,6 +15,7 @@ from easytrain.algorithms.kl import kl_penalty
 from easytrain.algorithms.losses import aggregate, masked_sum, policy_loss
 from easytrain.config.schema import Config
 from easytrain.distributed.batch import Batch
+from easytrain.distributed.checkpoint import BackgroundSave, host_buffer_bytes
 from easytrain.distributed.group import Dispatch, dispatch
 from easytrain.distributed.strategy import TrainStrategy, build_strategy
 from easytrain.workers.base import WorkerBase, build_sharded_model
@@ -31,6 +33,8 @@ class ActorWorker(WorkerBase):
         self.strategy: Optional[TrainStrategy] = None
         self.last_update: list[dict[str, float]] = []
         """This rank's sums of each optimizer step of the last update, in order (see :meth:`update_steps`)."""
+        self.background_save: Optional[BackgroundSave] = None
+        """A checkpoint this rank is writing in the background (``trainer.checkpoint_async``)."""
 
     @dispatch(Dispatch.BROADCAST)
     def setup(self, total_optimizer_steps: int) -> dict[str, int]:
@@ -163,13 +167,44 @@ class ActorWorker(WorkerBase):
         return dict(sums)
 
     @dispatch(Dispatch.BROADCAST)
-    def save_checkpoint(self, folder: str) -> None:
-        """Every rank writes its shards of the model and optimizer into ``folder`` (DCP), plus its RNG."""
-        self.strategy.save(Path(folder), self.rank)  # type: ignore[union-attr]
+    def save_checkpoint(self, folder: str, background: bool = False) -> dict[str, float]:
+        """Every rank writes its shards of the model and optimizer into ``folder`` (DCP), plus its RNG, within
+        ``trainer.checkpoint_host_buffer_gb`` of host memory. ``background``: return once a host copy is staged
+        and write it in a thread (:meth:`checkpoint_written`, :meth:`wait_checkpoint`). Seconds this call took."""
+        self._end_background_save()  # the driver waits first; a second write must never overlap the first
+        start = time.perf_counter()
+        self.background_save = self.strategy.save(  # type: ignore[union-attr]
+            Path(folder), self.rank, buffer_bytes=self.checkpoint_buffer_bytes(), background=background)
+        return {"call_s": time.perf_counter() - start}
+
+    def checkpoint_buffer_bytes(self) -> int:
+        """trainer.checkpoint_host_buffer_gb in bytes (-1: sized from this node's RAM and its worker processes)."""
+        from easytrain.memory.readings import node_ram
+
+        t = self.config.trainer
+        limit = self.config.watchdog.ram_limit_gb
+        ram = node_ram(int(limit * 2**30) if limit else None)["ram_limit_bytes"]
+        return host_buffer_bytes(t.checkpoint_host_buffer_gb, ram, t.workers_per_node)
+
+    @dispatch(Dispatch.BROADCAST)
+    def checkpoint_written(self) -> bool:
+        """Whether this rank has no background write in flight (finished or failed: :meth:`wait_checkpoint` says)."""
+        return self.background_save is None or self.background_save.done()
+
+    @dispatch(Dispatch.BROADCAST)
+    def wait_checkpoint(self) -> dict[str, float]:
+        """Block until this rank's background write is done: its write seconds and staged host GB ({} when there was
+        none). Raises the write's error, so the driver never publishes a checkpoint a rank failed to write."""
+        return self._end_background_save()
+
+    def _end_background_save(self) -> dict[str, float]:
+        pending, self.background_save = self.background_save, None
+        return pending.wait() if pending is not None else {}
 
     @dispatch(Dispatch.RANK0)
     def load_checkpoint(self, folder: str) -> dict[str, Any]:
         """Load a training state saved by any number of ranks (DCP reshards to this group)."""
+        self._end_background_save()  # a background write's thread still runs collectives: let it end first
         info = self.strategy.load(Path(folder), self.rank)  # type: ignore[union-attr]
         if not info.get("rng_restored", True):
             logger.info("actor rank %d: no RNG state saved for this rank (saved by %d ranks); keeping its seed",
