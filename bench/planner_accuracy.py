@@ -67,7 +67,9 @@ class Case:
 
 SMALL = ["model.path=tiny:qwen2_5_vl", "model.tiny_size=small"]
 MID = [f"model.path={BENCH_MODEL}", "data.max_prompt_length=256", "data.max_response_length=32",
-       "data.rollout_batch_size=4", "worker.actor.global_batch_size=4", "worker.rollout.n=2"]
+       "data.rollout_batch_size=4", "worker.actor.global_batch_size=4", "worker.rollout.n=2",
+       "worker.actor.micro_batch_size_per_device_for_update=2",
+       "worker.actor.micro_batch_size_per_device_for_experience=2"]
 CASES = [
     Case("tiny_rl_fused", "calibration", ["algorithm.kl_coef=0.01", "worker.actor.reuse_log_probs_on_policy=false"]),
     Case("small_rl_fused_lora", "held_out", SMALL + ["model.lora.rank=8"]),

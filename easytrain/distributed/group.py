@@ -69,6 +69,8 @@ def dispatch(mode: Dispatch) -> Callable[[F], F]:
                 return fn(self, *args, **kwargs)
             finally:
                 peaks.leave(fn.__name__)
+                if not peaks.active():  # the outermost call: its freed heap goes back before the next one
+                    peaks.trim_heap()
                 busy = self.__dict__.setdefault("busy", {})
                 busy[fn.__name__] = busy.get(fn.__name__, 0.0) + time.perf_counter() - start
         setattr(timed, DISPATCH_ATTR, mode)

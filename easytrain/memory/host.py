@@ -14,8 +14,8 @@ Besides the step's phases a run has phases of its own (:func:`run_phases`), each
   ``trainer.checkpoint_async`` a whole copy of the process's state);
 - ``resume_load``: every worker holds its states (the optimizer's moments exist from the load on) plus the
   read buffer of the largest tensor;
-- ``export``: one process (``easytrain export``) loads the whole model in fp32 and serialises it in the export
-  dtype (safetensors builds a shard's bytes before writing it; transformers' shards are up to 50 GB).
+- ``export``: one process (``easytrain export``) loads the whole model in fp32 and writes it (safetensors
+  writes from the tensors' memory: the ~180M bench model's export peaked at the process plus its fp32 weights).
 
 The constants are resident sets measured on CPU on this machine (torch 2.13, transformers 5.x, ray 2.60, glibc
 malloc) by ``bench/planner_accuracy.py``'s calibration cases; its held-out cases check them. On a GPU node
@@ -61,8 +61,6 @@ LOADER_WORKER_BYTES = int(0.48 * GB)
 """A data-loader worker process (torch and the data code imported; assumed as an empty worker, unmeasured)."""
 EXPORT_PROCESS_BYTES = int(0.59 * GB)
 """``easytrain export`` before it builds the model (0.586 GB measured with the tiny model)."""
-EXPORT_SHARD_BYTES = 50 * GB
-"""transformers' default ``max_shard_size``: the largest shard safetensors serialises in memory at once."""
 STARTING = ("load", "resume_load")
 
 
@@ -105,13 +103,11 @@ def node_host(config: Config, phase: str, workers: list[tuple[int, dict[str, int
 
 
 def buffer_bytes(config: Config, node_ram: int, processes_per_node: int) -> int:
-    """The host buffer one process's checkpoint save may use (``trainer.checkpoint_host_buffer_gb``; -1: a
-    1/64 share of the node's RAM per process, between 0.25 and 2 GB)."""
-    gb = config.trainer.checkpoint_host_buffer_gb
-    if gb > 0:
-        return int(gb * 2**30)
-    share = node_ram // 64 // max(1, processes_per_node)
-    return max(2**28, min(2**31, share))
+    """The host buffer one process's checkpoint save may use: ``trainer.checkpoint_host_buffer_gb``, or with -1
+    the saving code's own rule (:func:`easytrain.distributed.checkpoint.host_buffer_bytes`)."""
+    from easytrain.distributed.checkpoint import host_buffer_bytes
+
+    return host_buffer_bytes(config.trainer.checkpoint_host_buffer_gb, node_ram, processes_per_node)
 
 
 def save_staging(config: Config, state: int, node_ram: int, processes_per_node: int) -> dict[str, int]:
@@ -129,13 +125,11 @@ def run_phases(config: Config, *, kept: dict[str, int], state: int, largest_tens
     between steps (on CPU: every tensor), ``state`` the bytes of its share of the checkpoint (fp32 parameters
     and optimizer moments), ``device`` what its device holds between steps."""
     rows = []
-    for phase, held in (("checkpoint_save", {**kept, **save_staging(config, state, node_ram, processes_per_node)}),
+    for phase, held in (("checkpoint_save", {**kept, **save_staging(config, state, node_ram, per_node)}),
                         ("resume_load", {**kept, "checkpoint read (largest tensor)": largest_tensor * FP32})):
         process = worker_process(phase, held, on_gpu)
         host = node_host(config, phase, [(processes_per_node, process)], rl)
         rows.append(Row(phase, "all", sum_parts(device), sum_parts(host), dict(device), host, sum_parts(process)))
-    dtype_bytes = FP32 if config.model.dtype == "float32" else 2
-    export = {"export process": EXPORT_PROCESS_BYTES, "model (fp32)": total_params * FP32,
-              "shard being serialised": min(total_params * dtype_bytes, EXPORT_SHARD_BYTES)}
+    export = {"export process": EXPORT_PROCESS_BYTES, "model (fp32)": total_params * FP32}
     rows.append(Row("export", "export", 0, sum_parts(export), {}, export, sum_parts(export)))
     return rows

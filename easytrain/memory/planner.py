@@ -59,7 +59,7 @@ from easytrain.memory.host import node_host, run_phases, worker_process
 from easytrain.memory.layout import (engine_held, engine_weights, fused, layout_note, processes_per_device,
                                      role_names, step_phases, sync_bucket, sync_parts)
 from easytrain.memory.params import count_parameters, largest_module, largest_trainable, trainable_by_component
-from easytrain.memory.sft import plan_sft, sft_worker_parts
+from easytrain.memory.sft import plan_sft, sft_worker_parts, validation_prompts
 from easytrain.memory.states import DTYPE_BYTES, FP32, gathered_bytes, role_states, shard_degree
 from easytrain.memory.phases import Phase
 
@@ -285,11 +285,14 @@ def rollout_phase(config: Config, s: Shape, hf_config: dict[str, Any], capacity:
     if r.engine == "vllm":  # CPU: weights + the KV space the engine is given (VLLM_CPU_KVCACHE_SPACE=1 GiB)
         return {"weights": weights, "kv cache": 2**30}
     n = r.val_override.n if validate else r.n
-    prompts = (d.val_batch_size if validate and d.val_batch_size > 0 else d.rollout_batch_size)
+    prompts = validation_prompts(config, d.rollout_batch_size) if validate else d.rollout_batch_size
     rows = -(-prompts * n // (s.world // tp))
     dims = model_dims(hf_config)
     kv = rows * s.seq_tokens * kv_bytes_per_token(hf_config, config.model.dtype)
-    logits = 4 * rows * s.response * dims.vocab * s.dtype_bytes  # kept per step, stacked, scaled, log-softmax
+    if r.drop_finished:  # the decode loop: one position's logits at a time (fp32 copy, scaled, log-softmax)
+        logits = 4 * rows * dims.vocab * FP32
+    else:  # transformers' generate: every position's logits kept, stacked, scaled, log-softmax
+        logits = 4 * rows * s.response * dims.vocab * s.dtype_bytes
     # worker.rollout.share_prefill: each prompt's prefill runs once for its n samples
     prefill_rows = -(-prompts // (s.world // tp)) if r.share_prefill and n > 1 else rows
     prefill = activation_bytes(dims, MicroBatch(prefill_rows, s.seq_tokens - s.response, 0, s.images,
@@ -458,9 +461,13 @@ def _load_row(st: _Step) -> Row:
     whole = {"checkpoint read (whole, fp32, rank 0)": s.total_params * FP32} if s.world > 1 else {}
     offloaded = {f"{k} (offloaded)": v for k, v in shards.items() if v and on_device[k] == 0}
     if fused(config):
-        held = dict(parts) if not s.on_gpu else offloaded
-        one = worker_process("load", {k: v for k, v in held.items() if k != "cuda context"}, s.on_gpu)
-        workers = [(s.per_node, one)]
+        held = {k: v for k, v in parts.items() if k != "cuda context"} if not s.on_gpu else offloaded
+        one = worker_process("load", held, s.on_gpu)
+        # rank 0 reads the whole checkpoint and shards it before its engine is built: the larger of the two
+        reader = worker_process("load", {**{k: v for k, v in held.items() if "params" in k}, **whole}, s.on_gpu)
+        first = max(one, reader, key=sum_parts)
+        host = node_host(config, "load", [(1, first), (s.per_node - 1, one)], True)
+        return Row("load", "all", sum_parts(parts), sum_parts(host), parts, host, sum_parts(first))
     else:
         workers, one = [], {}
         for name, held in (("actor", on_device["actor params"]), ("ref", on_device["ref params"]),

@@ -193,20 +193,21 @@ def pass_bytes(config: Config, s: SFTShape, st: ActorStates, hf_config: dict[str
     return parts
 
 
-def validation_prompts(config: Config) -> int:
-    """Prompts one validation generation call takes (all ranks together)."""
+def validation_prompts(config: Config, otherwise: int) -> int:
+    """Prompts one validation generation call takes (all ranks together): ``data.val_batch_size``, or the
+    whole validation set (the synthetic one's size; ``otherwise`` for files, whose length is unknown here)."""
     d = config.data
     if d.val_batch_size > 0:
         return d.val_batch_size
     files = d.val_files if isinstance(d.val_files, str) else ""
-    return d.synthetic_val_size if files.startswith("synthetic:") else config.worker.actor.global_batch_size
+    return d.synthetic_val_size if files.startswith("synthetic:") else otherwise
 
 
 def generation_bytes(config: Config, s: SFTShape, st: ActorStates, hf_config: dict[str, Any]) -> dict[str, int]:
     """Greedy generation of a rank's share of the validation prompts at once: prefill of the longest prompt,
     the KV cache of prompt and response, the last position's logits (and their fp32 copy). FSDP holds every
     unit unsharded for the whole ``generate`` (``distributed.fsdp.gathered``); ZeRO-3 gathers module by module."""
-    rows = -(-validation_prompts(config) // s.world)
+    rows = -(-validation_prompts(config, config.worker.actor.global_batch_size) // s.world)
     dims = model_dims(hf_config)
     response = config.data.max_response_length
     prompt = MicroBatch(rows, s.sample_tokens, 0, s.images, s.image_tokens)
@@ -337,7 +338,8 @@ def _notes(config: Config, s: SFTShape) -> list[str]:
     d = config.data
     if d.val_files is not None and d.val_batch_size < 0 and not str(d.val_files).startswith("synthetic:"):
         notes.append(f"validation: data.val_batch_size=-1 generates for the whole validation set at once; priced "
-                     f"as {validation_prompts(config)} prompts (worker.actor.global_batch_size)")
+                     f"as {validation_prompts(config, config.worker.actor.global_batch_size)} prompts "
+                     "(worker.actor.global_batch_size)")
     if not s.on_gpu:
         notes.append("CPU run: the actor's workers are processes in node RAM; offload moves nothing")
     return notes

@@ -26,6 +26,7 @@ from easytrain.config.schema import Config
 from easytrain.config.validate import needs_reference
 from easytrain.distributed.group import Dispatch, dispatch
 from easytrain.distributed.ulysses import sequence_parallel_group
+from easytrain.memory import peaks
 from easytrain.memory.phases import engine_state
 from easytrain.workers.actor import ActorWorker
 from easytrain.workers.base import WorkerBase
@@ -104,6 +105,7 @@ class FusedWorker(WorkerBase):
         if engine is None or not engine.can_sleep or "weights" in engine.asleep:  # nothing left to free
             return 0
         freed = self.rollout.sleep()
+        peaks.trim_heap()  # on CPU the dropped weights were heap blocks: back to the OS before the next role runs
         self._record("sleep")
         self._leave()
         return freed
