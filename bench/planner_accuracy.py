@@ -66,22 +66,28 @@ class Case:
 
 
 SMALL = ["model.path=tiny:qwen2_5_vl", "model.tiny_size=small"]
-MID = [f"model.path={BENCH_MODEL}", "data.max_prompt_length=256", "data.max_response_length=32",
-       "data.rollout_batch_size=4", "worker.actor.global_batch_size=4", "worker.rollout.n=2",
-       "worker.actor.micro_batch_size_per_device_for_update=2",
+RL = ["data.max_prompt_length=64"]
+"""The synthetic prompts are 59 tokens: a max_prompt_length they fill, as a user would set it (the plan prices
+the longest prompt the config allows)."""
+MID = [f"model.path={BENCH_MODEL}", "data.max_response_length=32", "data.rollout_batch_size=4",
+       "worker.actor.global_batch_size=4", "worker.rollout.n=2", "worker.actor.micro_batch_size_per_device_for_update=2",
        "worker.actor.micro_batch_size_per_device_for_experience=2"]
 CASES = [
-    Case("tiny_rl_fused", "calibration", ["algorithm.kl_coef=0.01", "worker.actor.reuse_log_probs_on_policy=false"]),
-    Case("small_rl_fused_lora", "held_out", SMALL + ["model.lora.rank=8"]),
-    Case("small_rl_split", "calibration", SMALL + ["trainer.colocate=false", "trainer.workers_per_node=1"]),
-    Case("tiny_rl_offload", "held_out", ["worker.actor.offload.params=true", "worker.ref.offload.params=true",
-                                         "algorithm.kl_coef=0.01"]),
+    Case("tiny_rl_fused", "calibration", RL + ["algorithm.kl_coef=0.01", "worker.actor.reuse_log_probs_on_policy=false"]),
+    Case("small_rl_fused_lora", "calibration", RL + SMALL + ["model.lora.rank=8"]),
+    Case("small_rl_split", "calibration", RL + SMALL + ["trainer.colocate=false", "trainer.workers_per_node=1"]),
     Case("tiny_sft", "calibration", ["+exp=tiny_sft"]),
-    Case("small_sft_offload", "held_out", ["+exp=tiny_sft"] + SMALL + ["worker.actor.offload.params=true"]),
-    Case("mid_rl_fused", "held_out", MID),
+    Case("mid_rl_fused", "calibration", RL + MID),
     Case("mid_sft", "calibration", ["+exp=tiny_sft", f"model.path={BENCH_MODEL}", "data.max_prompt_length=256",
                                     "data.max_response_length=64"]),
+    Case("tiny_rl_offload", "held_out", RL + ["worker.actor.offload.params=true", "worker.ref.offload.params=true",
+                                              "algorithm.kl_coef=0.01"]),
+    Case("small_sft_offload", "held_out", ["+exp=tiny_sft"] + SMALL + ["worker.actor.offload.params=true"]),
+    Case("tiny_sft_lora", "held_out", ["+exp=tiny_sft", "model.lora.rank=8"]),
+    Case("mid_rl_lora", "held_out", RL + MID + ["model.lora.rank=16", "algorithm.kl_coef=0.01"]),
 ]
+"""Which cases the constants of easytrain/memory/host.py and the structure of the plan's run phases were read
+from (calibration), and which only check them (held_out)."""
 
 
 def overrides_of(case: Case, folder: Path) -> list[str]:

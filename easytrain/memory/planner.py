@@ -461,7 +461,8 @@ def _load_row(st: _Step) -> Row:
     whole = {"checkpoint read (whole, fp32, rank 0)": s.total_params * FP32} if s.world > 1 else {}
     offloaded = {f"{k} (offloaded)": v for k, v in shards.items() if v and on_device[k] == 0}
     if fused(config):
-        held = {k: v for k, v in parts.items() if k != "cuda context"} if not s.on_gpu else offloaded
+        # on CPU an engine's weights are the checkpoint file's pages, mapped: resident once the engine first runs
+        held = {k: v for k, v in on_device.items() if v} if not s.on_gpu else offloaded
         one = worker_process("load", held, s.on_gpu)
         # rank 0 reads the whole checkpoint and shards it before its engine is built: the larger of the two
         reader = worker_process("load", {**{k: v for k, v in held.items() if "params" in k}, **whole}, s.on_gpu)
@@ -491,7 +492,7 @@ def _run_rows(st: _Step, capacity: Capacity) -> list[Row]:
     device = {**kept, "cuda context": CUDA_CONTEXT_BYTES} if s.on_gpu else dict(kept)
     if s.on_gpu:
         kept = _offloaded(st)
-    return run_phases(st.config, kept=kept, state=st.actor.params + st.actor.optimizer,
+    return run_phases(st.config, kept=kept, state=st.actor.params + st.actor.optimizer, params=st.actor.params,
                       largest_tensor=s.largest_module, total_params=s.total_params, per_node=s.per_node,
                       processes_per_node=s.per_node * processes_per_device(st.config, s.with_ref),
                       node_ram=capacity.node_ram, on_gpu=s.on_gpu, rl=True, device=device)

@@ -307,7 +307,8 @@ def plan_sft(config: Config, hf_config: dict[str, Any], capacity: Capacity) -> P
     once = [r for r in rows if r.phase == "setup"]
     kept = {**st.kept, **st.host} if not s.on_gpu else dict(st.host)
     state = sum(v for k, v in {**st.kept, **st.host}.items() if "params" in k or "optimizer" in k)
-    once += run_phases(config, kept=kept, state=state, largest_tensor=s.largest_trainable,
+    params = sum(v for k, v in {**st.kept, **st.host}.items() if "params" in k)
+    once += run_phases(config, kept=kept, state=state, params=params, largest_tensor=s.largest_trainable,
                        total_params=s.total_params, per_node=s.per_node, processes_per_node=s.per_node,
                        node_ram=capacity.node_ram, on_gpu=s.on_gpu, rl=False,
                        device={**st.kept, "cuda context": CUDA_CONTEXT_BYTES} if s.on_gpu else dict(st.kept))
