@@ -57,8 +57,9 @@ ASSUMPTIONS = [
     "context per GPU, 0.5 GB (assumed)",
     "weight sync in-process: one bucket of full bf16 tensors gathered on the GPU (256 MB, or the 1.09 GB "
     "embedding: a module never splits), no host copy",
-    "host: one empty worker process per GPU = 0.48 GB (measured here by bench/planner_accuracy.py); driver 1 GB "
-    "assumed; at load one whole fp32 checkpoint per node (the load row, not part of the step's peak)",
+    "host: each worker process's framework, 0.54 GB, the driver and Ray's own processes as measured on CPU by "
+    "bench/planner_accuracy.py (easytrain/memory/host.py; not measured on a GPU node); at load one whole fp32 "
+    "checkpoint per node (the load row, not part of the step's peak)",
 ]
 
 

@@ -1,10 +1,8 @@
 """What a plan is checked against and what it holds: capacities, rows per phase, the verdict.
 
-Shared by the RL plan (``planner.py``) and the SFT plan (``sft.py``). The
-per-process constants are assumptions both plans use: a worker process costs
-``FRAMEWORK_BYTES`` of host RAM before holding a model (measured by
-bench/planner_accuracy.py as the empty-worker baseline); a GPU process adds
-``CUDA_CONTEXT_BYTES`` of device memory (assumed, typical of CUDA 12).
+Shared by the RL plan (``planner.py``) and the SFT plan (``sft.py``). A GPU
+process adds ``CUDA_CONTEXT_BYTES`` of device memory (assumed, typical of CUDA
+12); the host RAM of processes is priced in :mod:`easytrain.memory.host`.
 """
 
 from __future__ import annotations
@@ -18,13 +16,8 @@ from typing import Optional
 from easytrain.config.schema import Config
 
 GB = 10**9
-FRAMEWORK_BYTES = int(0.48 * GB)
-"""Host RAM of an empty worker process (python, torch, transformers, ray imported, nothing built): 0.48 GB
-measured here (bench/planner_accuracy.py's baseline); a Ray worker adds its core-worker threads."""
 CUDA_CONTEXT_BYTES = int(0.5 * GB)
 """Device memory of one process's CUDA context and allocator slack (assumed)."""
-DRIVER_BYTES = int(1.0 * GB)
-"""The driver process: framework, data set index, metrics (assumed)."""
 RAY_DEFAULT_THRESHOLD = 0.95
 
 
