@@ -13,8 +13,10 @@ device hosts every role, with one CUDA context, and a device's peak is its
 largest phase, not the sum of roles. With ``colocate=false`` every role has
 its own process and device. On CPU the "device" is one worker process in
 the node's RAM, and the node total adds up every process. Before the first
-step the models load (``Plan.once``): one whole fp32 checkpoint per node in
-host RAM, the shards where each role keeps them. An SFT run
+step the models load (``Plan.once``, with the checkpoint save, the resume and
+the export: :mod:`easytrain.memory.host`): one whole fp32 checkpoint per node
+in host RAM, the shards where each role keeps them. Host RAM is every
+process's resident set (:mod:`easytrain.memory.host`). An SFT run
 (``trainer.task=sft``) is planned by :mod:`easytrain.memory.sft`: its one
 role, the actor, in its own phases.
 
