@@ -13,7 +13,6 @@ from __future__ import annotations
 import json
 import math
 import os
-import re
 import subprocess
 import sys
 from pathlib import Path
@@ -362,31 +361,3 @@ def test_a_failed_background_write_is_reported_and_never_published(tmp_path: Pat
     trainer.step = 3
     trainer.save()
     assert not (root / ".tmp_global_step_2").exists() and latest(root) == root / "global_step_3"
-
-
-@pytest.mark.slow
-def test_a_run_with_background_saves_resumes_like_an_uninterrupted_one(uninterrupted_run: tuple[Path, int]) -> None:
-    """The harness run of test_resume (a checkpoint every step) with background saves, its driver killed after
-    step 3 (maybe while a write is in flight: then the checkpoint before it is the latest) and run again: the
-    same steps, data order and final weights as the uninterrupted run with blocking saves."""
-    import signal
-
-    from resume_harness import STEPS, Run, data_order, final_weights, logged_steps, max_difference
-
-    reference = uninterrupted_run[0]
-    run_dir = reference.parent / "background_saves"
-    run = Run(run_dir, "trainer.checkpoint_async=true").start()
-    run.wait_for_step(3)
-    run.signal_driver(signal.SIGKILL)
-    assert run.wait() == -signal.SIGKILL
-    rerun = Run(run_dir, "trainer.checkpoint_async=true").start()
-    assert rerun.wait() == 0, rerun.tail()
-    log = rerun.log.read_text()
-    assert "writing in the background" in log and re.search(r"resumed from .*global_step_\d", log)
-    assert logged_steps(run_dir) == list(range(1, STEPS + 1))
-    assert data_order(run_dir) == data_order(reference)
-    assert max_difference(final_weights(run_dir), final_weights(reference)) <= 1e-6
-    records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
-    saved = [r for r in records if "checkpoint/blocked_s" in r]
-    assert saved and all(r["checkpoint/write_s"] > 0 for r in saved)
-    assert int(saved[-1]["checkpoint/step"]) == STEPS

@@ -8,6 +8,7 @@ the driver (then the same command again), SIGTERM of the driver (saves, exits 14
 
 from __future__ import annotations
 
+import json
 import re
 import signal
 import time
@@ -90,3 +91,25 @@ def test_sigterm_saves_the_current_step_then_exits_and_resumes(reference: Path) 
     assert rerun.wait() == 0, rerun.tail()
     assert f"global_step_{last}: step {last} of {STEPS}" in rerun.log.read_text()
     assert_same_run(run_dir, reference)
+
+
+def test_a_run_with_background_saves_resumes_like_an_uninterrupted_one(reference: Path) -> None:
+    """The harness run of test_resume (a checkpoint every step) with background saves, its driver killed after
+    step 3 (maybe while a write is in flight: then the checkpoint before it is the latest) and run again: the
+    same steps, data order and final weights as the uninterrupted run with blocking saves."""
+    run_dir = reference.parent / "background_saves"
+    run = Run(run_dir, "trainer.checkpoint_async=true").start()
+    run.wait_for_step(3)
+    run.signal_driver(signal.SIGKILL)
+    assert run.wait() == -signal.SIGKILL
+    rerun = Run(run_dir, "trainer.checkpoint_async=true").start()
+    assert rerun.wait() == 0, rerun.tail()
+    log = rerun.log.read_text()
+    assert "writing in the background" in log and re.search(r"resumed from .*global_step_\d", log)
+    assert logged_steps(run_dir) == list(range(1, STEPS + 1))
+    assert data_order(run_dir) == data_order(reference)
+    assert max_difference(final_weights(run_dir), final_weights(reference)) <= 1e-6
+    records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    saved = [r for r in records if "checkpoint/blocked_s" in r]
+    assert saved and all(r["checkpoint/write_s"] > 0 for r in saved)
+    assert int(saved[-1]["checkpoint/step"]) == STEPS
