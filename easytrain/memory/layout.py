@@ -35,7 +35,6 @@ from __future__ import annotations
 from typing import Iterator
 
 from easytrain.config.schema import Config
-from easytrain.memory.states import FP32
 from easytrain.memory.phases import STEP, Phase
 
 AWAKE, WEIGHTS, ASLEEP = "awake", "weights", "asleep"
@@ -118,16 +117,6 @@ def sync_parts(config: Config, bucket: int, per_node: int) -> tuple[dict[str, in
     if fused(config):
         return {"gathered bucket (engine dtype)": bucket}, {}
     return {"sync bucket": bucket}, {"sync buckets (object store + assembly)": 2 * bucket + per_node * bucket}
-
-
-def load_host(total_params: int, per_node: int, shards: dict[str, int], on_gpu: bool) -> dict[str, int]:
-    """Host RAM of one node while the models load: one whole fp32 copy (the checkpoint as the node's first
-    process reads it) and every process's shards that live in host RAM (offloaded ones; on CPU all)."""
-    host = {"checkpoint read (whole, fp32, one per node)": total_params * FP32}
-    kept = {k: v for k, v in shards.items() if v}
-    if kept:
-        host[f"{'offloaded ' if on_gpu else ''}shards (every process's)"] = per_node * sum(kept.values())
-    return host
 
 
 def layout_note(config: Config, with_ref: bool, ref_by_actor: bool, on_gpu: bool, planned: set[str]) -> str:

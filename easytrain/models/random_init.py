@@ -77,7 +77,7 @@ def with_token_ids(shape: dict[str, Any], tiny_config: dict[str, Any]) -> dict[s
     out = copy.deepcopy(shape)
     out.update({k: v for k, v in tiny_config.items() if k.endswith("_token_id")})
     if "text_config" in out:
-        tiny_text = tiny_config.get("text_config") or {}
+        tiny_text = tiny_config["text_config"]  # a VL shape pairs with the VL tiny model, which nests it too
         out["text_config"].update({k: v for k, v in tiny_text.items() if k.endswith("_token_id")})
     return out
 
