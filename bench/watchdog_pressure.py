@@ -3,7 +3,7 @@
     .venv/bin/python bench/watchdog_pressure.py [--trials 10] [--seed 0]   # -> bench/results/watchdog_pressure.json
 
 One uninterrupted run of the tiny GRPO setting of tests/resume_harness.py (6 steps, a checkpoint every
-step) gives the node RAM the run needs and the result to match. Each trial then runs the same setting
+step) gives the RAM the run's own processes need and the result to match. Each trial then runs the same setting
 with the watchdog's thresholds placed above that peak (tests/pressure_harness.py), drops 3.5 GB of held
 ballast into a reward worker after a random step 1-4 (so the pressure lands in steps 2-5), expects the
 watchdog to save and exit 4, runs the same command again, and compares: every step logged exactly once,
@@ -27,7 +27,7 @@ sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "tests"))
 
 from bench.provenance import write_result  # noqa: E402
-from pressure_harness import EXIT_MEMORY, HARD_MB, WATCH, limits, records  # noqa: E402
+from pressure_harness import EXIT_MEMORY, HARD_MB, WATCH, limits, records, run_peak  # noqa: E402
 from resume_harness import STEPS, Run, data_order, final_weights, logged_steps, max_difference  # noqa: E402
 
 TOLERANCE = 1e-6
@@ -63,7 +63,7 @@ def main() -> None:
     work = Path(tempfile.mkdtemp(prefix="easytrain-pressure-"))
     reference = work / "uninterrupted"
     assert Run(reference, *WATCH).start().wait() == 0, (work / "uninterrupted.log").read_text()[-3000:]
-    peak = max(r["ram_used_bytes"] for r in records(reference, "node"))
+    peak = run_peak(reference)
     thresholds = limits(peak)
     want_weights, want_order = final_weights(reference), data_order(reference)
     results = []
@@ -86,7 +86,7 @@ def main() -> None:
     passed = sum(r["passed"] for r in results)
     report = {"setting": f"tests/resume_harness.py RUN_ARGS + tests/pressure_harness.py WATCH: tiny Qwen2.5-VL, "
                          f"{STEPS} steps, checkpoint every step; {HARD_MB} MB held in a reward worker",
-              "reference_peak_node_ram_gb": round(peak / 2**30, 3), "thresholds": thresholds,
+              "reference_peak_run_ram_gb": round(peak / 2**30, 3), "thresholds": thresholds,
               "passed": f"{passed}/{len(results)}",
               "steps_lost_total": sum(r.get("steps_lost", 0) for r in results if "steps_lost" in r),
               "trials": results, "work_dir": str(work)}

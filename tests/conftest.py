@@ -144,17 +144,17 @@ def recorded_attention() -> Iterator[list[dict[str, Any]]]:
 @pytest.fixture(scope="session")
 def uninterrupted_run(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, int]:
     """The kill/resume and memory-pressure tests' reference: the harness run (resume_harness.RUN_ARGS) with the
-    pressure harness's watchdog settings, uninterrupted, and its peak node RAM. One run serves both: the
-    ballast reward scores like the spread reward while it holds no ballast, and the watchdog's sampling
-    period does not touch the numerics."""
-    from pressure_harness import WATCH, records
+    pressure harness's watchdog settings, uninterrupted, and the peak RAM of its own processes. One run serves
+    both: the ballast reward scores like the spread reward while it holds no ballast, and the watchdog's
+    sampling period does not touch the numerics."""
+    from pressure_harness import WATCH, records, run_peak
     from resume_harness import STEPS, Run, logged_steps
 
     run_dir = tmp_path_factory.mktemp("reference") / "uninterrupted"
     run = Run(run_dir, *WATCH).start()
     assert run.wait() == 0, run.tail()
     assert logged_steps(run_dir) == list(range(1, STEPS + 1))
-    peak = max(r["ram_used_bytes"] for r in records(run_dir, "node"))
+    peak = run_peak(run_dir)
     assert not [e for e in records(run_dir, "event") if e["level"] in ("soft", "hard")]
     return run_dir, peak
 

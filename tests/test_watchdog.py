@@ -6,6 +6,7 @@ from __future__ import annotations
 import ctypes
 import random
 import threading
+import time
 from collections import namedtuple
 from pathlib import Path
 
@@ -213,6 +214,11 @@ def test_thresholds_are_validated_against_each_other_and_rays_kill_line(monkeypa
     with pytest.raises(ConfigError, match=r"watchdog.actions='drop_everything': not a relief action"):
         validate(load(["watchdog.actions=[free_caches,drop_everything]"]))
     validate(load(["watchdog.ram_limit_gb=4", "watchdog.ram_soft=0.96", "watchdog.ram_hard=0.99"]))
+    with pytest.raises(ConfigError, match=r"watchdog.ram_scope='run': .* set watchdog.ram_limit_gb"):
+        validate(load(["watchdog.ram_scope=run"]))
+    with pytest.raises(ConfigError, match=r"watchdog.ram_scope='process': .*node, run"):
+        validate(load(["watchdog.ram_scope=process"]))
+    validate(load(["watchdog.ram_scope=run", "watchdog.ram_limit_gb=4"]))
 
 
 # ----------------------------------------------------------------------------- the planner's advice at a stop
@@ -265,6 +271,35 @@ def test_a_sampler_reads_node_processes_and_gpus_and_survives_a_lost_gpu(ray_loc
         assert sampler.drain(sample_now=False) == []
     finally:
         sampler.stop()
+
+
+def test_run_scope_judges_the_runs_own_processes_against_the_share(ray_local: None) -> None:
+    import os
+    import subprocess
+    import sys
+
+    import ray
+
+    from easytrain.memory.watchdog import NodeSampler
+
+    child = subprocess.Popen([sys.executable, "-c", "import time; b = bytearray(256 * 2**20); time.sleep(60)"])
+    sampler = NodeSampler(ray.get_runtime_context().get_node_id(), period_s=60.0, limit_bytes=8 * GB, scope="run")
+    try:
+        deadline = time.monotonic() + 30
+        while psutil.Process(child.pid).memory_info().rss < 256 * MB and time.monotonic() < deadline:
+            time.sleep(0.1)
+        sampler.register([(os.getpid(), "driver", 0), (child.pid, "reward", 0)])
+        node, *processes = sampler.sample()
+        rss = {r["pid"]: r["rss_bytes"] for r in processes}
+        assert set(rss) == {os.getpid(), child.pid} and rss[child.pid] >= 256 * MB
+        assert node["scope"] == "run" and node["ram_used_bytes"] == sum(rss.values())
+        assert node["ram_fraction"] == pytest.approx(sum(rss.values()) / (8 * GB))
+        vm = psutil.virtual_memory()
+        assert abs(node["node_used_bytes"] - (vm.total - vm.available)) < 512 * MB  # the node's use, kept beside
+    finally:
+        sampler.stop()
+        child.kill()
+        child.wait()
 
 
 def test_the_watchdog_collects_per_step_and_replaces_a_dead_sampler(ray_local: None, tmp_path: Path) -> None:

@@ -435,6 +435,11 @@ class WatchdogConfig:
     ram_limit_gb: Optional[float] = bounded(None, low=0.0, low_open=True)
     """RAM the fractions are taken of, per node; null = the node's memory, or its container's (cgroup) limit
     when lower. Set it to keep a run within part of a shared node."""
+    ram_scope: str = choice("node", "node", "run")
+    """What the RAM fractions measure: node = the node's whole use (host total minus available, or the
+    container's working set: what Ray's memory monitor and Kubernetes judge); run = the summed RSS of this run's
+    own processes on the node (driver, workers, reward workers), for a share of a node other jobs also use
+    (needs watchdog.ram_limit_gb: the share)."""
     vram_warn: float = bounded(0.85, low=0.0, high=1.0, low_open=True)
     """GPU memory fraction (NVML, used / total) that is logged as a warning."""
     vram_soft: float = bounded(0.90, low=0.0, high=1.0, low_open=True)

@@ -386,6 +386,9 @@ def _check_watchdog(cfg: Config) -> None:
         raise ConfigError("watchdog.ram_hard", w.ram_hard,
                           f"must stay below Ray's memory kill threshold {kill} (RAY_memory_usage_threshold): Ray "
                           "would kill a worker before the watchdog could save", f"use a value below {kill}")
+    if w.ram_scope == "run" and w.ram_limit_gb is None:
+        raise ConfigError("watchdog.ram_scope", w.ram_scope, "judges this run's processes against a share of the "
+                          "node, and no share is set", "set watchdog.ram_limit_gb (or use watchdog.ram_scope=node)")
     for action in w.actions:
         if action not in RELIEF_ACTIONS:
             raise ConfigError("watchdog.actions", action, "not a relief action",

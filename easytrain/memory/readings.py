@@ -69,12 +69,15 @@ def cgroup_memory(root: Path = CGROUP) -> Optional[tuple[int, int]]:
     return max(0, usage - inactive), limit
 
 
-def node_ram(limit_bytes: Optional[int] = None, cgroup_root: Path = CGROUP) -> dict[str, Any]:
+def node_ram(limit_bytes: Optional[int] = None, cgroup_root: Path = CGROUP,
+             run_bytes: Optional[int] = None) -> dict[str, Any]:
     """This node's RAM: used and the limit its fraction is taken of.
 
     The limit is the tightest of the host's memory, the container's cgroup limit (a KubeRay pod) and
     ``limit_bytes`` (``watchdog.ram_limit_gb``; ignored when larger). Used is the host's total minus available (what Ray's
-    monitor uses), or the cgroup's working set when the container limit is the tighter one.
+    monitor uses), or the cgroup's working set when the container limit is the tighter one; with ``run_bytes``
+    (``watchdog.ram_scope=run``: the summed RSS of the run's processes) it is that, and ``node_used_bytes``
+    keeps the node's whole use beside it.
     """
     vm = psutil.virtual_memory()
     used, limit, source = vm.total - vm.available, vm.total, "host"
@@ -83,8 +86,12 @@ def node_ram(limit_bytes: Optional[int] = None, cgroup_root: Path = CGROUP) -> d
         used, limit, source = container[0], container[1], "cgroup"
     if limit_bytes is not None and limit_bytes < limit:
         limit, source = limit_bytes, "config"
+    scope = {"scope": "node"}
+    if run_bytes is not None:
+        scope = {"scope": "run", "node_used_bytes": int(used)}
+        used = run_bytes
     return {"kind": "node", "ram_used_bytes": int(used), "ram_total_bytes": int(vm.total),
-            "ram_limit_bytes": int(limit), "ram_fraction": used / limit if limit else 0.0, "source": source}
+            "ram_limit_bytes": int(limit), "ram_fraction": used / limit if limit else 0.0, "source": source, **scope}
 
 
 def process_rss(pid: int) -> Optional[int]:

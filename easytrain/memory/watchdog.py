@@ -43,8 +43,8 @@ MAX_BUFFERED = 200_000
 class NodeSampler:
     """Samples one node in a background thread; the driver drains what it recorded."""
 
-    def __init__(self, node_id: str, period_s: float, limit_bytes: Optional[int]) -> None:
-        self.node_id, self.period_s, self.limit_bytes = node_id, period_s, limit_bytes
+    def __init__(self, node_id: str, period_s: float, limit_bytes: Optional[int], scope: str = "node") -> None:
+        self.node_id, self.period_s, self.limit_bytes, self.scope = node_id, period_s, limit_bytes, scope
         self.node_ip = ray.util.get_node_ip_address()
         self.processes: dict[int, tuple[str, int]] = {}
         self.buffer: list[dict[str, Any]] = []
@@ -74,13 +74,15 @@ class NodeSampler:
         """One reading of the node, its processes and GPUs (also kept for :meth:`drain`)."""
         now = time.time()
         where = {"t": now, "node_id": self.node_id, "node_ip": self.node_ip}
-        records = [{**node_ram(self.limit_bytes), **where}]
         with self.lock:
             processes = dict(self.processes)
+        records = []
         for pid, (role, rank) in processes.items():
             rss = process_rss(pid)
             if rss is not None:
                 records.append({"kind": "process", **where, "role": role, "rank": rank, "pid": pid, "rss_bytes": rss})
+        run_bytes = sum(r["rss_bytes"] for r in records) if self.scope == "run" else None
+        records.insert(0, {**node_ram(self.limit_bytes, run_bytes=run_bytes), **where})
         if self.nvml is not None:
             try:
                 records.extend({**gpu, **where} for gpu in gpu_readings(self.nvml))
@@ -174,9 +176,10 @@ class Watchdog:
             logger.warning("memory watchdog: node %s is gone; its sampler with it", node_id[:12])
             self.samplers.pop(node_id)
         for node_id in sorted(alive - set(self.samplers)):
-            self.samplers[node_id] = remote.options(
-                num_cpus=0, scheduling_strategy=NodeAffinitySchedulingStrategy(node_id, soft=False), max_restarts=0,
-                name=f"easytrain-memory-{node_id[:12]}-{id(self):x}").remote(node_id, self.cfg.sample_period_s, limit)
+            options = {"num_cpus": 0, "max_restarts": 0, "name": f"easytrain-memory-{node_id[:12]}-{id(self):x}",
+                       "scheduling_strategy": NodeAffinitySchedulingStrategy(node_id, soft=False)}
+            self.samplers[node_id] = remote.options(**options).remote(node_id, self.cfg.sample_period_s, limit,
+                                                                      self.cfg.ram_scope)
         self.write({"kind": "samplers", "t": time.time(), "nodes": sorted(self.samplers)})
 
     def _ask(self, method: str, per_node: Optional[dict[str, tuple[Any, ...]]] = None,
@@ -240,8 +243,9 @@ class Watchdog:
         levels, highest = [], {}
         for r in records:
             if r["kind"] == "node":
-                where, used, limit, fraction = (f"node {r['node_ip']} RAM", r["ram_used_bytes"], r["ram_limit_bytes"],
-                                                r["ram_fraction"])
+                of_run = " of this run" if r.get("scope") == "run" else ""
+                where, used, limit, fraction = (f"node {r['node_ip']} RAM{of_run}", r["ram_used_bytes"],
+                                                r["ram_limit_bytes"], r["ram_fraction"])
                 lv, resource = level(fraction, self.cfg.ram_warn, self.cfg.ram_soft, self.cfg.ram_hard), "ram"
                 self._check_limit(r)
             elif r["kind"] == "gpu":
