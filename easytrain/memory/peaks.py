@@ -100,6 +100,27 @@ def active() -> bool:
 
 
 _libc: list[Any] = []
+M_MMAP_THRESHOLD = -3
+"""``mallopt``'s parameter number for the mmap threshold (malloc.h)."""
+
+
+def _glibc() -> Any:
+    """The C library when it is glibc, else None."""
+    if not _libc:
+        try:
+            _libc.append(ctypes.CDLL("libc.so.6"))
+        except OSError:
+            _libc.append(None)
+    return _libc[0]
+
+
+def fix_mmap_threshold(nbytes: int) -> bool:
+    """Serve every host block of at least ``nbytes`` with its own mapping (``mallopt(M_MMAP_THRESHOLD)``), for
+    the rest of the process: such a block returns to the OS when freed, so RSS follows the live tensors. Setting
+    it also stops glibc from raising the threshold to the largest block freed (its dynamic default), which is what
+    lets freed tensors of up to 32 MiB pile up in the heap. False where the C library is not glibc."""
+    libc = _glibc()
+    return libc is not None and bool(libc.mallopt(M_MMAP_THRESHOLD, int(nbytes)))
 
 
 def trim_heap() -> None:
@@ -108,13 +129,9 @@ def trim_heap() -> None:
     freed, they stay resident, and the next phase's RSS keeps the last one's peak. Trimmed after each worker
     call, a process's RSS (what Ray's memory monitor reads, and the plan prices) follows its live tensors.
     Microseconds when little is free."""
-    if not _libc:
-        try:
-            _libc.append(ctypes.CDLL("libc.so.6"))
-        except OSError:  # not glibc: nothing to trim
-            _libc.append(None)
-    if _libc[0] is not None:
-        _libc[0].malloc_trim(0)
+    libc = _glibc()
+    if libc is not None:  # not glibc: nothing to trim
+        libc.malloc_trim(0)
 
 
 def drain() -> dict[str, dict[str, float]]:

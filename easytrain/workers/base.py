@@ -65,6 +65,18 @@ def worker_threads(config: Config) -> int:
     return max(1, node_cpus() // (t.workers_per_node * roles))
 
 
+CPU_MMAP_THRESHOLD_KB = 128
+"""trainer.malloc_mmap_threshold_kb on a CPU run when unset: glibc's starting threshold, kept from rising."""
+
+
+def malloc_threshold_bytes(config: Config) -> int:
+    """The mmap threshold worker processes fix (``trainer.malloc_mmap_threshold_kb``); 0 = glibc's dynamic one."""
+    kb = config.trainer.malloc_mmap_threshold_kb
+    if kb is None:
+        kb = CPU_MMAP_THRESHOLD_KB if config.trainer.device == "cpu" else 0
+    return kb * 1024
+
+
 class WorkerBase:
     """What a role worker is before it holds a model: its rank, device, seed and process group."""
 
@@ -77,6 +89,9 @@ class WorkerBase:
         self.device = torch.device("cuda", 0) if config.trainer.device == "cuda" else torch.device("cpu")
         if self.device.type == "cuda":
             torch.cuda.set_device(self.device)
+        threshold = malloc_threshold_bytes(config)
+        if threshold and not peaks.fix_mmap_threshold(threshold):
+            logger.warning("trainer.malloc_mmap_threshold_kb: this C library is not glibc; its allocator is left as is")
         torch.manual_seed(config.trainer.seed + 1000 * rank)
         torch.set_num_threads(worker_threads(config))
         self.folder = model_folder(config.model)

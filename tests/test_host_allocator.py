@@ -1,0 +1,60 @@
+"""trainer.malloc_mmap_threshold_kb: glibc's dynamic mmap threshold keeps freed tensors resident; a fixed one
+hands them back. Each case runs in a fresh interpreter, so its heap starts clean."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from easytrain.config.loader import load
+from easytrain.workers.base import CPU_MMAP_THRESHOLD_KB, malloc_threshold_bytes
+
+MB = 2**20
+
+PROGRAM = """
+import json, sys
+import torch
+from easytrain.memory import peaks
+
+def rss():
+    for line in open("/proc/self/status"):
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1]) * 1024
+
+fixed = sys.argv[1] == "fixed"
+if fixed:
+    assert peaks.fix_mmap_threshold(128 * 1024)
+big = torch.ones(4 * 2**20)  # 16 MiB: mmapped either way; freeing it raises glibc's dynamic threshold to 16 MiB
+del big
+before = rss()
+blocks = [torch.ones(256 * 1024) for _ in range(256)]  # 256 tensors of 1 MiB, pages touched
+keep = torch.ones(256 * 1024)  # allocated last: above the freed blocks in the heap
+held = rss()
+del blocks
+print(json.dumps({"held": held - before, "after_free": rss() - before}))
+"""
+
+
+def run(mode: str) -> dict[str, int]:
+    out = subprocess.run([sys.executable, "-c", PROGRAM, mode], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="glibc and /proc")
+def test_a_fixed_threshold_hands_freed_tensors_back_and_the_dynamic_one_keeps_them() -> None:
+    dynamic, fixed = run("dynamic"), run("fixed")
+    for reading in (dynamic, fixed):
+        assert reading["held"] > 250 * MB  # the 256 MiB were resident while alive
+    assert dynamic["after_free"] > 200 * MB  # heap blocks under one still alive: glibc keeps them
+    assert fixed["after_free"] < 16 * MB  # each had its own mapping: unmapped when freed
+
+
+def test_the_threshold_defaults_to_fixed_on_cpu_and_dynamic_on_gpu() -> None:
+    assert malloc_threshold_bytes(load([])) == CPU_MMAP_THRESHOLD_KB * 1024
+    assert malloc_threshold_bytes(load(["trainer.device=cuda"])) == 0
+    assert malloc_threshold_bytes(load(["trainer.malloc_mmap_threshold_kb=0"])) == 0
+    assert malloc_threshold_bytes(load(["trainer.device=cuda", "trainer.malloc_mmap_threshold_kb=512"])) == 512 * 1024
