@@ -68,7 +68,9 @@ class Case:
 SMALL = ["model.path=tiny:qwen2_5_vl", "model.tiny_size=small"]
 RL = ["data.max_prompt_length=64"]
 """The synthetic prompts are 59 tokens: a max_prompt_length they fill, as a user would set it (the plan prices
-the longest prompt the config allows)."""
+the longest prompt the config allows). Every case's data fills its lengths (the SFT preset's 4 response tokens
+hold its longest answer), so a case measures the plan's model of memory, not how far the data falls short of
+the config's bound."""
 MID = [f"model.path={BENCH_MODEL}", "data.max_response_length=32", "data.rollout_batch_size=4",
        "worker.actor.global_batch_size=4", "worker.rollout.n=2", "worker.actor.micro_batch_size_per_device_for_update=2",
        "worker.actor.micro_batch_size_per_device_for_experience=2"]
@@ -78,8 +80,7 @@ CASES = [
     Case("small_rl_split", "calibration", RL + SMALL + ["trainer.colocate=false", "trainer.workers_per_node=1"]),
     Case("tiny_sft", "calibration", ["+exp=tiny_sft"]),
     Case("mid_rl_fused", "calibration", RL + MID),
-    Case("mid_sft", "calibration", ["+exp=tiny_sft", f"model.path={BENCH_MODEL}", "data.max_prompt_length=256",
-                                    "data.max_response_length=64"]),
+    Case("mid_sft", "calibration", ["+exp=tiny_sft", f"model.path={BENCH_MODEL}", "data.max_prompt_length=64"]),
     Case("tiny_rl_offload", "held_out", RL + ["worker.actor.offload.params=true", "worker.ref.offload.params=true",
                                               "algorithm.kl_coef=0.01"]),
     Case("small_sft_offload", "held_out", ["+exp=tiny_sft"] + SMALL + ["worker.actor.offload.params=true"]),

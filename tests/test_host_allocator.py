@@ -10,7 +10,7 @@ import sys
 import pytest
 
 from easytrain.config.loader import load
-from easytrain.workers.base import CPU_MMAP_THRESHOLD_KB, malloc_threshold_bytes
+from easytrain.memory.host import CPU_MMAP_THRESHOLD_KB, malloc_threshold_bytes
 
 MB = 2**20
 

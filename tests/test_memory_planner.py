@@ -367,8 +367,18 @@ def test_hf_engine_on_cpu_sleeps_at_level_2_only_in_fused_workers() -> None:
     fused, level1 = plan(config, hf), plan(load(["+exp=tiny", "worker.rollout.sleep_level=1"]), hf)
     assert "rollout weights" not in fused.row("update").parts  # dropped while asleep
     assert fused.row("weight_sync").parts["rollout weights (woken)"] == weights
-    # the sync's bucket never outgrows the model
-    assert fused.row("weight_sync").parts["gathered bucket (engine dtype)"] == min(256 * 2**20, weights)
+    # 2 CPU ranks gather through shared staging (one bucket, never more than the model) that every process keeps
+    # mapped from the first sync on; the HF engine takes the gathered tensors in place, LoRA merges a bucket aside
+    bucket = min(256 * 2**20, weights)
+    for row in ("generation", "update", "weight_sync", "validation", "checkpoint_save"):
+        assert fused.row(row).parts["sync staging (shared memory)"] == bucket, row
+    assert "sync staging (shared memory)" not in fused.row("resume_load").parts  # before the first sync
+    assert "gathered bucket (engine dtype)" not in fused.row("weight_sync").parts
+    lora = plan(load(["+exp=tiny", "model.lora.rank=8"]), hf)
+    assert lora.row("weight_sync").parts["gathered bucket (engine dtype)"] == bucket
+    one = plan(load(["+exp=tiny", "trainer.workers_per_node=1"]), hf)
+    assert "sync staging (shared memory)" not in one.row("update").parts  # one rank: nothing to gather
+    assert one.row("weight_sync").parts["gathered bucket (engine dtype)"] == bucket
     assert level1.row("update").parts["rollout weights"] == weights  # level 1 on CPU: nowhere to offload to
     pools = plan(load(["+exp=tiny", "trainer.colocate=false"]), hf)
     assert pools.row("update").host_parts["rollout weights"] == config.trainer.workers_per_node * weights

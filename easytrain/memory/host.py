@@ -104,6 +104,19 @@ def node_host(config: Config, phase: str, workers: list[tuple[int, dict[str, int
     return {**parts, **other_processes(config, phase, rl), **{k: v for k, v in (extra or {}).items() if v}}
 
 
+CPU_MMAP_THRESHOLD_KB = 128
+"""trainer.malloc_mmap_threshold_kb on a CPU run when unset: glibc's starting threshold, kept from rising."""
+
+
+def malloc_threshold_bytes(config: Config) -> int:
+    """The mmap threshold worker processes fix (``trainer.malloc_mmap_threshold_kb``); 0 = glibc's dynamic one,
+    which keeps freed tensors of up to 32 MiB in its heap (what the plan then prices on CPU)."""
+    kb = config.trainer.malloc_mmap_threshold_kb
+    if kb is None:
+        kb = CPU_MMAP_THRESHOLD_KB if config.trainer.device == "cpu" else 0
+    return kb * 1024
+
+
 def buffer_bytes(config: Config, node_ram: int, processes_per_node: int) -> int:
     """The host buffer one process's checkpoint save may use: ``trainer.checkpoint_host_buffer_gb``, or with -1
     the saving code's own rule (:func:`easytrain.distributed.checkpoint.host_buffer_bytes`)."""
@@ -112,32 +125,43 @@ def buffer_bytes(config: Config, node_ram: int, processes_per_node: int) -> int:
     return host_buffer_bytes(config.trainer.checkpoint_host_buffer_gb, node_ram, processes_per_node)
 
 
-def save_staging(config: Config, state: int, node_ram: int, processes_per_node: int) -> dict[str, int]:
+def save_staging(config: Config, state: int, node_ram: int, processes_per_node: int, largest_shard: int,
+                 on_gpu: bool) -> dict[str, int]:
     """What a save stages in one process's host RAM: the whole state with ``checkpoint_async``, else at most
-    the buffer."""
+    the buffer. On CPU a piece is copied into the buffer only out of a tensor larger than a piece (half the
+    buffer; :mod:`easytrain.distributed.checkpoint`): with every shard (``largest_shard`` bytes at most)
+    smaller, nothing is staged."""
+    from easytrain.distributed.checkpoint import MIN_PIECE
+
     if config.trainer.checkpoint_async:
         return {"checkpoint staging (async: the whole state)": state}
-    return {"checkpoint staging (buffer)": min(state, buffer_bytes(config, node_ram, processes_per_node))}
+    buffer = buffer_bytes(config, node_ram, processes_per_node)
+    if not on_gpu and largest_shard <= max(MIN_PIECE, buffer // 2):
+        return {}
+    return {"checkpoint staging (buffer)": min(state, buffer)}
 
 
-def run_phases(config: Config, *, kept: dict[str, int], state: int, params: int, largest_tensor: int,
-               total_params: int,
-               per_node: int, processes_per_node: int, node_ram: int, on_gpu: bool, rl: bool,
-               device: dict[str, int]) -> list[Row]:
+def run_phases(config: Config, *, kept: dict[str, int], state: int, trainable: int, largest_tensor: int,
+               largest_shard: int, total_params: int, per_node: int, processes_per_node: int, node_ram: int,
+               on_gpu: bool, rl: bool, device: dict[str, int]) -> list[Row]:
     """The checkpoint save, resume load and export rows. ``kept`` is what one worker process keeps in host RAM
     between steps (on CPU: every tensor), ``state`` the bytes of its share of the checkpoint (fp32 parameters
-    and optimizer moments), ``params`` those of its parameter shards, ``device`` what its device holds between
-    steps. A resume runs right after the load: on CPU an engine's weights are still the checkpoint file's
-    mapped pages (not resident), and the load holds a copy of the parameter shards (the state dict read into)
-    and one tensor in flight."""
+    and optimizer moments), ``trainable`` those of its trainable parameter shards (fp32), ``largest_shard`` the
+    bytes of its largest shard, ``device`` what its GPU holds between steps. A resume runs right after the
+    load, before any weight sync: on CPU an engine's weights are still the checkpoint file's mapped pages (not
+    resident) and no sync staging is mapped yet; the load holds a copy of the trainable shards (the optimizer's
+    state dict read into: a LoRA resume measured none for the frozen base) and one tensor in flight."""
     rows = []
-    resumed = {k: v for k, v in kept.items() if on_gpu or "rollout" not in k and "weights" not in k}
-    for phase, held in (("checkpoint_save", {**kept, **save_staging(config, state, node_ram, per_node)}),
-                        ("resume_load", {**resumed, "checkpoint read (parameter shards, a tensor in flight)":
-                                         params + largest_tensor * FP32})):
+    resumed = {k: v for k, v in kept.items()
+               if on_gpu or "rollout" not in k and "weights" not in k and "staging" not in k}
+    staged = save_staging(config, state, node_ram, per_node, largest_shard, on_gpu)
+    for phase, held in (("checkpoint_save", {**kept, **staged}),
+                        ("resume_load", {**resumed, "checkpoint read (trainable shards, a tensor in flight)":
+                                         trainable + largest_tensor * FP32})):
         process = worker_process(phase, held, on_gpu)
         host = node_host(config, phase, [(processes_per_node, process)], rl)
-        rows.append(Row(phase, "all", sum_parts(device), sum_parts(host), dict(device), host, sum_parts(process)))
+        on_device = dict(device) if on_gpu else held  # on CPU the device is the process's own memory
+        rows.append(Row(phase, "all", sum_parts(on_device), sum_parts(host), on_device, host, sum_parts(process)))
     adapter = config.model.lora.rank > 0  # easytrain export without --merge writes the adapter alone
     export = {"export process": EXPORT_ADAPTER_PROCESS_BYTES if adapter else EXPORT_PROCESS_BYTES,
               "model (fp32)": total_params * FP32}

@@ -57,9 +57,9 @@ from easytrain.memory.activations import (PATCH_VALUES, MicroBatch, activation_b
                                           packed_micro, shard_units)
 from easytrain.memory.budget import engine_budget, kv_bytes_per_token, sequence_shape
 from easytrain.memory.capacity import CUDA_CONTEXT_BYTES, GB, Capacity, Plan, Row, capacity_of, sum_parts
-from easytrain.memory.host import node_host, run_phases, worker_process
+from easytrain.memory.host import malloc_threshold_bytes, node_host, run_phases, worker_process
 from easytrain.memory.layout import (engine_held, engine_weights, fused, layout_note, processes_per_device,
-                                     role_names, step_phases, sync_bucket, sync_parts)
+                                     role_names, shared_staging, step_phases, sync_bucket, sync_parts)
 from easytrain.memory.params import count_parameters, largest_module, largest_trainable, trainable_by_component
 from easytrain.memory.sft import plan_sft, sft_worker_parts, validation_prompts
 from easytrain.memory.states import DTYPE_BYTES, FP32, gathered_bytes, role_states, shard_degree
@@ -303,8 +303,6 @@ def rollout_phase(config: Config, s: Shape, hf_config: dict[str, Any], capacity:
     return {"weights": weights, "kv cache": kv, "logits": logits, "prefill": prefill}
 
 
-
-
 def engine_resident(config: Config, s: Shape, awake: dict[str, int]) -> dict[str, int]:
     """What an engine that never sleeps keeps on its device between rollouts: vLLM its reservation (on CPU its
     weights and KV space), the HF engine its weights (its KV cache lives only while it generates)."""
@@ -330,6 +328,8 @@ class _Step:
     """The engine while generating (the training step's sampling)."""
     resident: dict[str, int]
     engine_weights: int
+    staging: dict[str, int]
+    """What the sync leaves mapped in every fused CPU worker from its first sync on (:func:`shared_staging`)."""
 
 
 def plan(config: Config, hf_config: Optional[dict[str, Any]] = None, capacity: Optional[Capacity] = None) -> Plan:
@@ -345,12 +345,14 @@ def plan(config: Config, hf_config: Optional[dict[str, Any]] = None, capacity: O
     actor, ref = actor_states(config, s), ref_states(config, s)
     upd_micro, accumulates = update_micro(config, s)
     awake = rollout_phase(config, s, hf_config, capacity, validate=False)
+    bucket = sync_bucket(config, s.largest_module, s.total_params, s.dtype_bytes)
+    staging = shared_staging(config, bucket, s.world, s.on_gpu)
     step = _Step(config, s, actor, ref,
                  idle={"actor": {"actor params": actor.params if not actor.offloaded else 0,
                                  "actor optimizer": actor.optimizer if not actor.offloaded else 0},
                        "ref": ({"ref params": ref.device} if s.with_ref else {})},
                  awake=awake, resident=engine_resident(config, s, awake),
-                 engine_weights=engine_weights(config, s.total_params, s.dtype_bytes))
+                 engine_weights=engine_weights(config, s.total_params, s.dtype_bytes), staging=staging)
     work: dict[str, tuple[str, dict[str, int]]] = {
         "generation": ("rollout", awake),
         "validation": ("rollout", rollout_phase(config, s, hf_config, capacity, validate=True)),
@@ -364,8 +366,7 @@ def plan(config: Config, hf_config: Optional[dict[str, Any]] = None, capacity: O
                                                        micro=experience_micro(config, s, "actor"), role="actor"))
     work["update"] = ("actor", update_transient(config, s, hf_config, upd_micro, accumulates,
                                                 0 if actor.offloaded else actor.grads, actor.offloaded))
-    bucket = sync_bucket(config, s.largest_module, s.total_params, s.dtype_bytes)
-    work["weight_sync"] = ("actor", sync_parts(config, bucket, s.per_node)[0])
+    work["weight_sync"] = ("actor", sync_parts(config, bucket, s.per_node, staged=bool(staging))[0])
     phases = list(step_phases(set(work)))
     rows = [_row(step, p, *work[p.planned]) for p in phases]
     notes = [layout_note(config, s.with_ref, s.ref_by_actor, s.on_gpu, set(work)),
@@ -377,14 +378,14 @@ def update_transient(config: Config, s: Shape, hf_config: dict[str, Any], micro:
                      grads: int, offloaded: bool) -> dict[str, int]:
     """The update's peak above the states: the end of a micro batch's forward (activations and logits;
     gradients too when accumulating) or the optimizer step (every gradient plus AdamW's two temporaries
-    of the largest parameter shard, its sqrt and the denominator), whichever is larger. On CPU both: glibc
-    keeps the passes' freed activations and logits resident through the optimizer step (measured on the ~180M
-    bench model: 0.42 GB above the live tensors before the step), so the step's peak is their sum."""
+    of the largest parameter shard, its sqrt and the denominator), whichever is larger. Their sum on CPU with
+    glibc's dynamic mmap threshold (``trainer.malloc_mmap_threshold_kb=0``), which keeps the passes' freed
+    activations resident through the step."""
     passes = forward_peak(config, s, hf_config, grad=True, micro=micro, role="actor")
     passes["actor grads"] = grads if accumulates else 0
     degree = shard_degree(config.worker.actor.fsdp.shard_size, s.world)
     temporaries = 2 * -(-s.largest_trainable // degree) * FP32
-    if not s.on_gpu:
+    if not s.on_gpu and not malloc_threshold_bytes(config):
         return {**passes, "actor grads": grads, "optimizer temporaries": temporaries}
     step = {"actor grads": grads, "optimizer temporaries": 0 if offloaded else temporaries}
     return passes if sum_parts(passes) >= sum_parts(step) else step
@@ -402,6 +403,7 @@ def _row(st: _Step, phase: Phase, role: str, active: dict[str, int]) -> Row:
         if role != "rollout":
             parts.update({**st.idle[role], **active})
         parts.update(engine)
+        parts.update(st.staging)
     else:
         parts = dict(active) if role == "rollout" else {**st.idle[role], **active}
     if s.on_gpu:
@@ -494,12 +496,15 @@ def _load_row(st: _Step) -> Row:
 def _run_rows(st: _Step, capacity: Capacity) -> list[Row]:
     """Checkpoint save, resume load and export (:func:`easytrain.memory.host.run_phases`)."""
     s = st.s
-    kept = {**st.idle["actor"], **st.idle["ref"], **st.resident}
+    kept = {**st.idle["actor"], **st.idle["ref"], **st.resident, **st.staging}
     device = {**kept, "cuda context": CUDA_CONTEXT_BYTES} if s.on_gpu else dict(kept)
     if s.on_gpu:
         kept = _offloaded(st)
-    return run_phases(st.config, kept=kept, state=st.actor.params + st.actor.optimizer, params=st.actor.params,
-                      largest_tensor=s.largest_module, total_params=s.total_params, per_node=s.per_node,
+    degree = shard_degree(st.config.worker.actor.fsdp.shard_size, s.world)
+    return run_phases(st.config, kept=kept, state=st.actor.params + st.actor.optimizer,
+                      trainable=st.actor.grads,  # the trainable shards in fp32: what their gradients take
+                      largest_tensor=s.largest_module, largest_shard=-(-s.largest_module // degree) * FP32,
+                      total_params=s.total_params, per_node=s.per_node,
                       processes_per_node=s.per_node * processes_per_device(st.config, s.with_ref),
                       node_ram=capacity.node_ram, on_gpu=s.on_gpu, rl=True, device=device)
 

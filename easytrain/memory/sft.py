@@ -40,7 +40,8 @@ from easytrain.memory.activations import (PATCH_VALUES, MicroBatch, activation_b
 from easytrain.memory.budget import kv_bytes_per_token
 from easytrain.memory.capacity import CUDA_CONTEXT_BYTES, Capacity, Plan, Row, sum_parts
 from easytrain.memory.host import node_host, run_phases, worker_process
-from easytrain.memory.params import count_parameters, hf_config_object, largest_trainable, trainable_by_component
+from easytrain.memory.params import (count_parameters, hf_config_object, largest_module, largest_trainable,
+                                     trainable_by_component)
 from easytrain.memory.states import (DTYPE_BYTES, FP32, ZERO_REDUCE_BUCKET, ZERO_SUB_GROUP, gathered_bytes,
                                      role_states, shard_degree, zero_states)
 
@@ -62,6 +63,8 @@ class SFTShape:
     trainable: int
     vision_grad: bool
     largest_trainable: int
+    largest_module: int
+    """Elements of the largest module (what a checkpoint's largest shard is cut from)."""
     sample_tokens: int
     """Tokens of the longest sample: data.max_prompt_length + data.max_response_length."""
     images: int
@@ -103,7 +106,8 @@ def sft_shape(config: Config, hf_config: dict[str, Any]) -> SFTShape:
     trainable = trainable_by_component(hf_config, config.model)
     return SFTShape(world=world, per_node=t.workers_per_node, total_params=count_parameters(hf_config).total,
                     trainable=sum(trainable.values()), vision_grad=trainable.get("vision_tower", 0) > 0,
-                    largest_trainable=largest_trainable(hf_config, config.model), sample_tokens=tokens,
+                    largest_trainable=largest_trainable(hf_config, config.model),
+                    largest_module=largest_module(hf_config), sample_tokens=tokens,
                     images=images, image_tokens=per_image, micro=micro, accumulates=accumulates,
                     dtype_bytes=DTYPE_BYTES[config.model.dtype], on_gpu=t.device == "cuda")
 
@@ -307,8 +311,9 @@ def plan_sft(config: Config, hf_config: dict[str, Any], capacity: Capacity) -> P
     once = [r for r in rows if r.phase == "setup"]
     kept = {**st.kept, **st.host} if not s.on_gpu else dict(st.host)
     state = sum(v for k, v in {**st.kept, **st.host}.items() if "params" in k or "optimizer" in k)
-    params = sum(v for k, v in {**st.kept, **st.host}.items() if "params" in k)
-    once += run_phases(config, kept=kept, state=state, params=params, largest_tensor=s.largest_trainable,
+    trainable = -(-s.trainable // s.world) * FP32  # the trainable shards in fp32 (FSDP full shard, ZeRO)
+    once += run_phases(config, kept=kept, state=state, trainable=trainable, largest_tensor=s.largest_trainable,
+                       largest_shard=-(-s.largest_module // s.world) * FP32,
                        total_params=s.total_params, per_node=s.per_node, processes_per_node=s.per_node,
                        node_ram=capacity.node_ram, on_gpu=s.on_gpu, rl=False,
                        device={**st.kept, "cuda context": CUDA_CONTEXT_BYTES} if s.on_gpu else dict(st.kept))

@@ -18,6 +18,7 @@ from easytrain.distributed.group import Dispatch, dispatch, free_port
 from easytrain.distributed.load import load_from_rank0
 from easytrain.distributed.ulysses import SequenceParallel, apply_ulysses, sequence_parallel_group
 from easytrain.memory import peaks
+from easytrain.memory.host import malloc_threshold_bytes
 from easytrain.memory.readings import process_info, release_process_memory, torch_allocator
 from easytrain.models.hf import load_model, model_folder
 from easytrain.models.image_dedup import dedupe_images
@@ -63,18 +64,6 @@ def worker_threads(config: Config) -> int:
         return t.threads_per_worker
     roles = 1 if t.colocate else 3
     return max(1, node_cpus() // (t.workers_per_node * roles))
-
-
-CPU_MMAP_THRESHOLD_KB = 128
-"""trainer.malloc_mmap_threshold_kb on a CPU run when unset: glibc's starting threshold, kept from rising."""
-
-
-def malloc_threshold_bytes(config: Config) -> int:
-    """The mmap threshold worker processes fix (``trainer.malloc_mmap_threshold_kb``); 0 = glibc's dynamic one."""
-    kb = config.trainer.malloc_mmap_threshold_kb
-    if kb is None:
-        kb = CPU_MMAP_THRESHOLD_KB if config.trainer.device == "cpu" else 0
-    return kb * 1024
 
 
 class WorkerBase:
