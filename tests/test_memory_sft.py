@@ -129,6 +129,11 @@ def test_padding_free_prices_the_token_budget() -> None:
     for part in ("activations", "logits", "gathered"):  # the same tokens as 2 padded samples of 4096
         assert budget.row("forward_backward").parts[part] == padded.row("forward_backward").parts[part]
     assert budget.row("forward_backward").parts["logits"] == 8192 * 152_064 * 12
+    # a budget beyond the rank's share of the global batch (64 samples / 8 ranks = 8 of 4096 tokens) packs no more
+    capped = micro(["worker.actor.padding_free=true", "worker.actor.max_token_len_per_device=131072"])
+    assert (capped.sequences, capped.tokens, capped.images) == (1, 8 * 4096, 8 * 4)
+    small = micro(["worker.actor.padding_free=true", "worker.actor.global_batch_size=8"])  # 1 sample per rank
+    assert small.tokens == 4096
 
 
 def test_the_7b_sft_preset_plan() -> None:

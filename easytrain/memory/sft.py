@@ -96,8 +96,9 @@ def sft_shape(config: Config, hf_config: dict[str, Any]) -> SFTShape:
     tokens = d.max_prompt_length + d.max_response_length
     images, per_image = sample_images(config, hf_config)
     per_rank = max(1, a.global_batch_size // (world // a.ulysses_size))
-    if a.padding_free:  # one flattened sequence, with the image share of full-length samples
-        micro = packed_micro(a.max_token_len_per_device, tokens, d.max_response_length, images, per_image)
+    if a.padding_free:  # one flattened sequence, with the image share of full-length samples, of at most the
+        budget = min(a.max_token_len_per_device, per_rank * tokens)  # rank's share of the global batch
+        micro = packed_micro(budget, tokens, d.max_response_length, images, per_image)
         accumulates = per_rank * tokens > a.max_token_len_per_device
     else:
         size = min(a.micro_batch_size_per_device_for_update, per_rank)
