@@ -11,6 +11,7 @@ from typing import Any
 import pytest
 
 from easytrain.config import compose, to_config
+from easytrain.memory.params import largest_module
 from easytrain.memory.planner import plan, worker_bytes, worker_parts
 from easytrain.memory.sft import SFT_PHASES, actor_states, pass_bytes, sft_shape
 from easytrain.memory.suggest import fit, override_value, suggestions
@@ -159,16 +160,25 @@ def test_the_7b_sft_preset_plan() -> None:
     assert p.row("validate").parts["gathered"] == QWEN2VL_7B * 2
 
 
-def test_setup_loads_the_whole_fp32_model() -> None:
+def test_setup_loads_the_whole_fp32_model_once_per_node_or_partitioned() -> None:
     """FSDP over 8 ranks: rank 0 loads the model whole in fp32 on the CPU, the others build it on the meta device,
-    and each moves its shard to the GPU; DeepSpeed loads it whole in every worker (8 per node at once) and takes
-    it whole onto the device before ZeRO partitions it."""
+    and each moves its shard to the GPU. ZeRO-3 (issue 23) builds each rank's fp32 partition as the model is
+    constructed, gathering one module at a time to load it, every worker reading the checkpoint a file (at most
+    5 GB) at a time. ZeRO-1/2 load it whole in every worker (8 per node at once) and take it whole onto the
+    device."""
     fsdp = plan(load(SFT_7B)).row("setup")
     assert fsdp.host_parts["model loading (whole, fp32)"] == QWEN2VL_7B * 4
-    assert plan(load(SFT_7B + DS)).row("setup").host_parts["model loading (whole, fp32)"] == 8 * QWEN2VL_7B * 4
     assert fsdp.parts == {"actor params": 4_145_687_808, "cuda context": 500_000_000}
-    args = SFT_7B + DS + ["trainer.gpu_memory_gb=32", "worker.actor.deepspeed.offload_optimizer=true",
-                          "worker.actor.micro_batch_size_per_device_for_update=1"]
+    config = load(SFT_7B + DS)
+    zero3 = plan(config).row("setup")
+    assert zero3.parts == {"actor params (fp32 partition, loading)": -(-QWEN2VL_7B // 8) * 4,
+                           "gathered module (loading)": largest_module(hf_config_for(config.model)) * 4,
+                           "cuda context": 500_000_000}
+    assert zero3.host_parts["checkpoint file (loading)"] == 8 * 5 * 10**9
+    zero2 = SFT_7B + DS + ["worker.actor.deepspeed.zero_stage=2"]
+    assert plan(load(zero2)).row("setup").host_parts["model loading (whole, fp32)"] == 8 * QWEN2VL_7B * 4
+    args = zero2 + ["trainer.gpu_memory_gb=32", "worker.actor.deepspeed.offload_optimizer=true",
+                    "worker.actor.micro_batch_size_per_device_for_update=1"]
     config = load(args)
     p = plan(config)
     assert p.row("setup").parts["whole fp32 model (loading)"] == QWEN2VL_7B * 4 == 33_165_502_464

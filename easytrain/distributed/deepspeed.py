@@ -40,7 +40,8 @@ from __future__ import annotations
 import logging
 import os
 from pathlib import Path
-from typing import Any, Optional
+from contextlib import contextmanager
+from typing import Any, Iterator, Optional
 
 import torch
 import torch.distributed as dist
@@ -93,12 +94,46 @@ def deepspeed_config(cfg: ActorConfig, compute_dtype: str, on_gpu: bool) -> dict
     }
 
 
+def set_local_rank(device: torch.device) -> None:
+    """DeepSpeed takes its device from LOCAL_RANK (set by its launcher or torchrun, not by Ray workers)."""
+    if device.type == "cuda":
+        os.environ["LOCAL_RANK"] = str(device.index or 0)
+    else:
+        os.environ.setdefault("LOCAL_RANK", "0")
+
+
+@contextmanager
+def zero3_construction(cfg: Any, compute_dtype: str, device: torch.device) -> Iterator[bool]:
+    """With ZeRO-3, models built inside this context are partitioned across the ranks as transformers constructs
+    them (``deepspeed.zero.Init``, which transformers enters while an ``HfDeepSpeedConfig`` is alive; weights are
+    then loaded a parameter at a time into the partitions) instead of whole in every process first: a 32B model
+    is 128 GB in fp32, once per GPU otherwise. Yields whether it applies. The config is dropped on leaving, so a
+    reference model built later in the same process (fused workers) is not partitioned by DeepSpeed."""
+    if getattr(cfg, "strategy", "fsdp") != "deepspeed" or cfg.deepspeed.zero_stage != 3:  # (the actor's keys)
+        yield False
+        return
+    from transformers.integrations.deepspeed import HfDeepSpeedConfig, unset_hf_deepspeed_config
+
+    set_local_rank(device)
+    alive = HfDeepSpeedConfig(deepspeed_config(cfg, compute_dtype, on_gpu=device.type == "cuda"))
+    try:
+        yield True
+    finally:
+        unset_hf_deepspeed_config()
+        del alive
+
+
+def parameter_count(param: torch.Tensor) -> int:
+    """Elements of a parameter, also of one ZeRO-3 partitioned at construction (whose local tensor is empty)."""
+    return int(getattr(param, "ds_numel", param.numel()))
+
+
 class DeepSpeedStrategy(TrainStrategy):
     """ZeRO 1-3 through a DeepSpeed engine; ``model`` is the engine (its ``module`` is the transformers model).
 
     ``compute_dtype`` is ``model.dtype``: float32 trains in fp32, bfloat16 runs forward and backward in bf16 with
-    fp32 master weights and optimizer states. The model passed in is whole and in fp32, frozen parts already
-    ``requires_grad=False``.
+    fp32 master weights and optimizer states. The model passed in is in fp32 (whole, or with ZeRO-3 partitioned at
+    construction: :func:`zero3_construction`), frozen parts already ``requires_grad=False``.
     """
 
     def __init__(self, model: nn.Module, cfg: ActorConfig, total_steps: int, *,
@@ -111,11 +146,7 @@ class DeepSpeedStrategy(TrainStrategy):
         config = deepspeed_config(cfg, compute_dtype, on_gpu=device.type == "cuda")
         if not dist.is_initialized():
             raise RuntimeError("DeepSpeedStrategy needs torch.distributed initialised by the worker first")
-        # DeepSpeed takes its device from LOCAL_RANK (set by its launcher or torchrun, not by Ray workers)
-        if device.type == "cuda":
-            os.environ["LOCAL_RANK"] = str(device.index or 0)
-        else:
-            os.environ.setdefault("LOCAL_RANK", "0")
+        set_local_rank(device)
         self.optimizer, self.scheduler = build_optimizer([p for p in model.parameters() if p.requires_grad],
                                                          cfg.optim, total_steps)
         engine, _, _, _ = deepspeed.initialize(model=model, optimizer=self.optimizer, config=config,

@@ -104,6 +104,9 @@ def node_host(config: Config, phase: str, workers: list[tuple[int, dict[str, int
     return {**parts, **other_processes(config, phase, rl), **{k: v for k, v in (extra or {}).items() if v}}
 
 
+CHECKPOINT_FILE_BYTES = 5 * 10**9
+"""The most one file of a Hugging Face checkpoint holds (``save_pretrained``'s default ``max_shard_size``, 5 GB): what a
+worker reading the checkpoint a file at a time holds of it (ZeRO-3 construction)."""
 CPU_MMAP_THRESHOLD_KB = 128
 """trainer.malloc_mmap_threshold_kb on a CPU run when unset: glibc's starting threshold, kept from rising."""
 

@@ -39,7 +39,7 @@ from easytrain.memory.activations import (PATCH_VALUES, MicroBatch, activation_b
                                           sft_logits_bytes, shard_units)
 from easytrain.memory.budget import kv_bytes_per_token
 from easytrain.memory.capacity import CUDA_CONTEXT_BYTES, Capacity, Plan, Row, sum_parts
-from easytrain.memory.host import node_host, run_phases, worker_process
+from easytrain.memory.host import CHECKPOINT_FILE_BYTES, node_host, run_phases, worker_process
 from easytrain.memory.params import (count_parameters, hf_config_object, largest_module, largest_trainable,
                                      trainable_by_component)
 from easytrain.memory.states import (DTYPE_BYTES, FP32, ZERO_REDUCE_BUCKET, ZERO_SUB_GROUP, gathered_bytes,
@@ -244,9 +244,13 @@ def phase_device(config: Config, s: SFTShape, st: ActorStates, hf_config: dict[s
 def setup_device(config: Config, s: SFTShape, st: ActorStates) -> dict[str, int]:
     """The model build (``workers.base.build_sharded_model``) on its busiest device. FSDP over several ranks:
     rank 0 reads the whole fp32 model on the CPU, the others build on the meta device, and each keeps its shard
-    (:mod:`easytrain.distributed.load`); DeepSpeed, or one rank, loads the whole model in every worker and takes
-    it whole onto the device, partitioning it after (ZeRO-3) or casting it to the compute dtype (bf16)."""
+    (:mod:`easytrain.distributed.load`); ZeRO-3 over several ranks builds each rank's partition as the model is
+    constructed (``deepspeed.zero.Init``), gathering one module at a time to load its weights; DeepSpeed ZeRO-1/2,
+    or one rank, loads the whole model in every worker and takes it whole onto the device."""
     whole = {"whole fp32 model (loading)": s.total_params * FP32}
+    if zero3_partitions_at_build(config, s):  # zero.Init: each rank its fp32 partition, one module gathered to load
+        return {"actor params (fp32 partition, loading)": -(-s.total_params // s.world) * FP32,
+                "gathered module (loading)": s.largest_module * FP32}
     if config.worker.actor.strategy == "deepspeed":
         return whole
     if not s.on_gpu:
@@ -279,6 +283,8 @@ def _host(config: Config, s: SFTShape, st: ActorStates, phase: str,
     if phase == "setup":
         whole = s.total_params * FP32
         held = ({"model loading (whole, fp32)": whole} if s.on_gpu else dict(device))
+        if zero3_partitions_at_build(config, s):  # every worker reads the checkpoint a file at a time
+            held = {"checkpoint file (loading)": min(whole, CHECKPOINT_FILE_BYTES), **({} if s.on_gpu else device)}
         process = worker_process("load", held, s.on_gpu)
         readers = 1 if rank0_loads(config, s) else n
         others = worker_process("load", _shard(st) if not s.on_gpu else {}, s.on_gpu)
@@ -287,6 +293,12 @@ def _host(config: Config, s: SFTShape, st: ActorStates, phase: str,
     process = worker_process(phase, held, s.on_gpu)
     extra["step batch (driver, object store)"] = 2 * batch_bytes(config, s)
     return node_host(config, phase, [(n, process)], False, extra), process
+
+
+def zero3_partitions_at_build(config: Config, s: SFTShape) -> bool:
+    """Whether the actor is built partitioned (ZeRO-3 over several ranks: ``distributed.deepspeed.zero3_construction``)."""
+    a = config.worker.actor
+    return a.strategy == "deepspeed" and a.deepspeed.zero_stage == 3 and s.world > 1
 
 
 def rank0_loads(config: Config, s: SFTShape) -> bool:

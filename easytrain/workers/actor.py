@@ -16,6 +16,7 @@ from easytrain.algorithms.losses import aggregate, masked_sum, policy_loss
 from easytrain.config.schema import Config
 from easytrain.distributed.batch import Batch
 from easytrain.distributed.checkpoint import BackgroundSave, host_buffer_bytes
+from easytrain.distributed.deepspeed import parameter_count
 from easytrain.distributed.group import Dispatch, dispatch
 from easytrain.distributed.strategy import TrainStrategy, build_strategy
 from easytrain.workers.base import WorkerBase, build_sharded_model
@@ -41,7 +42,8 @@ class ActorWorker(WorkerBase):
         model = build_sharded_model(self.config, self.cfg, self.folder, self.device, self.world_size,
                                     trainable=True, shard=self.cfg.strategy == "fsdp", sp=self.sp)
         params = [p for p in model.parameters() if p.requires_grad]
-        counts = {"trainable": sum(p.numel() for p in params), "total": sum(p.numel() for p in model.parameters())}
+        counts = {"trainable": sum(map(parameter_count, params)),
+                  "total": sum(map(parameter_count, model.parameters()))}
         self.strategy = build_strategy(model, self.cfg, total_optimizer_steps, compute_dtype=self.config.model.dtype)
         self.model = self.strategy.model
         return counts

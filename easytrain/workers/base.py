@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 import os
+from contextlib import nullcontext
 from datetime import timedelta
 from typing import Any, Optional
 
@@ -13,6 +14,7 @@ import torch.distributed as dist
 from torch import nn
 
 from easytrain.config.schema import Config, RoleConfig
+from easytrain.distributed.deepspeed import zero3_construction
 from easytrain.distributed.fsdp import apply_activation_checkpointing, apply_fsdp, build_mesh
 from easytrain.distributed.group import Dispatch, dispatch, free_port
 from easytrain.distributed.load import load_from_rank0
@@ -159,8 +161,8 @@ def build_sharded_model(config: Config, role: RoleConfig, folder: str, device: t
 
     Sharded over several ranks, only rank 0 reads the checkpoint; the others build the model on the meta device
     and receive their shards, buffers and LoRA adapters from rank 0 (``distributed.load``): one full host copy
-    per node at load, not one per process. One process (``world_size == 1``) and ``shard=False`` load the full
-    model in the process as before: there one copy per process is unavoidable."""
+    per node at load, not one per process. One process (``world_size == 1``) loads the full model; ``shard=False``
+    (DeepSpeed) too, except under ZeRO-3, where each rank builds only its partition (``zero3_construction``)."""
     model_cfg = config.model
     compute_dtype = DTYPES[model_cfg.dtype]
     param_dtype: Optional[torch.dtype] = None if compute_dtype == torch.float32 else compute_dtype
@@ -193,7 +195,8 @@ def build_sharded_model(config: Config, role: RoleConfig, folder: str, device: t
         model = load_from_rank0(model_cfg, folder, prepare=prepare, shard=fsdp,
                                 device=torch.device("cpu") if offload else device)
     else:
-        model = prepare(load_model(model_cfg, folder, dtype="float32"))
+        with zero3_construction(role, model_cfg.dtype, device) if not shard else nullcontext():
+            model = prepare(load_model(model_cfg, folder, dtype="float32"))
         if shard and (offload or param_dtype is not None):
             fsdp(model)
     if not offload:
