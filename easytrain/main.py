@@ -56,14 +56,16 @@ def fail(err: ConfigError, prog: str = "easytrain") -> None:
 
 def run(config: Config) -> dict[str, float]:
     """Start or join Ray and run the trainer for ``trainer.task``; returns the final validation metrics."""
-    from easytrain.distributed.cluster import init_ray
+    from easytrain.distributed.cluster import check_local_gpus, init_ray, warn_small_nodes
     from easytrain.memory.report import check_before_launch
     from easytrain.trainer.checkpoint import check_resume
 
     logger.info("run folder: %s", config.trainer.output_dir)
+    check_local_gpus(config)
     check_before_launch(config)
     check_resume(config)
     init_ray(config.ray)
+    warn_small_nodes(config)
     if config.trainer.task == "sft":
         from easytrain.trainer.sft import SFTTrainer
 
