@@ -41,6 +41,10 @@ fi
 
 export DS_BUILD_OPS=0   # DeepSpeed as pure Python; ops JIT-compile when first used
 "$py" -m pip install --quiet "$torch_spec"
+if [ "$target" = gpu ]; then
+  # the driver must run torch's CUDA build: say what to do now, not at the first CUDA call of a run
+  "$py" "$here/scripts/check_driver.py" || { echo "install.sh: fix the driver (above), then run this again" >&2; exit 1; }
+fi
 "$py" -m pip install --quiet -e "$here[$extras]"
 
 if [ "$target" = cpu ]; then
