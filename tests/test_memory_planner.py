@@ -264,7 +264,7 @@ def test_padding_free_rl_prices_the_token_budget_not_the_micro_batch_sizes() -> 
 
 def test_ulysses_halves_the_per_token_activations_of_a_packed_update() -> None:
     from easytrain.memory.activations import PATCH_VALUES
-    from easytrain.memory.planner import per_rank, shape_of
+    from easytrain.memory.rl_shape import per_rank, shape_of
 
     one, two = load(PACKED), load(PACKED + ["worker.actor.ulysses_size=2"])
     assert two.trainer.workers_per_node * two.trainer.nnodes == 8
@@ -301,7 +301,7 @@ responses: a micro batch of 5 (10) sequences is 1 (2) whole prompt(s)."""
 
 
 def test_share_prompt_prices_each_prompt_once_with_its_responses() -> None:
-    from easytrain.memory.planner import shared_pays_off, shared_rows
+    from easytrain.memory.rl_shape import shared_pays_off, shared_rows
 
     config = load(SHARED)
     hf = hf_config_for(config.model)
