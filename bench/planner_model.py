@@ -1,6 +1,11 @@
-"""The ~180M-parameter random Qwen2.5-VL the planner benchmarks run (bench/planner_accuracy.py): the tiny
-factory's tokenizer, processor and token ids with a bigger text model and vision tower, written once with
-``save_pretrained`` into ``~/.cache/easytrain/bench_planner_<hash>``."""
+"""Random Qwen2.5-VL models bigger than the tiny factory's, for benchmarks and the GPU suite: the tiny factory's
+tokenizer, processor and token ids with a bigger text model and vision tower, written once with
+``save_pretrained`` into ``~/.cache/easytrain/<tag>_<hash>``.
+
+- the ~180M model the planner benchmarks run (bench/planner_accuracy.py): :func:`bench_model_folder`;
+- the ~0.6B model of the GPU suite (tests/gpu, bench/gpu_smoke.py): the text model of Qwen2.5-0.5B (its
+  public config.json: 24 layers of 896, 151,936 tokens, tied embeddings) under a 4-block vision tower of
+  Qwen2.5-VL's width: ``bench_model_folder(HALF_B_TEXT, HALF_B_VISION, tag="gpu_half_b", tie=True)``."""
 
 from __future__ import annotations
 
@@ -9,6 +14,7 @@ import json
 import os
 import shutil
 from pathlib import Path
+from typing import Any, Optional
 
 BENCH_MODEL = "{bench_model}"
 """Placeholder in the overrides for the folder of the ~180M model (machine-specific)."""
@@ -16,11 +22,16 @@ BENCH_TEXT = {"hidden_size": 768, "num_hidden_layers": 12, "num_attention_heads"
               "intermediate_size": 3072, "vocab_size": 32000}
 BENCH_VISION = {"depth": 8, "hidden_size": 512, "num_heads": 8, "intermediate_size": 1536, "out_hidden_size": 768,
                 "fullatt_block_indexes": [3, 7]}
+HALF_B_TEXT = {"hidden_size": 896, "num_hidden_layers": 24, "num_attention_heads": 14, "num_key_value_heads": 2,
+               "intermediate_size": 4864, "vocab_size": 151936}
+HALF_B_VISION = {"depth": 4, "hidden_size": 1280, "num_heads": 16, "intermediate_size": 3420, "out_hidden_size": 896,
+                 "fullatt_block_indexes": [3]}
 
 
-def bench_model_folder() -> Path:
-    """A random Qwen2.5-VL of ~180M parameters with the tiny factory's tokenizer, processor and token
-    ids, saved once with ``save_pretrained`` into the easytrain cache."""
+def bench_model_folder(text: Optional[dict[str, Any]] = None, vision: Optional[dict[str, Any]] = None,
+                       tag: str = "bench_planner", tie: bool = False) -> Path:
+    """A random Qwen2.5-VL of the ``text`` and ``vision`` shapes (default: the ~180M one) with the tiny factory's
+    tokenizer, processor and token ids, saved once with ``save_pretrained`` into the easytrain cache."""
     import torch
     import transformers
 
@@ -31,11 +42,11 @@ def bench_model_folder() -> Path:
     for key in ("architectures", "transformers_version", "dtype"):
         raw.pop(key, None)
     raw["text_config"].pop("layer_types", None)  # one per layer: rebuilt for the new depth
-    raw["text_config"].update(BENCH_TEXT)
-    raw["vision_config"].update(BENCH_VISION)
-    raw["tie_word_embeddings"] = False
+    raw["text_config"].update(BENCH_TEXT if text is None else text)
+    raw["vision_config"].update(BENCH_VISION if vision is None else vision)
+    raw["tie_word_embeddings"] = tie
     key = hashlib.sha1(json.dumps([raw, tiny.name, transformers.__version__], sort_keys=True).encode()).hexdigest()
-    folder = default_cache_dir() / f"bench_planner_{key[:10]}"
+    folder = default_cache_dir() / f"{tag}_{key[:10]}"
     if (folder / "config.json").is_file():
         return folder
     tmp = folder.with_name(f".{folder.name}.{os.getpid()}")

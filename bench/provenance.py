@@ -48,9 +48,13 @@ def _git(*args: str) -> Optional[str]:
 
 
 def git_state() -> dict[str, Any]:
-    """``commit`` (HEAD) and ``dirty`` (tracked files outside bench/results differ from it; None without git)."""
+    """``commit`` (HEAD) and ``dirty`` (tracked files outside bench/results differ from it; None without git).
+    Without git, ``EASYTRAIN_COMMIT`` names the commit the checkout was copied at, if set."""
+    commit = _git("rev-parse", "HEAD")
+    if commit is None and os.environ.get("EASYTRAIN_COMMIT"):  # a copy of the checkout without .git (a GPU
+        return {"commit": os.environ["EASYTRAIN_COMMIT"], "dirty": None}  # machine): the commit it was copied at
     status = _git("status", "--porcelain", "--untracked-files=no", "--", ".", f":(exclude){RESULTS_DIR}")
-    return {"commit": _git("rev-parse", "HEAD"), "dirty": bool(status) if status is not None else None}
+    return {"commit": commit, "dirty": bool(status) if status is not None else None}
 
 
 def utc_now() -> str:

@@ -139,3 +139,21 @@ class LeakDetector:
             reports.append((f"leak {name}", f"{name} grows {slope:.1f} MB/step (+{grown:.0f} MB over steps "
                                             f"{points[0][0]}-{points[-1][0]}): a leak, or a cache without a bound"))
         return reports
+
+
+def gpu_held(used_bytes: int, workers: list[dict[str, int]]) -> int:
+    """What one GPU's memory holds for real: every easytrain process's live peak on it plus what lies outside
+    their allocators.
+
+    NVML's "used" counts the caching allocators' free blocks too: on a colocated GPU the engine reserves its KV
+    pool up front and every process keeps the blocks of its own largest phase, so a healthy run reads near full.
+    A process whose next phase fits in what it reserved never asks the driver for more, so its cached free
+    blocks are no pressure. Per worker (dicts with ``gpu_allocated_bytes``, ``gpu_reserved_bytes`` and
+    ``gpu_step_peak_bytes``, the allocator's peak since the last step boundary) the live figure is the larger of
+    the step's peak and what is allocated now; outside is ``used_bytes`` (NVML, read at the same boundary) less
+    all workers' reserved bytes: CUDA contexts, NCCL buffers, an engine core in a process of its own (its KV pool
+    with it), other programs. The result never exceeds ``used_bytes``, so it only ever removes false alarms."""
+    reserved = sum(w["gpu_reserved_bytes"] for w in workers)
+    live = sum(min(max(w.get("gpu_step_peak_bytes", 0), w["gpu_allocated_bytes"]), w["gpu_reserved_bytes"])
+               for w in workers)
+    return max(0, used_bytes - reserved) + live

@@ -143,8 +143,8 @@ class WorkerBase:
 
     @dispatch(Dispatch.BROADCAST)
     def process_info(self) -> dict[str, Any]:
-        """Where this worker runs, for the memory watchdog's node samplers."""
-        return process_info(self.role, self.rank)
+        """Where this worker runs, for the memory watchdog's node samplers (and its collective backend)."""
+        return {**process_info(self.role, self.rank), "backend": dist.get_backend() if dist.is_initialized() else None}
 
     @dispatch(Dispatch.BROADCAST)
     def release_memory(self) -> dict[str, Any]:

@@ -1,0 +1,114 @@
+"""The GPU path on one CUDA device, for a tiny and a ~0.6B random Qwen2.5-VL (bench/planner_model.py): the FSDP2
+update over NCCL, the HF engine generating on CUDA, the fused worker's in-process sync (the engine then holds
+exactly the actor's weights and its greedy tokens are the actor's), the engine's sleep freeing what it says, and
+the watchdog's readings (NVML and the torch allocator) against what torch itself reports.
+
+Marked ``gpu``: skipped without a CUDA device, never run in CI (``pytest -m "not gpu"``). On a GPU machine:
+``python -m pytest tests/gpu -m gpu`` (``bench/gpu_smoke.py`` runs it and records the result)."""
+
+from __future__ import annotations
+
+import math
+import sys
+from pathlib import Path
+from typing import Any, Iterator
+
+import pytest
+import torch
+
+from easytrain.memory.readings import gpu_readings, open_nvml
+from easytrain.trainer.rl import RLTrainer
+from grpo_helpers import make_config
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+from bench.planner_model import HALF_B_TEXT, HALF_B_VISION, bench_model_folder  # noqa: E402
+
+pytestmark = [pytest.mark.gpu, pytest.mark.slow]
+
+LOG_PROB_TOL = 1e-3
+"""fp32 on CUDA, TF32 matmuls off (torch's default): the engine's cached decode and the actor's full forward
+differ by kernel choice and summation order only, ~1e-6 relative on logits of order 10; 1e-3 leaves room for
+the vocabulary's log-sum-exp and still fails on a wrong weight (an update of lr 1e-3 moves them by more)."""
+
+
+def _model(size: str) -> list[str]:
+    if size == "tiny":
+        return []
+    folder = bench_model_folder(HALF_B_TEXT, HALF_B_VISION, tag="gpu_half_b", tie=True)
+    return [f"model.path={folder}"]
+
+
+@pytest.fixture(scope="module", params=["tiny", "half_b"])
+def trainer(request: pytest.FixtureRequest, ray_clusters: Any,
+            tmp_path_factory: pytest.TempPathFactory) -> Iterator[RLTrainer]:
+    ray_clusters.local()
+    config = make_config(str(tmp_path_factory.mktemp(f"gpu-{request.param}")), "trainer.device=cuda",
+                         "trainer.workers_per_node=1", "worker.rollout.sleep_level=2", "trainer.val_freq=-1",
+                         "trainer.save_freq=-1", "algorithm.kl_coef=0.01", "model.dtype=float32",
+                         *_model(request.param))
+    trainer = RLTrainer(config)
+    try:
+        yield trainer
+    finally:
+        trainer.close()
+
+
+def _allocated(trainer: RLTrainer) -> int:
+    return trainer.roles.fused.call("memory")[0]["watch"]["gpu_allocated_bytes"]
+
+
+def test_the_fsdp2_update_runs_over_nccl_and_changes_the_weights(trainer: RLTrainer) -> None:
+    roles = trainer.roles
+    info = roles.fused.call("process_info")[0]
+    assert "nccl" in str(info["backend"])
+    before = roles.actor.call("full_state_dict")
+    metrics = trainer.train_step()
+    trainer.step += 1
+    after = roles.actor.call("full_state_dict")
+    assert math.isfinite(metrics["actor/pg_loss"]) and math.isfinite(metrics["actor/grad_norm"])
+    assert all(torch.isfinite(t).all() for t in after.values())
+    assert any(not torch.equal(before[k], after[k]) for k in before)
+    assert metrics["memory/worker_sleep_freed_gb_max"] > 0  # the engine slept on the device during the step
+
+
+def test_after_the_sync_the_engine_holds_the_actor_and_greedy_is_on_policy(trainer: RLTrainer) -> None:
+    roles = trainer.roles
+    prompts = next(trainer.data.train_batches())
+    greedy = roles.rollout.call("generate", prompts, trainer.step, True)  # validation sampling: greedy; syncs first
+    engine = roles.rollout.call("engine_weights")[0]
+    actor = roles.actor.call("full_state_dict")
+    assert set(engine) == set(actor)
+    for name, tensor in actor.items():
+        assert torch.equal(engine[name], tensor.to(engine[name].dtype)), name
+    recomputed = roles.actor.call("compute_log_probs", greedy)["old_log_probs"]
+    mask = greedy["response_mask"].bool()
+    assert mask.any()
+    assert (recomputed - greedy["rollout_log_probs"]).abs()[mask].max() < LOG_PROB_TOL
+
+
+def test_the_engines_sleep_frees_what_it_says(trainer: RLTrainer) -> None:
+    roles = trainer.roles
+    roles.rollout.call("generate", next(trainer.data.train_batches()), trainer.step, True)  # awake, weights in
+    before = _allocated(trainer)
+    freed = roles.rollout.call("sleep")[0]
+    after = _allocated(trainer)
+    assert freed > 0
+    # The allocator rounds each block up to 512 bytes: the drop is the weights' bytes plus at most that per tensor.
+    tensors = len(roles.rollout.call("engine_weights")[0])
+    assert freed <= before - after <= freed + 512 * tensors
+    roles.rollout.call("generate", next(trainer.data.train_batches()), trainer.step, True)  # the sync refills it
+    assert _allocated(trainer) - after >= freed
+
+
+def test_the_watchdogs_readings_agree_with_torch(trainer: RLTrainer) -> None:
+    nvml = open_nvml()
+    assert nvml is not None, "NVML (nvidia-ml-py) is what the watchdog reads GPUs with"
+    readings = gpu_readings(nvml)
+    assert len(readings) == torch.cuda.device_count() >= 1
+    gpu = readings[0]
+    # NVML's total is the board's memory; torch's the part CUDA can allocate: equal within the driver's reserve.
+    total = torch.cuda.get_device_properties(0).total_memory
+    assert 0.95 * gpu["total_bytes"] <= total <= gpu["total_bytes"]
+    worker = trainer.roles.fused.call("memory")[0]["watch"]
+    assert 0 < worker["gpu_allocated_bytes"] <= worker["gpu_reserved_bytes"] <= gpu["used_bytes"]
+    assert worker["gpu_peak_bytes"] >= worker["gpu_allocated_bytes"]
