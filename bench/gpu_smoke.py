@@ -11,7 +11,7 @@ On a GPU machine that lacks Ray and Hydra, carry them (``bash ../shared/gpu/bund
   test's outcome and time.
 - ``runs``: ``python -m easytrain.main`` on ``trainer.device=cuda`` (one fused worker: actor, reference and HF
   engine on the one GPU, the engine sleeping between its generations) for the tiny model and the ~0.6B one
-  (bench/planner_model.py) in bfloat16, ``trainer.max_steps`` steps and a checkpoint. From each run's
+  (bench/planner_model.py) in bfloat16, and SFT of the ~0.6B one (``+exp=tiny_sft``): 3 steps and a checkpoint. From each run's
   ``memory.jsonl``: every phase's device peak (``torch.cuda.max_memory_allocated`` over the worker call, reset at
   its start: :mod:`easytrain.memory.peaks`) next to the plan's device bytes for the phase less the CUDA context
   (what the allocator can see), and the error ``planned / measured - 1``; the goal of issue 23 is within 15%.
@@ -105,7 +105,6 @@ def run_case(name: str, overrides: list[str], timeout_s: int) -> dict[str, Any]:
         rows = [json.loads(line) for line in metrics.read_text().splitlines() if line.strip()]
         steps = [r["time/step"] for r in rows if "time/step" in r]
         record["step_s"] = [round(s, 3) for s in steps]
-        record["gpu_peak_gb"] = max((r.get("memory/gpu_peak_gb", 0.0) for r in rows), default=0.0)
     keep = Path(os.environ.get("OUT", "")) if os.environ.get("OUT") else None
     if keep is not None and memory.is_file():  # the device tool brings $OUT back: the raw readings travel too
         (keep / f"memory_{name}.jsonl").write_bytes(memory.read_bytes())
@@ -168,7 +167,9 @@ def main() -> None:
                 record["runs"] = {
                     "tiny_bf16": run_case("tiny_bf16", ["model.dtype=bfloat16"], args.timeout),
                     "half_b_bf16": run_case("half_b_bf16", [f"model.path={half_b}", "model.dtype=bfloat16"],
-                                            args.timeout)}
+                                            args.timeout),
+                    "half_b_sft_bf16": run_case("half_b_sft_bf16", ["+exp=tiny_sft", f"model.path={half_b}",
+                                                                    "model.dtype=bfloat16"], args.timeout)}
             elif part == "readings":
                 record["readings"] = run_readings(args.timeout)
             else:

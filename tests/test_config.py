@@ -47,6 +47,19 @@ def test_gpu_preset_values() -> None:
     assert sft.trainer.task == "sft" and sft.model.freeze_vision_tower
 
 
+def test_attention_auto_is_sdpa_without_flash_attn_and_flash_needs_it(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The GPU presets ask for ``auto``: flash-attn is not installed here, so they run sdpa; naming
+    flash_attention_2 is a config error saying what to install, and on CPU what to use instead."""
+    assert _resolve(["+exp=qwen25vl_7b"]).model.attn_implementation == "sdpa"
+    with pytest.raises(ConfigError, match="model.attn_implementation='flash_attention_2': flash-attn is not installed"):
+        _resolve(["+exp=qwen25vl_7b", "model.attn_implementation=flash_attention_2"])
+    with pytest.raises(ConfigError, match="flash-attention runs on CUDA GPUs only"):
+        _resolve(["model.attn_implementation=flash_attention_2"])
+    monkeypatch.setattr(sys.modules["easytrain.config.validate"], "flash_attn_installed", lambda: True)  # a GPU node that has it
+    assert _resolve(["+exp=qwen25vl_7b"]).model.attn_implementation == "flash_attention_2"
+    assert _resolve(["model.attn_implementation=auto"]).model.attn_implementation == "sdpa"  # CPU run
+
+
 def test_primary_yaml_holds_no_defaults() -> None:
     """Every default lives in the schema: config.yaml only lists the schema and Hydra settings."""
     primary = yaml.safe_load((CONF_DIR / "config.yaml").read_text())
@@ -189,6 +202,7 @@ def test_cli_config_prints_validated_yaml() -> None:
     (["+exp=tiny", "worker.actor.micro_batch_size_per_device_for_update=3"],
      "worker.actor.micro_batch_size_per_device_for_update"),
     (["+exp=tiny", "data.max_pixels=10", "data.min_pixels=1000"], "data.max_pixels"),
+    (["+exp=qwen25vl_7b", "model.attn_implementation=flash_attention_2"], "pip install flash-attn"),
 ])
 def test_cli_bad_config_exits_2_with_one_line(entry: list[str], overrides: list[str], key: str) -> None:
     out = _cli(*entry, *overrides)

@@ -13,7 +13,8 @@ import pytest
 from easytrain.config import compose, to_config, with_default_preset
 from easytrain.memory.activations import MicroBatch, activation_bytes, layer_saved, logits_bytes, model_dims
 from easytrain.memory.capacity import GB
-from easytrain.memory.host import PHASE_WORKING_SET, WORKER_BYTES
+from easytrain.memory.host import GPU_WORKER_BYTES, PHASE_WORKING_SET, WORKER_BYTES
+from easytrain.memory.capacity import CUDA_WORKSPACE_BYTES
 from easytrain.memory.planner import CUDA_CONTEXT_BYTES, plan
 from easytrain.memory.suggest import fit, override_value, suggestions
 from easytrain.models.shapes import hf_config_for, known_hf_configs
@@ -49,8 +50,9 @@ def test_logits_and_loss_peak_by_hand() -> None:
 def test_colocated_device_peak_is_the_largest_phase_not_the_sum() -> None:
     config = load(["+exp=qwen25vl_7b"])  # 80 GB GPUs, actor and ref offloaded, vLLM at 0.6, sleep level 2
     p = plan(config)
-    # generation: vLLM's 0.6 x 80 GB plus the fused process's one CUDA context; the offloaded roles hold nothing
-    assert p.row("generation").device == int(0.6 * 80 * GB) + CUDA_CONTEXT_BYTES
+    # generation: vLLM's 0.6 x 80 GB plus the fused process's one CUDA context and its cuBLAS workspaces; the
+    # offloaded roles hold nothing
+    assert p.row("generation").device == int(0.6 * 80 * GB) + CUDA_CONTEXT_BYTES + CUDA_WORKSPACE_BYTES
     assert p.device_peak == max(r.device for r in p.rows) < sum(r.device for r in p.rows)
     assert "vllm reservation" not in p.row("update").parts  # asleep while the actor trains
     awake = plan(load(["+exp=qwen25vl_7b", "worker.rollout.sleep_level=0"]))
@@ -65,9 +67,9 @@ def test_fused_workers_one_process_and_one_cuda_context_per_gpu() -> None:
             assert row.parts["cuda context"] == CUDA_CONTEXT_BYTES and "cuda contexts" not in row.parts, row.phase
     # host: one worker process per GPU fused, one per role per GPU in pools, each with the framework's bytes
     f, p = fused.row("update"), pools.row("update")
-    assert f.host_parts["worker processes (framework)"] == 8 * WORKER_BYTES
-    assert p.host_parts["worker processes (framework)"] == 8 * roles * WORKER_BYTES
-    assert p.host - f.host == 8 * (roles - 1) * WORKER_BYTES
+    assert f.host_parts["worker processes (framework)"] == 8 * GPU_WORKER_BYTES  # with the CUDA libraries
+    assert p.host_parts["worker processes (framework)"] == 8 * roles * GPU_WORKER_BYTES
+    assert p.host - f.host == 8 * (roles - 1) * GPU_WORKER_BYTES
     config = load(["+exp=tiny"])
     cpu = plan(config)  # CPU, colocated: one process per CPU worker, it holds every role's tensors in its RSS
     for row in cpu.rows:
@@ -107,7 +109,7 @@ def test_engine_holds_what_the_phase_engine_state_and_sleep_level_leave() -> Non
     assert "vllm reservation" not in sync.parts and "kv cache" not in sync.parts
     assert not any("sync" in k for k in sync.host_parts)
     assert sync.device == sum(p.row("update").parts[k] for k in ("actor params", "actor optimizer", "ref params")) \
-        + weights + bucket + CUDA_CONTEXT_BYTES
+        + weights + bucket + CUDA_CONTEXT_BYTES + CUDA_WORKSPACE_BYTES
     # level 1: asleep the weights wait in host RAM, one share per GPU; woken for the sync they leave it
     one = plan(load(base + ["worker.rollout.sleep_level=1"]))
     for phase in ("ref_log_probs", "old_log_probs", "update"):
@@ -135,7 +137,7 @@ def test_load_reads_one_whole_checkpoint_per_node() -> None:
     on_gpu = plan(load(["+exp=qwen25vl_7b", "worker.actor.offload.params=false", "worker.ref.offload.params=false"]))
     row = on_gpu.row("load")
     assert not any("offloaded" in key for key in row.host_parts)
-    assert row.device == 2 * (total * 4 // 8) + int(0.6 * 80 * GB) + CUDA_CONTEXT_BYTES
+    assert row.device == 2 * (total * 4 // 8) + int(0.6 * 80 * GB) + CUDA_CONTEXT_BYTES  # no kernel has run yet
 
 
 def test_lora_reference_pass_runs_on_the_actor() -> None:
@@ -300,7 +302,7 @@ SHARED = ["+exp=qwen25vl_7b", "model.attn_implementation=sdpa", "data.max_respon
 responses: a micro batch of 5 (10) sequences is 1 (2) whole prompt(s)."""
 
 
-def test_share_prompt_prices_each_prompt_once_with_its_responses() -> None:
+def test_share_prompt_prices_each_prompt_once_with_its_responses(monkeypatch: pytest.MonkeyPatch) -> None:
     from easytrain.memory.rl_shape import shared_pays_off, shared_rows
 
     config = load(SHARED)
@@ -326,7 +328,8 @@ def test_share_prompt_prices_each_prompt_once_with_its_responses() -> None:
     plain_update = MicroBatch(sequences=5, tokens=prompt + response, response=response, images=1, image_tokens=2048)
     assert plain.row("update").parts["activations"] == activation_bytes(d, plain_update, 2, grad=True,
                                                                         checkpointing=True, vision_grad=True)
-    # flash attention takes no such mask: plain rows
+    # flash attention takes no such mask: plain rows (planned for GPU nodes that have flash-attn; this one has not)
+    monkeypatch.setattr(sys.modules["easytrain.config.validate"], "flash_attn_installed", lambda: True)
     flash = plan(load(SHARED + ["model.attn_implementation=flash_attention_2"]), hf)
     assert flash.row("update").parts["activations"] == plain.row("update").parts["activations"]
     assert any("prompt-shared" in note for note in p.notes)

@@ -69,7 +69,10 @@ def run_rank(rank: int, folder: str, port: int) -> None:
     for (name, p), (_, ref) in zip(model.named_parameters(), reference.named_parameters()):
         grad = p.grad.clone()
         dist.all_reduce(grad)  # the group's gradients summed are the unsplit model's
-        torch.testing.assert_close(grad, ref.grad, rtol=1e-4, atol=1e-6, msg=name)
+        # Ulysses attends sample by sample, the reference in one masked call: the same sums in another order,
+        # a few float32 ulps of the largest term apart (4.8e-6 of 8.6 seen in the embedding's gradient)
+        atol = 16 * torch.finfo(torch.float32).eps * float(ref.grad.abs().max())
+        torch.testing.assert_close(grad, ref.grad, rtol=1e-4, atol=atol, msg=name)
     dist.destroy_process_group()
 
 
@@ -156,7 +159,10 @@ def run_vl_rank(rank: int, run_dir: str, port: int, family: str) -> None:
             continue
         grad = p.grad.clone()
         dist.all_reduce(grad)
-        torch.testing.assert_close(grad, ref.grad, rtol=1e-4, atol=1e-6, msg=name)
+        # Ulysses attends sample by sample, the reference in one masked call: the same sums in another order,
+        # a few float32 ulps of the largest term apart (4.8e-6 of 8.6 seen in the embedding's gradient)
+        atol = 16 * torch.finfo(torch.float32).eps * float(ref.grad.abs().max())
+        torch.testing.assert_close(grad, ref.grad, rtol=1e-4, atol=atol, msg=name)
     dist.destroy_process_group()
 
 

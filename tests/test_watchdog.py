@@ -168,10 +168,14 @@ class RecordedNVML:
     def nvmlDeviceGetMemoryInfo(self, handle: int) -> MemoryInfo:
         return MemoryInfo(self.total, self.total - self.used[handle], self.used[handle])
 
+    def nvmlDeviceGetUUID(self, handle: int) -> bytes:  # older nvidia-ml-py answers bytes, newer str
+        return f"GPU-0000000{handle}-1111-2222-3333-444444444444".encode()
+
 
 def test_gpu_readings_from_nvml_shaped_answers() -> None:
     readings = gpu_readings(RecordedNVML([10_737_418_240, 79_456_894_976]))
     assert [r["index"] for r in readings] == [0, 1]
+    assert readings[1]["uuid"] == "GPU-00000001-1111-2222-3333-444444444444"
     assert readings[0]["fraction"] == pytest.approx(0.125)
     assert readings[1]["fraction"] == pytest.approx(0.925)
     assert level(readings[1]["fraction"], 0.85, 0.90, 0.97) == "soft"

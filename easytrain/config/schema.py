@@ -69,8 +69,9 @@ class ModelConfig:
     """Where tiny models (and hub downloads) are cached; default ~/.cache/easytrain."""
     dtype: str = choice("float32", "float32", "bfloat16", "float16")
     """Dtype of trained parameters' compute copy (master weights stay float32 under FSDP mixed precision)."""
-    attn_implementation: str = choice("sdpa", "sdpa", "eager", "flash_attention_2")
-    """transformers attention kernel."""
+    attn_implementation: str = choice("sdpa", "sdpa", "eager", "flash_attention_2", "auto")
+    """transformers attention kernel; ``auto``: flash_attention_2 on a GPU run where flash-attn is installed,
+    else sdpa. On GPU, sdpa's padding-free and Ulysses passes attend sample by sample (no S x S mask)."""
     gradient_checkpointing: bool = False
     """Recompute activations in the backward pass: less memory, ~30% more compute."""
     dedupe_images: bool = True

@@ -13,12 +13,15 @@ from __future__ import annotations
 import importlib.util
 
 import dataclasses
+import logging
 import os
 import re
 from dataclasses import dataclass
 from typing import Any, Optional, Sequence
 
 from easytrain.config.schema import CHOICES, HIGH, LOW, LOW_OPEN, Config
+
+logger = logging.getLogger(__name__)
 
 LOGGERS = ("console", "jsonl", "tensorboard", "wandb", "mlflow")
 LOGGER_PACKAGES = {"tensorboard": "tensorboard", "wandb": "wandb", "mlflow": "mlflow"}
@@ -103,6 +106,7 @@ def _range_fix(low: Optional[float], high: Optional[float], low_open: bool) -> s
 def validate(cfg: Config, shape: Optional[ModelShape] = None) -> None:
     """Raise :class:`ConfigError` for the first impossible combination in ``cfg``."""
     check_fields(cfg)
+    resolve_attention(cfg)
     _check_data(cfg)
     _check_batches(cfg)
     _check_parallelism(cfg)
@@ -305,6 +309,26 @@ def _check_rollout(cfg: Config) -> None:
         raise ConfigError("worker.rollout.engine", "vllm", "vLLM is not installed in this environment",
                           "bash scripts/install.sh cpu (or gpu), i.e. pip install -e .[cpu] / .[gpu]; "
                           "or set worker.rollout.engine=hf")
+
+
+def flash_attn_installed() -> bool:
+    return importlib.util.find_spec("flash_attn") is not None
+
+
+def resolve_attention(cfg: Config) -> None:
+    """``model.attn_implementation=auto`` becomes ``flash_attention_2`` on a GPU run where flash-attn is
+    installed, else ``sdpa`` (what the presets ask for); ``flash_attention_2`` itself needs both."""
+    m, cuda = cfg.model, cfg.trainer.device == "cuda"
+    if m.attn_implementation == "auto":
+        m.attn_implementation = "flash_attention_2" if cuda and flash_attn_installed() else "sdpa"
+        logger.info("model.attn_implementation=auto: %s", m.attn_implementation)
+    elif m.attn_implementation == "flash_attention_2" and not cuda:
+        raise ConfigError("model.attn_implementation", m.attn_implementation, "flash-attention runs on CUDA GPUs only",
+                          "use sdpa (or auto) with trainer.device=cpu")
+    elif m.attn_implementation == "flash_attention_2" and not flash_attn_installed():
+        raise ConfigError("model.attn_implementation", m.attn_implementation, "flash-attn is not installed here",
+                          "pip install flash-attn --no-build-isolation (built for this torch and CUDA), "
+                          "or use sdpa or auto")
 
 
 def _check_model(cfg: Config) -> None:

@@ -15,7 +15,8 @@ every decoder layer work on the rank's contiguous chunk of ``S / P`` tokens:
   ``"ulysses"``: an all-to-all turns ``(B, H, S/P, D)`` query/key/value into
   ``(B, H/P, S, D)`` (every position, a share of the heads; key/value heads
   fewer than ``P`` are repeated first), attention runs over the full
-  sequence with the block-diagonal causal mask of the packed samples, and
+  sequence sample by sample (causal within each packed sample, one SDPA call
+  each: no S x S mask, :mod:`easytrain.models.segments`), and
   the inverse all-to-all brings the output back to the chunk;
 - the final norm, the head and the loss stay on the chunk: per-token
   outputs are gathered (:func:`gather_sequence`) only to report them.
@@ -43,6 +44,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from easytrain.models.segments import Layout, attend, mask_outside_layouts, packed_blocks, segments
+
 ATTENTION = "ulysses"
 
 
@@ -56,6 +59,8 @@ class SequenceParallel:
     rank: int
     samples: Optional[torch.Tensor] = None
     """(S,) sample index of every position of the full sequence (packed samples attend only to themselves)."""
+    blocks: Layout = field(default_factory=list)
+    """The same as attention blocks (:mod:`easytrain.models.segments`), one per sample."""
     record: list[dict[str, Any]] = field(default_factory=list)
     """Per attention call: local and gathered shapes and the collectives run (when recording is on)."""
     recording: bool = False
@@ -132,12 +137,7 @@ def ulysses_attention(module: nn.Module, query: torch.Tensor, key: torch.Tensor,
         repeat = sp.size // kv_heads if sp.size % kv_heads == 0 else heads // kv_heads
         key, value = key.repeat_interleave(repeat, dim=1), value.repeat_interleave(repeat, dim=1)
     q, k, v = (all_to_all(t, sp, scatter_dim=1, gather_dim=2) for t in (query, key, value))
-    samples = sp.samples.to(q.device)
-    length = q.shape[2]
-    mask = (samples[:, None] == samples[None, :]) & torch.ones(length, length, dtype=torch.bool,
-                                                                device=q.device).tril()
-    out = nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=dropout, scale=scaling,
-                                                     enable_gqa=k.shape[1] != q.shape[1])
+    out = attend(q, k, v, sp.blocks, scaling)  # sample by sample: no S x S mask of the whole sequence
     if sp.recording:
         sp.record.append({"local_query": tuple(query.shape), "attention_query": tuple(q.shape),
                           "attention_key": tuple(k.shape), "collectives": ["all_to_all"] * 4})
@@ -146,13 +146,13 @@ def ulysses_attention(module: nn.Module, query: torch.Tensor, key: torch.Tensor,
 
 
 def register_attention() -> None:
-    """``"ulysses"`` in transformers' attention interface; the model still builds its (full-sequence) mask with
-    the sdpa mask function, which Ulysses attention replaces by the packed samples' own."""
+    """``"ulysses"`` in transformers' attention interface; inside :func:`sequence` the model builds no mask
+    (Ulysses attention follows the packed samples' blocks), outside it sdpa's."""
     from transformers import AttentionInterface
-    from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
+    from transformers.masking_utils import AttentionMaskInterface
 
     AttentionInterface.register(ATTENTION, ulysses_attention)
-    AttentionMaskInterface.register(ATTENTION, sdpa_mask)
+    AttentionMaskInterface.register(ATTENTION, mask_outside_layouts)
 
 
 def decoder_layers(model: nn.Module) -> list[nn.Module]:
@@ -179,7 +179,7 @@ def apply_ulysses(model: nn.Module, sp: SequenceParallel) -> nn.Module:
         cos, sin = kwargs["position_embeddings"]
         if cos.shape[-2] == full:
             kwargs["position_embeddings"] = (cos[..., part, :], sin[..., part, :])
-        kwargs.pop("attention_mask", None)  # built for the full sequence; Ulysses builds its own
+        kwargs.pop("attention_mask", None)  # none is built inside sequence(); Ulysses attention needs none
         if args:
             return (hidden, *args[1:]), kwargs
         kwargs["hidden_states"] = hidden
@@ -216,7 +216,9 @@ def sequence(sp: SequenceParallel, position_ids: torch.Tensor) -> Iterator[None]
     starts = torch.ones_like(text, dtype=torch.bool)
     starts[1:] = text[1:] != text[:-1] + 1
     sp.samples = starts.long().cumsum(0) - 1
+    sp.blocks = packed_blocks(text)
     try:
-        yield
+        with segments(sp.blocks):  # no mask is built for the whole sequence
+            yield
     finally:
-        sp.samples = None
+        sp.samples, sp.blocks = None, []

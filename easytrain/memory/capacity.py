@@ -18,6 +18,19 @@ from easytrain.config.schema import Config
 GB = 10**9
 CUDA_CONTEXT_BYTES = int(0.5 * GB)
 """Device memory of one process's CUDA context and allocator slack (assumed)."""
+CUDA_WORKSPACE_BYTES = 64 * 2**20
+"""cuBLAS and cuBLASLt workspaces (32 MiB each on Hopper), taken through torch's caching allocator at a process's
+first matrix product and kept: 65 to 68 MB of every phase after the load of the tiny model on an H200, where its
+tensors are ~1 MB (bench/results/gpu_smoke.json). Older GPUs take less; the plan keeps Hopper's figure."""
+
+
+def gpu_process_device(phase: str) -> dict[str, int]:
+    """What one GPU process holds on its device besides tensors in ``phase``: the CUDA context, and after the
+    load the math libraries' workspaces (allocated at the first kernel that needs them)."""
+    parts = {"cuda context": CUDA_CONTEXT_BYTES}
+    if phase not in ("load", "setup"):
+        parts["cuda library workspaces"] = CUDA_WORKSPACE_BYTES
+    return parts
 RAY_DEFAULT_THRESHOLD = 0.95
 
 

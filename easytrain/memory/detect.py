@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import statistics
 from dataclasses import dataclass, field
-from typing import Optional
+from typing import Any, Optional
 
 MB = 2**20
 LEVELS = ("ok", "warn", "soft", "hard")
@@ -146,14 +146,45 @@ def gpu_held(used_bytes: int, workers: list[dict[str, int]]) -> int:
     their allocators.
 
     NVML's "used" counts the caching allocators' free blocks too: on a colocated GPU the engine reserves its KV
-    pool up front and every process keeps the blocks of its own largest phase, so a healthy run reads near full.
-    A process whose next phase fits in what it reserved never asks the driver for more, so its cached free
-    blocks are no pressure. Per worker (dicts with ``gpu_allocated_bytes``, ``gpu_reserved_bytes`` and
-    ``gpu_step_peak_bytes``, the allocator's peak since the last step boundary) the live figure is the larger of
-    the step's peak and what is allocated now; outside is ``used_bytes`` (NVML, read at the same boundary) less
-    all workers' reserved bytes: CUDA contexts, NCCL buffers, an engine core in a process of its own (its KV pool
-    with it), other programs. The result never exceeds ``used_bytes``, so it only ever removes false alarms."""
+    pool up front and every process keeps the blocks of every size it has allocated, so a healthy run reads near
+    full. A process whose next phase fits in what it reserved never asks the driver for more, and one that does
+    not fit first gives its own free blocks back, so its cache is no pressure. Per worker (dicts with
+    ``gpu_allocated_bytes``, ``gpu_reserved_bytes`` and ``gpu_step_peak_bytes``, the allocator's peak since the
+    last step boundary) the live figure is the larger of the step's peak and what is allocated now: the demand
+    its next step brings back, even where it emptied its cache since. Outside is ``used_bytes`` (NVML, read at
+    the same boundary) less all workers' reserved bytes: CUDA contexts, NCCL buffers, an engine core in a
+    process of its own (its KV pool with it), other programs."""
     reserved = sum(w["gpu_reserved_bytes"] for w in workers)
-    live = sum(min(max(w.get("gpu_step_peak_bytes", 0), w["gpu_allocated_bytes"]), w["gpu_reserved_bytes"])
-               for w in workers)
+    live = sum(max(w.get("gpu_step_peak_bytes", 0), w["gpu_allocated_bytes"]) for w in workers)
     return max(0, used_bytes - reserved) + live
+
+
+def _uuid(value: object) -> str:
+    """A GPU's UUID as NVML ("GPU-5f3c...") and torch ("5f3c...") print it, in one form."""
+    text = str(value or "").lower()
+    return text[4:] if text.startswith("gpu-") else text
+
+
+def gpu_pressure(samples: list[dict[str, Any]], workers: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The step's pressure on each GPU, from its NVML samples (``kind: gpu`` records of one step) and the
+    workers' allocator readings at the step boundary.
+
+    A GPU whose easytrain processes report their allocators (a worker's ``gpu_uuid`` is the GPU's ``uuid``) is
+    judged by what they hold (:func:`gpu_held`, against the GPU's last sample, the one taken at the boundary);
+    any other GPU by NVML's highest "used" in the step. Returns one dict per GPU: ``node_ip``, ``index``,
+    ``used_bytes`` (NVML's highest), ``held_bytes``, ``total_bytes``, ``fraction`` (judged) and ``basis``
+    ("held" or "nvml")."""
+    by_gpu: dict[tuple[str, int], list[dict[str, Any]]] = {}
+    for r in samples:
+        by_gpu.setdefault((r["node_ip"], r["index"]), []).append(r)
+    out = []
+    for (node_ip, index), readings in sorted(by_gpu.items()):
+        last = max(readings, key=lambda r: r["t"])
+        used = max(r["used_bytes"] for r in readings)
+        uuid = _uuid(last.get("uuid"))
+        on_it = [w for w in workers if uuid and "gpu_reserved_bytes" in w and _uuid(w.get("gpu_uuid")) == uuid]
+        held = gpu_held(last["used_bytes"], on_it) if on_it else used
+        total = last["total_bytes"]
+        out.append({"node_ip": node_ip, "index": index, "used_bytes": used, "held_bytes": held, "total_bytes": total,
+                    "fraction": held / total if total else 0.0, "basis": "held" if on_it else "nvml"})
+    return out

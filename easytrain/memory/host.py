@@ -19,8 +19,9 @@ Besides the step's phases a run has phases of its own (:func:`run_phases`), each
 
 The constants are resident sets measured on CPU on this machine (torch 2.13, transformers 5.x, ray 2.60, glibc
 malloc) by ``bench/planner_accuracy.py``'s calibration cases; its held-out cases check them. On a GPU node
-the workers' phase working sets live on the device and are priced there; the host figures there are the
-framework and what is offloaded, and have not been measured on a GPU.
+the tensors live on the device and are priced there; a worker's host figure is its framework with the CUDA
+libraries, the phase's working set (both measured on one H200: ``bench/gpu_smoke.py``) and what is offloaded;
+while loading, the process that reads the checkpoint holds it in host RAM.
 """
 
 from __future__ import annotations
@@ -66,12 +67,34 @@ EXPORT_ADAPTER_PROCESS_BYTES = int(0.48 * GB)
 STARTING = ("load", "resume_load")
 
 
+GPU_WORKER_BYTES = int(2.31 * GB)
+"""A GPU worker process between phases: the CPU worker's share plus the CUDA runtime and libraries it maps
+(cuBLAS, cuDNN, NCCL; 2.31 to 2.33 GB measured in the weight sync of a fused worker of the tiny and the ~0.6B
+model on an H200, torch 2.11 with CUDA 13: bench/results/gpu_smoke.json)."""
+GPU_LOAD_BYTES = int(1.05 * GB)
+"""The same process while it loads, before its first kernel has loaded the CUDA libraries (1.05 GB measured with
+the tiny model, the same run)."""
+GPU_PHASE_WORKING_SET = {"generation": int(0.10 * GB), "validation": int(0.07 * GB), "update": int(0.26 * GB),
+                         "ref_log_probs": int(0.10 * GB), "old_log_probs": int(0.10 * GB),
+                         "forward_backward": int(0.26 * GB), "optimizer": int(0.26 * GB), "validate": int(0.07 * GB),
+                         "checkpoint_save": int(0.02 * GB)}
+"""GPU: what a phase adds to the worker's host RSS (measured in the same runs: generation 0.09-0.10 GB, validation
+0.04-0.07, update 0.24-0.26; the log-prob and SFT phases were not run there and take generation's and
+update's figures)."""
+
+
 def worker_process(phase: str, held: dict[str, int], on_gpu: bool) -> dict[str, int]:
-    """One worker process's host bytes in ``phase``: the framework, on CPU the phase's working set, and
-    ``held`` (the tensors it keeps in host RAM: on CPU all of them)."""
-    parts = {"worker processes (framework)": WORKER_BYTES}
-    if not on_gpu and PHASE_WORKING_SET.get(phase):
-        parts[f"{phase} working set"] = PHASE_WORKING_SET[phase]
+    """One worker process's host bytes in ``phase``: the framework (on GPU with the CUDA libraries), the phase's
+    working set, and ``held`` (the tensors it keeps in host RAM: on CPU all of them)."""
+    if on_gpu:
+        parts = {"worker processes (framework)": GPU_LOAD_BYTES if phase == "load" else
+                 GPU_WORKER_BYTES}
+        if GPU_PHASE_WORKING_SET.get(phase):
+            parts[f"{phase} working set"] = GPU_PHASE_WORKING_SET[phase]
+    else:
+        parts = {"worker processes (framework)": WORKER_BYTES}
+        if PHASE_WORKING_SET.get(phase):
+            parts[f"{phase} working set"] = PHASE_WORKING_SET[phase]
     parts.update({k: v for k, v in held.items() if v})
     return parts
 

@@ -32,6 +32,8 @@ _stack: list[list[float]] = []
 _peaks: dict[str, list[float]] = {}
 """Per method: host peak, device peak, first start and last end (epoch seconds) since the last drain."""
 _lifetime = [0, 0]
+_since_read = [0]
+"""The device peak since :func:`device_peak_since_read` last ran."""
 _state = {"can_reset": True}
 
 
@@ -74,6 +76,15 @@ def _fold(host: int, device: int) -> None:
     for frame in _stack:
         frame[0], frame[1] = max(frame[0], host), max(frame[1], device)
     _lifetime[0], _lifetime[1] = max(_lifetime[0], host), max(_lifetime[1], device)
+    _since_read[0] = max(_since_read[0], device)
+
+
+def device_peak_since_read() -> int:
+    """The most device memory the allocator held since the last call (the watchdog's step peak): what the
+    dispatched calls peaked at, and the counter now."""
+    _fold(*_read())
+    peak, _since_read[0] = _since_read[0], 0
+    return int(peak)
 
 
 def enter() -> None:

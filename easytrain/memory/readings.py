@@ -114,12 +114,16 @@ def open_nvml() -> Any:
 
 
 def gpu_readings(nvml: Any) -> list[dict[str, Any]]:
-    """Used/total memory of every GPU NVML sees on this node (``nvmlDeviceGetMemoryInfo``)."""
+    """Used/total memory and UUID of every GPU NVML sees on this node (``nvmlDeviceGetMemoryInfo``; the UUID
+    matches a worker's reading to its GPU whatever ``CUDA_VISIBLE_DEVICES`` numbered it)."""
     readings = []
     for index in range(int(nvml.nvmlDeviceGetCount())):
-        info = nvml.nvmlDeviceGetMemoryInfo(nvml.nvmlDeviceGetHandleByIndex(index))
+        handle = nvml.nvmlDeviceGetHandleByIndex(index)
+        info = nvml.nvmlDeviceGetMemoryInfo(handle)
         total = int(info.total)
-        readings.append({"kind": "gpu", "index": index, "used_bytes": int(info.used), "total_bytes": total,
+        uuid = nvml.nvmlDeviceGetUUID(handle)
+        readings.append({"kind": "gpu", "index": index, "uuid": uuid.decode() if isinstance(uuid, bytes) else str(uuid),
+                         "used_bytes": int(info.used), "total_bytes": total,
                          "fraction": int(info.used) / total if total else 0.0})
     return readings
 
@@ -139,15 +143,21 @@ def _cuda_in_use() -> bool:
     return torch is not None and torch.cuda.is_available() and torch.cuda.is_initialized()
 
 
-def torch_allocator() -> dict[str, int]:
-    """The torch CUDA allocator's allocated / reserved / peak bytes in this process (empty on CPU)."""
+def torch_allocator() -> dict[str, Any]:
+    """The torch CUDA allocator's allocated / reserved / peak bytes in this process and its GPU's UUID (empty on
+    CPU); ``gpu_step_peak_bytes`` is the most it held since the last call (the step, read at its boundary:
+    :func:`easytrain.memory.peaks.device_peak_since_read`)."""
     if not _cuda_in_use():
         return {}
     import torch
 
+    from easytrain.memory.peaks import device_peak_since_read
+
     return {"gpu_allocated_bytes": int(torch.cuda.memory_allocated()),
             "gpu_reserved_bytes": int(torch.cuda.memory_reserved()),
-            "gpu_peak_bytes": int(torch.cuda.max_memory_allocated())}
+            "gpu_peak_bytes": int(torch.cuda.max_memory_allocated()),
+            "gpu_step_peak_bytes": device_peak_since_read(),
+            "gpu_uuid": str(getattr(torch.cuda.get_device_properties(torch.cuda.current_device()), "uuid", ""))}
 
 
 def release_process_memory() -> dict[str, Any]:

@@ -38,7 +38,7 @@ from easytrain.config.schema import Config
 from easytrain.memory.activations import (PATCH_VALUES, MicroBatch, activation_bytes, model_dims, packed_micro,
                                           sft_logits_bytes, shard_units)
 from easytrain.memory.budget import kv_bytes_per_token
-from easytrain.memory.capacity import CUDA_CONTEXT_BYTES, Capacity, Plan, Row, sum_parts
+from easytrain.memory.capacity import Capacity, Plan, Row, gpu_process_device, sum_parts
 from easytrain.memory.host import CHECKPOINT_FILE_BYTES, node_host, run_phases, worker_process
 from easytrain.memory.params import (count_parameters, hf_config_object, largest_module, largest_trainable,
                                      trainable_by_component)
@@ -318,7 +318,7 @@ def plan_sft(config: Config, hf_config: dict[str, Any], capacity: Capacity) -> P
     for phase in PLAN_PHASES:
         parts = phase_device(config, s, st, hf_config, phase)
         if s.on_gpu:
-            parts["cuda context"] = CUDA_CONTEXT_BYTES
+            parts.update(gpu_process_device(phase))
         host, process = _host(config, s, st, phase, parts)
         rows.append(Row(phase, "actor", sum_parts(parts), sum_parts(host), parts, host, sum_parts(process)))
     once = [r for r in rows if r.phase == "setup"]
@@ -329,7 +329,7 @@ def plan_sft(config: Config, hf_config: dict[str, Any], capacity: Capacity) -> P
                        largest_shard=-(-s.largest_module // s.world) * FP32,
                        total_params=s.total_params, per_node=s.per_node, processes_per_node=s.per_node,
                        node_ram=capacity.node_ram, on_gpu=s.on_gpu, rl=False,
-                       device={**st.kept, "cuda context": CUDA_CONTEXT_BYTES} if s.on_gpu else dict(st.kept))
+                       device={**st.kept, **gpu_process_device("checkpoint_save")} if s.on_gpu else dict(st.kept))
     return Plan([r for r in rows if r not in once], capacity, s.on_gpu, _notes(config, s), once=once)
 
 

@@ -30,7 +30,7 @@ import ray
 
 from easytrain.config.schema import Config
 from easytrain.config.validate import ray_kill_threshold
-from easytrain.memory.detect import MB, LeakDetector, RankMemory, imbalance, level, worst
+from easytrain.memory.detect import MB, LeakDetector, RankMemory, gpu_pressure, imbalance, level, worst
 from easytrain.memory.readings import gpu_readings, node_ram, open_nvml, process_rss
 
 logger = logging.getLogger(__name__)
@@ -248,10 +248,6 @@ class Watchdog:
                                                 r["ram_limit_bytes"], r["ram_fraction"])
                 lv, resource = level(fraction, self.cfg.ram_warn, self.cfg.ram_soft, self.cfg.ram_hard), "ram"
                 self._check_limit(r)
-            elif r["kind"] == "gpu":
-                where, used, limit, fraction = (f"node {r['node_ip']} GPU {r['index']}", r["used_bytes"],
-                                                r["total_bytes"], r["fraction"])
-                lv, resource = level(fraction, self.cfg.vram_warn, self.cfg.vram_soft, self.cfg.vram_hard), "vram"
             elif r["kind"] == "process":
                 key = (r["role"], r["rank"])
                 self.baseline.setdefault(key, (r["node_ip"], r["rss_bytes"]))
@@ -262,6 +258,15 @@ class Watchdog:
             levels.append((lv, resource))
             if lv != "ok" and fraction > highest.get(where, (0.0,))[0]:
                 highest[where] = (fraction, used, limit, lv)
+        for g in gpu_pressure([r for r in records if r["kind"] == "gpu"], worker_readings or []):
+            # judged by what its processes hold where they report it: a full cache or KV pool is no pressure
+            where = f"node {g['node_ip']} GPU {g['index']}" + (" (held by its processes)" if g["basis"] == "held" else "")
+            lv = level(g["fraction"], self.cfg.vram_warn, self.cfg.vram_soft, self.cfg.vram_hard)
+            levels.append((lv, "vram"))
+            if lv != "ok":
+                highest[where] = (g["fraction"], g["held_bytes"], g["total_bytes"], lv)
+            out.metrics["memory/gpu_held_fraction_max"] = max(out.metrics.get("memory/gpu_held_fraction_max", 0.0),
+                                                              g["fraction"])
         out.level = worst([lv for lv, _ in levels])
         out.resources = {resource for lv, resource in levels if lv == out.level and lv != "ok"}
         out.pressure = [f"{where} at {fraction:.1%} ({used / GB:.2f} of {limit / GB:.2f} GB, {lv} threshold)"
@@ -302,9 +307,9 @@ class Watchdog:
             else:
                 continue
             floor[name] = min(value, floor.get(name, value))
-        for w in workers:
-            if "gpu_reserved_bytes" in w:
-                floor[f"{w['role']} rank {w['rank']} GPU reserved on node {w['node_ip']}"] = w["gpu_reserved_bytes"]
+        for w in workers:  # at the boundary a process's allocated bytes are what it keeps: a leak lifts them
+            if "gpu_allocated_bytes" in w:
+                floor[f"{w['role']} rank {w['rank']} GPU allocated on node {w['node_ip']}"] = w["gpu_allocated_bytes"]
         for name, value in floor.items():
             self.leaks.observe(step, name, value)
         ranks = [RankMemory(role, rank, ip, rss) for (role, rank), (ip, rss) in self.latest.items()

@@ -198,7 +198,8 @@ class MemoryGuard:
                 return "no planner advice (the model's config.json is not available)"
             base = plan(self.config, hf_config)
             capacity = capacity_of(self.config)
-            ram, gpu = metrics.get("memory/node_ram_fraction_max", 0.0), metrics.get("memory/gpu_fraction_max", 0.0)
+            ram = metrics.get("memory/node_ram_fraction_max", 0.0)
+            gpu = metrics.get("memory/gpu_held_fraction_max", metrics.get("memory/gpu_fraction_max", 0.0))
             if ram > 0:
                 capacity = replace(capacity, node_ram=int(base.host_peak / ram / capacity.ray_threshold))
             if gpu > 0 and base.on_gpu:

@@ -23,6 +23,7 @@ from easytrain.memory import peaks
 from easytrain.memory.host import malloc_threshold_bytes
 from easytrain.memory.readings import process_info, release_process_memory, torch_allocator
 from easytrain.models.hf import load_model, model_folder
+from easytrain.models.segments import apply_segment_attention
 from easytrain.models.image_dedup import dedupe_images
 from easytrain.models.parts import apply_lora, freeze_parts
 
@@ -174,6 +175,9 @@ def build_sharded_model(config: Config, role: RoleConfig, folder: str, device: t
             dedupe_images(model)
         if sp is not None:
             apply_ulysses(model, sp)
+        elif device.type == "cuda" and model_cfg.attn_implementation == "sdpa":
+            apply_segment_attention(model)  # packed and prompt-shared passes without an S x S mask on the GPU
+            logger.info("attention: sdpa, packed samples and shared prompts attended one by one (no S x S mask)")
         if not trainable:
             model.requires_grad_(False)
             model.eval()

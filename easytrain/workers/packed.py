@@ -5,7 +5,8 @@ summed lengths: the tokens of every sample back to back, position ids
 restarting at 0 for each sample and no attention mask, from which
 transformers builds attention that keeps samples apart (block-diagonal
 causal masks for ``sdpa``/``eager``, variable-length kernels for
-``flash_attention_2``). Qwen-VL takes four rows of positions then: the text
+``flash_attention_2``; on GPU with ``sdpa`` no mask: the samples are attended
+one by one, :mod:`easytrain.models.segments`). Qwen-VL takes four rows of positions then: the text
 position (which marks sample boundaries) and the three rope axes.
 
 Under sequence parallelism (:mod:`easytrain.distributed.ulysses`) the
@@ -28,6 +29,7 @@ from easytrain.algorithms.losses import entropy_from_logits, gather_log_probs, s
 from easytrain.data.sft import IGNORE
 from easytrain.distributed.batch import Batch
 from easytrain.distributed.ulysses import SequenceParallel, gather_sequence, sequence
+from easytrain.models.segments import packed_blocks, segments, uses_segments
 
 
 def is_vision_model(model: nn.Module) -> bool:
@@ -92,7 +94,11 @@ def kept_logits(model: nn.Module, inputs: dict[str, torch.Tensor], keep: torch.T
     part = slice(0, length) if sp is None else sp.chunk(length)
     local = keep[part].nonzero().squeeze(-1)
     model_inputs = {k: v.to(device) for k, v in inputs.items() if k != "targets"}
-    context: Any = nullcontext() if sp is None else sequence(sp, text_positions(inputs))
+    context: Any = nullcontext()
+    if sp is not None:
+        context = sequence(sp, text_positions(inputs))
+    elif "attention_mask" not in inputs and uses_segments(model):  # packed samples, attended one by one
+        context = segments(packed_blocks(text_positions(inputs)))
     with context:
         logits = model(**model_inputs, logits_to_keep=local.to(device), use_cache=False).logits
     return logits, local, part

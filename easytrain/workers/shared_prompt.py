@@ -23,13 +23,16 @@ the square of its length).
 
 Used when ``worker.actor.share_prompt`` is on, the attention is ``sdpa`` or
 ``eager`` (they take an explicit mask; flash-attention's kernels do not) and
-there is no sequence parallelism; :func:`prompt_groups` finds the repeats
+there is no sequence parallelism. On GPU (``sdpa``) no mask is built: the
+prompt and each response are attended one call each
+(:mod:`easytrain.models.segments`); :func:`prompt_groups` finds the repeats
 (equal prompt tokens and equal image pixels), in any order within the micro
 batch.
 """
 
 from __future__ import annotations
 
+from contextlib import nullcontext
 from typing import Any, Optional
 
 import torch
@@ -38,6 +41,8 @@ from torch import nn
 from easytrain.algorithms.losses import entropy_from_logits, gather_log_probs, sampling_logits
 from easytrain.config.schema import MASKED_ATTENTION
 from easytrain.distributed.batch import Batch
+from easytrain.models.segments import ATTENTION as SEGMENTS
+from easytrain.models.segments import segments, shared_blocks, uses_segments
 from easytrain.workers.packed import is_vision_model
 
 
@@ -50,7 +55,7 @@ def text_config(model: nn.Module) -> Any:
 def supports_shared_prompt(model: nn.Module) -> bool:
     """Whether the model's attention takes an explicit 4-D mask (and no sliding window, which this mask would
     not express)."""
-    return (getattr(model.config, "_attn_implementation", None) in MASKED_ATTENTION
+    return (getattr(text_config(model), "_attn_implementation", None) in (*MASKED_ATTENTION, SEGMENTS)
             and not getattr(text_config(model), "use_sliding_window", False))
 
 
@@ -137,10 +142,11 @@ def _append(parts: dict[str, list[torch.Tensor]], segment: int, unit: int, is_pr
 
 
 def shared_inputs(batch: Batch, groups: list[list[int]], vision: bool, dtype: torch.dtype, eager: bool,
-                  one_row: bool = False) -> tuple[dict[str, torch.Tensor], torch.Tensor, torch.Tensor]:
+                  one_row: bool = False, blocks: bool = False) -> tuple[dict[str, Any], torch.Tensor, torch.Tensor]:
     """Model inputs of ``groups`` laid out prompt-once (a row per prompt, or all of them back to back in one row:
     ``one_row``, the padding-free form), the (row, column) that predicts each kept response token, and that
-    token's (sample, response column).
+    token's (sample, response column). The attention is an (rows, 1, L, L) mask, or with ``blocks`` the layout
+    of :mod:`easytrain.models.segments` under ``"layout"`` (no mask).
 
     Kept tokens are those with ``response_mask`` (and ``attention_mask``) set, as in the plain passes."""
     mask = batch["attention_mask"].bool()
@@ -189,8 +195,11 @@ def shared_inputs(batch: Batch, groups: list[list[int]], vision: bool, dtype: to
         return torch.stack([nn.functional.pad(r[key], (0, width - r[key].shape[-1]), value=fill) for r in flat])
 
     units = stack("unit", -1)
-    inputs = {"input_ids": stack("ids", 0),
-              "attention_mask": _attention_mask(stack("seg", -1), units, stack("prompt", 0).bool(), dtype, eager)}
+    inputs: dict[str, Any] = {"input_ids": stack("ids", 0)}
+    if blocks:
+        inputs["layout"] = shared_blocks(stack("seg", -1), units, stack("prompt", 0).bool())
+    else:
+        inputs["attention_mask"] = _attention_mask(stack("seg", -1), units, stack("prompt", 0).bool(), dtype, eager)
     pos = torch.stack([nn.functional.pad(r["pos"], (0, width - r["pos"].shape[-1])) for r in flat], dim=1)
     inputs["position_ids"] = pos if vision else pos[0]
     if has_types:
@@ -212,14 +221,18 @@ def shared_response_log_probs(model: nn.Module, batch: Batch, groups: list[list[
     vision = is_vision_model(model)
     eager = model.config._attn_implementation == "eager"
     dtype = next(model.parameters()).dtype
-    inputs, sources, targets = shared_inputs(batch, groups, vision, dtype, eager, one_row)
+    segmented = uses_segments(model)
+    inputs, sources, targets = shared_inputs(batch, groups, vision, dtype, eager, one_row, blocks=segmented)
     columns = torch.unique(sources[:, 1])  # sorted; logits only where some response token is predicted
-    layer_mask = inputs.pop("attention_mask")
+    layout = inputs.pop("layout", None)
+    layer_mask = inputs.pop("attention_mask", None)
     model_inputs = {k: v.to(device) for k, v in inputs.items()}
-    layer_mask = layer_mask.to(device)
-    # a prepared mask per layer type skips transformers' own mask building (which would add padding/causality)
-    model_inputs["attention_mask"] = {"full_attention": layer_mask, "sliding_attention": layer_mask}
-    logits = model(**model_inputs, logits_to_keep=columns.to(device), use_cache=False).logits
+    if layer_mask is not None:
+        layer_mask = layer_mask.to(device)
+        # a prepared mask per layer type skips transformers' own mask building (which would add padding/causality)
+        model_inputs["attention_mask"] = {"full_attention": layer_mask, "sliding_attention": layer_mask}
+    with segments(layout) if layout is not None else nullcontext():  # a prompt and each response: no L x L mask
+        logits = model(**model_inputs, logits_to_keep=columns.to(device), use_cache=False).logits
     where = torch.searchsorted(columns, sources[:, 1].contiguous())
     picked = logits[sources[:, 0].to(device), where.to(device)]  # (N, V), one row per kept response token
     scaled = sampling_logits(picked, temperature, suppressed)

@@ -83,7 +83,9 @@ def test_after_the_sync_the_engine_holds_the_actor_and_greedy_is_on_policy(train
     recomputed = roles.actor.call("compute_log_probs", greedy)["old_log_probs"]
     mask = greedy["response_mask"].bool()
     assert mask.any()
-    assert (recomputed - greedy["rollout_log_probs"]).abs()[mask].max() < LOG_PROB_TOL
+    gap = (recomputed - greedy["rollout_log_probs"]).abs() * mask
+    assert gap.max() < LOG_PROB_TOL, (f"rows' largest gaps {gap.max(1).values.tolist()}, first tokens' "
+                                      f"{gap[:, 0].tolist()}, prompt lengths {greedy['attention_mask'].sum(-1).tolist()}")
 
 
 def test_the_engines_sleep_frees_what_it_says(trainer: RLTrainer) -> None:
@@ -93,9 +95,9 @@ def test_the_engines_sleep_frees_what_it_says(trainer: RLTrainer) -> None:
     freed = roles.rollout.call("sleep")[0]
     after = _allocated(trainer)
     assert freed > 0
-    # The allocator rounds each block up to 512 bytes: the drop is the weights' bytes plus at most that per tensor.
-    tensors = len(roles.rollout.call("engine_weights")[0])
-    assert freed <= before - after <= freed + 512 * tensors
+    # The drop is at least the weights' bytes and hardly more: the allocator rounds each block up to 512 bytes and
+    # a generation's last small tensors may go with them (1.97 MB more than 2.42 GB seen on an H200).
+    assert freed <= before - after <= freed * 1.01
     roles.rollout.call("generate", next(trainer.data.train_batches()), trainer.step, True)  # the sync refills it
     assert _allocated(trainer) - after >= freed
 
@@ -112,3 +114,34 @@ def test_the_watchdogs_readings_agree_with_torch(trainer: RLTrainer) -> None:
     worker = trainer.roles.fused.call("memory")[0]["watch"]
     assert 0 < worker["gpu_allocated_bytes"] <= worker["gpu_reserved_bytes"] <= gpu["used_bytes"]
     assert worker["gpu_peak_bytes"] >= worker["gpu_allocated_bytes"]
+
+
+def test_segment_attention_builds_no_sequence_square_on_the_gpu() -> None:
+    """The packed samples of a micro batch attended block by block (what the workers run on GPU with sdpa) equal
+    the masked call and peak far below it: the masked call holds an S x S mask and SDPA's additive copy of it."""
+    from easytrain.models.segments import attend, packed_blocks
+
+    torch.manual_seed(0)
+    lengths = [512] * 32  # 16384 tokens: the mask alone is 256 MB of bool
+    positions = torch.cat([torch.arange(n) for n in lengths])
+    q = torch.randn(1, 8, positions.numel(), 64, device="cuda", dtype=torch.bfloat16)
+    k, v = (torch.randn(1, 2, positions.numel(), 64, device="cuda", dtype=torch.bfloat16) for _ in range(2))
+    sample = torch.repeat_interleave(torch.arange(len(lengths)), torch.tensor(lengths)).cuda()
+
+    def peak(run: Any) -> tuple[torch.Tensor, int]:
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+        base = torch.cuda.memory_allocated()
+        out = run()
+        torch.cuda.synchronize()
+        return out, torch.cuda.max_memory_allocated() - base
+
+    def masked() -> torch.Tensor:
+        mask = (sample[:, None] == sample[None, :]).tril()
+        return torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=True)
+
+    blocked, blocked_peak = peak(lambda: attend(q, k, v, packed_blocks(positions)))
+    dense, dense_peak = peak(masked)
+    # bf16 outputs of two kernels: a few units of bf16's last place (2^-8 relative) on values of order 1
+    torch.testing.assert_close(blocked.float(), dense.float(), rtol=0, atol=2e-2)
+    assert blocked_peak * 4 < dense_peak, (blocked_peak, dense_peak)
