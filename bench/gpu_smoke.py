@@ -2,6 +2,7 @@
 
     python bench/gpu_smoke.py                       # everything -> bench/results/gpu_smoke.json
     python bench/gpu_smoke.py --parts runs --keep   # rerun one part, keep the others' figures from the file
+    python bench/gpu_smoke.py --rescore             # the recorded runs against this checkout's plan (no GPU)
 
 On a GPU machine that lacks Ray and Hydra, carry them (``bash ../shared/gpu/bundle.sh``) and start with
 ``source .gpu/setup.sh;``. Parts:
@@ -38,7 +39,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from bench.planner_model import HALF_B_TEXT, HALF_B_VISION, bench_model_folder  # noqa: E402
-from bench.provenance import write_result  # noqa: E402
+from bench.provenance import PROVENANCE_KEYS, write_result  # noqa: E402
 
 log = logging.getLogger("gpu_smoke")
 RESULTS = ROOT / "bench" / "results" / "gpu_smoke.json"
@@ -46,6 +47,9 @@ PY = sys.executable
 GOAL = 0.15
 """Issue 23: every phase's planned device bytes within 15% of torch's measured peak."""
 PARTS = ("tests", "runs", "readings")
+RUN_OVERRIDES = ["trainer.device=cuda", "trainer.workers_per_node=1", "ray.include_dashboard=false",
+                 "trainer.max_steps=3", "trainer.save_freq=3", "trainer.val_freq=3", "data.num_workers=0"]
+"""Every run's settings besides its own (``python -m easytrain.main`` adds the default preset, as rescoring does)."""
 
 
 def device() -> dict[str, Any]:
@@ -89,9 +93,7 @@ def run_tests(timeout_s: int) -> dict[str, Any]:
 
 def run_case(name: str, overrides: list[str], timeout_s: int) -> dict[str, Any]:
     out_dir = Path(tempfile.mkdtemp(prefix=f"gpu-smoke-{name}-"))
-    command = [PY, "-m", "easytrain.main", "trainer.device=cuda", "trainer.workers_per_node=1",
-               "ray.include_dashboard=false", "trainer.max_steps=3", "trainer.save_freq=3", "trainer.val_freq=3",
-               "data.num_workers=0", f"trainer.output_dir={out_dir}", *overrides]
+    command = [PY, "-m", "easytrain.main", *RUN_OVERRIDES, f"trainer.output_dir={out_dir}", *overrides]
     start = time.perf_counter()
     done = subprocess.run(command, cwd=ROOT, timeout=timeout_s, capture_output=True, text=True)
     wall = time.perf_counter() - start
@@ -128,6 +130,42 @@ def device_phases(memory: Path) -> dict[str, Any]:
             "within_goal": sum(abs(e) <= GOAL for e in errors), "phase_count": len(errors)}
 
 
+def rescore(record: dict[str, Any]) -> None:
+    """The runs' phases against this checkout's plan (no GPU needed): each run's overrides planned for the
+    recorded GPU, the measured peaks kept as they were (``measured_commit`` says where)."""
+    from easytrain.config import load
+    from easytrain.config.loader import with_default_preset
+    from easytrain.memory.capacity import CUDA_CONTEXT_BYTES
+    from easytrain.memory.plan_check import planned_phases
+    from easytrain.memory.planner import plan
+
+    half_b = str(bench_model_folder(HALF_B_TEXT, HALF_B_VISION, tag="gpu_half_b", tie=True))
+    gpu_gb = record["device"]["total_bytes"] / 1e9
+    for run in record.get("runs", {}).values():
+        if not run.get("phases"):
+            continue
+        overrides = [f"model.path={half_b}" if o.startswith("model.path=") and "gpu_half_b" in o else o
+                     for o in run["overrides"]]
+        config = load(with_default_preset([*RUN_OVERRIDES, f"trainer.gpu_memory_gb={gpu_gb}", *overrides]))
+        planned = planned_phases(plan(config))
+        for phase, row in run["phases"].items():
+            row["planned_bytes"] = planned[phase].device - CUDA_CONTEXT_BYTES
+            row["error"] = round(row["planned_bytes"] / row["measured_bytes"] - 1, 4) if row["measured_bytes"] else None
+        errors = [row["error"] for row in run["phases"].values() if row["error"] is not None]
+        run.update(worst_error=max(errors, key=abs), within_goal=sum(abs(e) <= GOAL for e in errors))
+    summarise(record)
+
+
+def summarise(record: dict[str, Any]) -> None:
+    """The worst under- and over-prediction over every run's phases (the planner's device margin reads the first)."""
+    errors = [row["error"] for run in record.get("runs", {}).values() for row in run.get("phases", {}).values()
+              if row.get("error") is not None]
+    if errors:
+        record["worst_device_under_prediction"] = min(0.0, min(errors))
+        record["worst_device_over_prediction"] = max(0.0, max(errors))
+        record["phases_within_goal"] = f"{sum(abs(e) <= GOAL for e in errors)} of {len(errors)}"
+
+
 def run_readings(timeout_s: int) -> dict[str, Any]:
     done = subprocess.run([PY, "bench/gpu_readings.py"], cwd=ROOT, timeout=timeout_s, capture_output=True, text=True)
     print(done.stdout[-3000:], done.stderr[-3000:], flush=True)
@@ -146,7 +184,20 @@ def main() -> None:
     parser.add_argument("--parts", default=",".join(PARTS), help=f"comma-separated, of {PARTS}")
     parser.add_argument("--keep", action="store_true", help="keep the other parts' figures from the results file")
     parser.add_argument("--timeout", type=int, default=240, help="seconds per part or run")
+    parser.add_argument("--rescore", action="store_true",
+                        help="plan the recorded runs again with this checkout; the measurements stay (no GPU needed)")
+    parser.add_argument("--measured-commit", help="with --rescore: the commit the GPU machine's copy was made at "
+                        "(its own git state may not say)")
     args = parser.parse_args()
+    if args.rescore:
+        record = json.loads(RESULTS.read_text())
+        kept = {k: v for k, v in record.items() if k not in PROVENANCE_KEYS}
+        kept["measured_commit"] = args.measured_commit or kept.get("measured_commit") or record["commit"]
+        kept.setdefault("measured_date", record["date"])
+        rescore(kept)
+        write_result(RESULTS, kept)
+        print(json.dumps({k: kept[k] for k in kept if k.startswith(("worst", "phases"))}, indent=1))
+        return
     import torch
 
     if not torch.cuda.is_available():
@@ -176,6 +227,7 @@ def main() -> None:
                 sys.exit(f"gpu_smoke: unknown part {part!r}; choose from {PARTS}")
         except subprocess.TimeoutExpired as err:
             record[part] = {"timed_out_s": err.timeout}
+        summarise(record)
         write_result(RESULTS, record)  # after each part: what was measured survives a later part's failure
         if os.environ.get("OUT"):
             (Path(os.environ["OUT"]) / RESULTS.name).write_bytes(RESULTS.read_bytes())

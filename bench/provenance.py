@@ -49,10 +49,11 @@ def _git(*args: str) -> Optional[str]:
 
 def git_state() -> dict[str, Any]:
     """``commit`` (HEAD) and ``dirty`` (tracked files outside bench/results differ from it; None without git).
-    Without git, ``EASYTRAIN_COMMIT`` names the commit the checkout was copied at, if set."""
-    commit = _git("rev-parse", "HEAD")
-    if commit is None and os.environ.get("EASYTRAIN_COMMIT"):  # a copy of the checkout without .git (a GPU
+    ``EASYTRAIN_COMMIT``, where set, names the commit a copy of the checkout was made at (a GPU machine's copy
+    carries no reliable git state); its dirtiness is then unknown."""
+    if os.environ.get("EASYTRAIN_COMMIT"):  # a copy of the checkout whose .git may be missing or stale (a GPU
         return {"commit": os.environ["EASYTRAIN_COMMIT"], "dirty": None}  # machine): the commit it was copied at
+    commit = _git("rev-parse", "HEAD")
     status = _git("status", "--porcelain", "--untracked-files=no", "--", ".", f":(exclude){RESULTS_DIR}")
     return {"commit": commit, "dirty": bool(status) if status is not None else None}
 

