@@ -4,7 +4,7 @@
     easytrain run [overrides...]        same as python -m easytrain.main [overrides...]
     easytrain plan [--fit] [--format table|json] [overrides...]
                                         memory per role and phase, per GPU and node; what to change
-    easytrain export CKPT --out DIR [--merge] [--dtype bfloat16]
+    easytrain export CKPT --out DIR [--merge] [--dtype bfloat16] [--force]
                                         a checkpoint (global_step_<N>, or a run folder = its latest) as a
                                         Hugging Face folder; with LoRA the adapter, or --merge the full model
     easytrain memory RUN_DIR [--out PNG]
@@ -65,12 +65,12 @@ def _export(args: argparse.Namespace) -> int:
     import logging
 
     from easytrain.trainer.checkpoint import CheckpointError
-    from easytrain.trainer.export import export
+    from easytrain.trainer.export import ExportError, export
 
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     try:
-        out = export(args.checkpoint, args.out, merge=args.merge, dtype=args.dtype)
-    except (CheckpointError, FileNotFoundError) as err:
+        out = export(args.checkpoint, args.out, merge=args.merge, dtype=args.dtype, force=args.force)
+    except (CheckpointError, ExportError, FileNotFoundError) as err:
         sys.stderr.write(f"easytrain export: {err}\n")
         return 2
     sys.stdout.write(f"{out}\n")
@@ -137,7 +137,8 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True)
     export = sub.add_parser("export", help="write a checkpoint as a Hugging Face folder")
     export.add_argument("checkpoint", help="a global_step_<N> folder, or a run folder (its latest checkpoint)")
-    export.add_argument("--out", required=True, help="folder to write (replaced if it exists)")
+    export.add_argument("--out", required=True, help="folder to write: new, empty, or an earlier export (replaced)")
+    export.add_argument("--force", action="store_true", help="replace a non-empty --out that holds no earlier export")
     export.add_argument("--merge", action="store_true", help="with LoRA: merge the adapter into the weights")
     export.add_argument("--dtype", choices=("float32", "bfloat16", "float16"), default=None,
                         help="cast the weights (default: the checkpoint's fp32 master weights)")

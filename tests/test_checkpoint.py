@@ -17,7 +17,7 @@ import torch
 from easytrain.config import load
 from easytrain.distributed.checkpoint import rng_state, set_rng_state
 from easytrain.trainer.checkpoint import (LATEST, STATE_FILE, CheckpointError, CheckpointWriter, check_compatible,
-                                          latest, model_signature, resolve, resume_from)
+                                          check_resume, latest, model_signature, resolve, resume_from)
 from easytrain.trainer.metrics import truncate_jsonl
 
 
@@ -72,6 +72,18 @@ def test_resume_modes(tmp_path: Path) -> None:
     publish(CheckpointWriter(tmp_path / "checkpoints"), 5)
     assert resume_from(config).name == "global_step_5"
     assert resume_from(load([f"trainer.output_dir={tmp_path}", "trainer.resume=off"])) is None
+
+
+def test_resume_off_refuses_a_folder_that_holds_a_run(tmp_path: Path) -> None:
+    """Issue 24, item 3: a fresh run in a folder with checkpoints would overwrite its metrics and colliding
+    checkpoints and prune across both runs; refused in one line naming a fresh folder. An empty one is fine."""
+    off = load([f"trainer.output_dir={tmp_path}", "trainer.resume=off"])
+    assert check_resume(off) is None
+    publish(CheckpointWriter(tmp_path / "checkpoints"), 4)
+    with pytest.raises(CheckpointError, match=r"trainer.resume=off: .* already holds a run's checkpoints \(up to "
+                                              r"global_step_4\); start the new run in a fresh folder \(hydra.run.dir"):
+        check_resume(off)
+    assert (tmp_path / "checkpoints" / "global_step_4").is_dir()  # nothing touched
 
 
 def test_a_checkpoint_of_another_model_is_refused_naming_the_key(tmp_path: Path) -> None:

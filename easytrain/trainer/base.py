@@ -21,8 +21,9 @@ from easytrain.config.schema import Config
 from easytrain.distributed.checkpoint import rng_state, set_rng_state
 from easytrain.distributed.group import WorkerError
 from easytrain.memory.plan_check import PlanCheck
-from easytrain.trainer.checkpoint import (ACTOR, CONFIG_FILE, PREFIX, CheckpointWriter, PendingCheckpoint,
-                                          check_compatible, checkpoint_root, latest, model_signature)
+from easytrain.trainer.checkpoint import (ACTOR, CONFIG_FILE, PREFIX, CheckpointError, CheckpointWriter,
+                                          PendingCheckpoint, check_compatible, checkpoint_root, is_complete, latest,
+                                          model_signature, step_of)
 from easytrain.trainer.metrics import MetricsLogger
 from easytrain.trainer.ray_metrics import RayMetrics
 from easytrain.trainer.relief import MemoryGuard
@@ -87,7 +88,13 @@ class Trainer:
         self.roles = self.build_roles()
         if self.guard is not None:
             self.guard.register(self.roles)
-        self.restore(resume)
+        try:
+            self.restore(resume)
+        except BaseException:  # nothing to resume from: the workers, their placement and the samplers go too
+            self.roles.shutdown()
+            if self.guard is not None:
+                self.guard.close(plot=False)
+            raise
         self.record_peaks("start")
 
     # ------------------------------------------------------------------ what a trainer supplies
@@ -276,7 +283,11 @@ class Trainer:
             self.loader.load_state_dict(self.fresh_data_state)
         else:
             state = check_compatible(folder, self.config)
-            self.roles.actor.call("load_checkpoint", str(folder / ACTOR))
+            try:
+                self.roles.actor.call("load_checkpoint", str(folder / ACTOR))
+            except WorkerError as err:  # a shard unreadable (truncated, a disk error): the step before it, if any
+                older = self.fallback_from(folder, err)
+                return self.restore(older)
             self.step = self.saved_step = int(state["step"])
             self.loader.load_state_dict(state["data"])
             set_rng_state(state["rng"])
@@ -285,6 +296,21 @@ class Trainer:
                         self.total_steps, state["actor_world_size"], self.roles.actor.world_size)
         self.metrics.rewind(self.step)
         self.batches = self.new_batches()
+
+    def fallback_from(self, folder: Path, err: Exception) -> Path:
+        """The newest complete checkpoint older than ``folder``, which failed to load with ``err``; one line
+        naming ``folder`` when there is none, or when ``trainer.resume`` named it (never another in its place)."""
+        reason = str(err).strip().splitlines()[-1][:300] if str(err).strip() else type(err).__name__
+        older = [f for f in self.checkpoints.root.glob(f"{PREFIX}*")
+                 if is_complete(f) and step_of(f) < step_of(folder)] if self.checkpoints.root.is_dir() else []
+        if self.config.trainer.resume not in ("auto", "off") or not older:
+            raise CheckpointError(f"{folder} could not be loaded ({reason}); "
+                                  + ("no earlier complete checkpoint in the run" if not older else
+                                     f"resume from an earlier one, e.g. trainer.resume={max(older, key=step_of)}"))
+        chosen = max(older, key=step_of)
+        logger.warning("%s could not be loaded (%s); resuming from %s, the newest complete checkpoint before it",
+                       folder, reason, chosen)
+        return chosen
 
     def restart(self) -> None:
         """Tear every worker group down, build them again and resume from the latest checkpoint."""

@@ -108,7 +108,17 @@ def resume_from(config: Config) -> Optional[Path]:
 
 
 def check_resume(config: Config) -> Optional[Path]:
-    """The checkpoint this run resumes from, after refusing an incompatible one (no worker needed)."""
+    """The checkpoint this run resumes from, after refusing an incompatible one (no worker needed). With
+    ``trainer.resume=off`` a run folder that already holds checkpoints is refused: a fresh run there would
+    overwrite its metrics and colliding checkpoints and prune across the two runs."""
+    if config.trainer.resume == "off":
+        root = checkpoint_root(config.trainer.output_dir)
+        held = sorted((f for f in root.glob(f"{PREFIX}*") if STEP_DIR.match(f.name)), key=step_of) \
+            if root.is_dir() else []
+        if held:
+            raise CheckpointError(f"trainer.resume=off: {config.trainer.output_dir} already holds a run's checkpoints "
+                                  f"(up to {held[-1].name}); start the new run in a fresh folder "
+                                  "(hydra.run.dir=DIR), or continue this one with trainer.resume=auto")
     folder = resume_from(config)
     if folder is not None:
         check_compatible(folder, config)
@@ -237,5 +247,5 @@ def check_compatible(folder: Path, config: Config) -> dict[str, Any]:
         if key in saved and saved[key] != value and value is not None:
             raise CheckpointError(f"{folder} was written for a different model: {key} is {saved[key]!r} there and "
                                   f"{value!r} in this config; resume with the same model settings, or start fresh "
-                                  f"with trainer.resume=off (or another trainer.output_dir)")
+                                  f"in another folder (hydra.run.dir=DIR)")
     return state

@@ -55,14 +55,46 @@ def load_actor_weights(actor: Path, config: Config, model: Any) -> None:
                                      f"{len(unexpected)} unexpected, e.g. {unexpected[:1]})")
 
 
-def export(checkpoint: str | Path, out: str | Path, merge: bool = False, dtype: Optional[str] = None) -> Path:
-    """Write the checkpoint's actor as a ``from_pretrained`` folder at ``out``; returns ``out``."""
+MARKER = "easytrain_export.json"
+"""Written into every export: a folder holding it may be replaced by the next export."""
+
+
+class ExportError(ValueError):
+    """An ``--out`` that the export must not write to; one line for the user."""
+
+
+def check_out(out: str | Path, checkpoint: Path, force: bool = False) -> Path:
+    """``out`` made absolute, or an :class:`ExportError` when writing it could lose data: it is or holds the
+    checkpoint (its run), lies inside the checkpoint, holds the current directory, is a file, or is a non-empty
+    folder that holds no earlier export (allowed with ``force``)."""
+    target = Path(out).expanduser().resolve()
+    source = checkpoint.expanduser().resolve()
+    if target == source or target in source.parents:
+        raise ExportError(f"--out {target}: it holds the checkpoint being exported ({source}); replacing it would "
+                          "delete the run: choose a folder outside the run")
+    if source in target.parents:
+        raise ExportError(f"--out {target}: inside the checkpoint {source}; choose a folder outside the run")
+    if target == Path.cwd().resolve() or target in Path.cwd().resolve().parents:
+        raise ExportError(f"--out {target}: it holds the current directory; choose a new folder")
+    if target.exists() and not target.is_dir():
+        raise ExportError(f"--out {target}: a file is there; choose a folder")
+    if target.is_dir() and any(target.iterdir()) and not (target / MARKER).is_file() and not force:
+        raise ExportError(f"--out {target}: not empty and no earlier export (no {MARKER}); give a new or empty "
+                          "folder, or --force to replace what is there")
+    return target
+
+
+def export(checkpoint: str | Path, out: str | Path, merge: bool = False, dtype: Optional[str] = None,
+           force: bool = False) -> Path:
+    """Write the checkpoint's actor as a ``from_pretrained`` folder at ``out`` (replacing an earlier export there;
+    see :func:`check_out` for what is refused); returns ``out``."""
     import torch
 
     from easytrain.models.hf import load_image_processor, load_model, load_tokenizer, model_folder
     from easytrain.models.parts import apply_lora
 
     folder = resolve(checkpoint)
+    out = check_out(out, folder, force)  # before the model is loaded: a refusal costs nothing
     config = checkpoint_config(folder)
     lora = config.model.lora.rank > 0
     if merge and not lora:
@@ -76,7 +108,6 @@ def export(checkpoint: str | Path, out: str | Path, merge: bool = False, dtype: 
         model = model.merge_and_unload()
     if dtype is not None:
         model = model.to(getattr(torch, dtype))
-    out = Path(out)
     tmp = out.with_name(f".tmp_{out.name}")
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir(parents=True)
@@ -89,7 +120,7 @@ def export(checkpoint: str | Path, out: str | Path, merge: bool = False, dtype: 
         if (Path(source) / name).is_file() and not (tmp / name).exists():
             shutil.copy(Path(source) / name, tmp / name)
     step = read_json(folder / STATE_FILE)["step"]
-    write_json(tmp / "easytrain_export.json", {"checkpoint": str(folder), "step": step, "base_model": source,
+    write_json(tmp / MARKER, {"checkpoint": str(folder), "step": step, "base_model": source,
                                                "lora_adapter": lora and not merge, "merged": lora and merge})
     if out.exists():
         shutil.rmtree(out)

@@ -49,6 +49,8 @@ class RLTrainer(Trainer):
         steps_per_rollout = config.data.rollout_batch_size // config.worker.actor.global_batch_size
         self.optimizer_steps = self.total_steps * steps_per_rollout * config.worker.actor.ppo_epochs
         self.on_policy = config.worker.actor.ppo_epochs == 1 and steps_per_rollout == 1
+        if self.data.val is None:
+            logger.info("no validation data (data.val_files is unset): this run does not validate")
         self.start(resume)
 
     def build_roles(self) -> Roles:
@@ -177,6 +179,8 @@ class RLTrainer(Trainer):
         return actor.call("update", batch.interleave_for_ranks(per_step, actor.members), self.kl.coef)
 
     def validate(self) -> dict[str, float]:
+        if self.data.val is None:  # data.val_files=null: no validation, anywhere (SFT's rule too)
+            return {}
         timer = PhaseTimer()
         all_scores: list[dict[str, torch.Tensor]] = []
         samples: list[dict[str, Any]] = []
