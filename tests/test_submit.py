@@ -89,3 +89,14 @@ def test_submit_the_tiny_run_to_a_ray_head_with_token_auth(ray_head: dict[str, A
     assert 'run="tiny"' in gauges
     records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in records if "reward/mean" in r] == [1, 2, 3]
+
+
+def test_submit_refuses_a_relative_run_folder_before_sending_anything() -> None:
+    """Issue 24, item 2: the default run folder is relative, so under Ray Jobs it would land in the working
+    directory Ray unpacks for the job (deleted with it, unseen by other nodes). No Ray is running here: the
+    refusal comes first."""
+    from easytrain.config import ConfigError
+
+    with pytest.raises(ConfigError, match=r"hydra.run.dir='outputs/.*': a relative run folder lands in the copy of "
+                                          r"the working directory Ray unpacks .* hydra.run.dir=/shared/runs/NAME"):
+        jobs.submit(["+exp=tiny"], "http://127.0.0.1:9", working_dir=str(ROOT), out=io.StringIO())

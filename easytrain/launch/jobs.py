@@ -101,6 +101,13 @@ def submit(overrides: Sequence[str], address: Optional[str] = None, working_dir:
     from easytrain.main import resolve
 
     config = resolve(compose(with_default_preset(list(overrides))))  # ConfigError before anything is sent
+    if not os.path.isabs(config.trainer.output_dir):
+        from easytrain.config import ConfigError
+
+        raise ConfigError("hydra.run.dir", config.trainer.output_dir, "a relative run folder lands in the copy of "
+                          "the working directory Ray unpacks for the job (which Ray may delete, and which other nodes "
+                          "do not see)", "give an absolute folder on storage every node shares, e.g. "
+                          "hydra.run.dir=/shared/runs/NAME")
     if not os.path.isdir(working_dir):
         raise SystemExit(f"easytrain: --working-dir {working_dir!r} is not a directory")
     where = address_of(address)

@@ -264,7 +264,8 @@ class Trainer:
         """Commit a checkpoint whose shards every rank has written; log and record what it cost the step loop (and,
         written in the background, the host memory its largest rank staged)."""
         start = time.perf_counter()
-        folder = self.checkpoints.commit(pending.tmp, pending.step, pending.state, pending.config_yaml)
+        written = self.roles.actor.call("checkpoint_files", str(pending.tmp))  # what each rank's node sees
+        folder = self.checkpoints.commit(pending.tmp, pending.step, pending.state, pending.config_yaml, written)
         blocked = pending.blocked_s + time.perf_counter() - start
         staged = f", {staged_gb:.2f} GB staged per rank" if staged_gb else ""
         logger.info("checkpoint %s (step loop blocked %.1f s, shards written in %.1f s%s)", folder, blocked, write_s,

@@ -60,8 +60,26 @@ def step_of(folder: Path) -> int:
     return int(match.group(1))
 
 
+MANIFEST = "manifest.json"
+"""Every file of a published checkpoint with its size, as the ranks wrote them (older checkpoints have none)."""
+
+
+def missing_files(folder: Path) -> list[str]:
+    """Files the checkpoint's manifest names that are absent or of another size (empty without a manifest)."""
+    manifest = folder / MANIFEST
+    if not manifest.is_file():
+        return []
+    try:
+        files = read_json(manifest)
+    except ValueError:
+        return [MANIFEST]
+    return [name for name, size in files.items()
+            if not (folder / name).is_file() or (folder / name).stat().st_size != size]
+
+
 def is_complete(folder: Path) -> bool:
-    return STEP_DIR.match(folder.name) is not None and (folder / STATE_FILE).is_file()
+    """A published checkpoint whose files are all there, at the sizes written."""
+    return STEP_DIR.match(folder.name) is not None and (folder / STATE_FILE).is_file() and not missing_files(folder)
 
 
 def latest(root: Path) -> Optional[Path]:
@@ -84,7 +102,11 @@ def resolve(path: str | Path) -> Path:
     if is_complete(p):
         return p
     if STEP_DIR.match(p.name):
-        raise CheckpointError(f"{p}: incomplete checkpoint (no {STATE_FILE}); pick another global_step_<N> folder")
+        missing = missing_files(p) if (p / STATE_FILE).is_file() else []
+        what = f"{len(missing)} file(s) missing or cut short, e.g. {missing[0]}" if missing else f"no {STATE_FILE}"
+        newest = latest(p.parent) if p.parent.is_dir() else None
+        instead = f"the newest complete one is {newest}" if newest is not None else "pick another global_step_<N> folder"
+        raise CheckpointError(f"{p}: incomplete checkpoint ({what}); {instead}")
     for root in (p / CHECKPOINTS, p):
         if root.is_dir():
             found = latest(root)
@@ -155,9 +177,15 @@ class CheckpointWriter:
         tmp.mkdir()
         return tmp
 
-    def commit(self, tmp: Path, step: int, state: dict[str, Any], config_yaml: str) -> Path:
+    def commit(self, tmp: Path, step: int, state: dict[str, Any], config_yaml: str,
+               written: Optional[list[dict[str, Any]]] = None) -> Path:
         """Write the driver's files last, rename the folder into place, then point ``latest`` at it. Every rank's
-        shards must be complete (for a background save: every rank's write reported finished)."""
+        shards must be complete (for a background save: every rank's write reported finished). ``written``: what
+        each rank sees of ``tmp`` (:meth:`ActorWorker.checkpoint_files`): a file the driver does not see at that
+        size is never published, and the manifest of them all lets a resume check the folder is whole."""
+        if written is not None:
+            manifest = check_written(tmp, step, written)
+            write_json(tmp / MANIFEST, manifest)
         (tmp / CONFIG_FILE).write_text(config_yaml)
         write_json(tmp / STATE_FILE, state)
         _fsync_tree(tmp)
@@ -182,6 +210,22 @@ class CheckpointWriter:
             if old != keep:
                 shutil.rmtree(old, ignore_errors=True)
                 logger.info("removed %s (trainer.save_limit=%d)", old.name, self.save_limit)
+
+
+def check_written(tmp: Path, step: int, written: list[dict[str, Any]]) -> dict[str, int]:
+    """Every rank's files as the driver sees them in ``tmp``; a CheckpointError naming the first rank whose files
+    it does not see (the run folder is not on storage every node shares)."""
+    manifest: dict[str, int] = {}
+    for view in sorted(written, key=lambda v: v["rank"]):
+        absent = [name for name, size in view["files"].items()
+                  if not (tmp / name).is_file() or (tmp / name).stat().st_size != size]
+        if absent:
+            raise CheckpointError(
+                f"the checkpoint of step {step} is not published: {len(absent)} file(s) that actor rank "
+                f"{view['rank']} wrote on node {view['node_ip']} are not in {tmp} as the driver sees it (e.g. "
+                f"{absent[0]}); the run folder must be on storage every node shares (hydra.run.dir=/shared/...)")
+        manifest.update(view["files"])
+    return manifest
 
 
 def _fsync_file(path: Path) -> None:

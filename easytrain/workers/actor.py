@@ -189,6 +189,16 @@ class ActorWorker(WorkerBase):
         return host_buffer_bytes(t.checkpoint_host_buffer_gb, ram, t.workers_per_node)
 
     @dispatch(Dispatch.BROADCAST)
+    def checkpoint_files(self, folder: str) -> dict[str, Any]:
+        """What this rank sees of a written checkpoint: every file under ``folder`` (relative path -> bytes), with
+        its rank and node, for the driver to check that it sees them too before it publishes."""
+        import ray
+
+        root = Path(folder)
+        files = {str(f.relative_to(root)): f.stat().st_size for f in root.rglob("*") if f.is_file()}
+        return {"rank": self.rank, "node_ip": ray.util.get_node_ip_address(), "files": files}
+
+    @dispatch(Dispatch.BROADCAST)
     def checkpoint_written(self) -> bool:
         """Whether this rank has no background write in flight (finished or failed: :meth:`wait_checkpoint` says)."""
         return self.background_save is None or self.background_save.done()
