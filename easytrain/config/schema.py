@@ -518,6 +518,10 @@ class LaunchConfig:
     """Plain environment variables of the run (Ray Jobs runtime env; every KubeRay pod); no secrets here."""
     pip: list[str] = field(default_factory=list)
     """Extra pip requirements Ray installs for the job (runtime env of Ray Jobs and of the RayJob)."""
+    stop_grace_s: int = bounded(900, low=10)
+    """Seconds a stopped run has to save its current step before it is killed: the job's
+    ``RAY_JOB_STOP_WAIT_TIME_S`` (``easytrain stop``; Ray's default is 3 s) and, on KubeRay, the pods'
+    ``terminationGracePeriodSeconds`` (the head's preStop hook stops the job and waits). Cover a step plus a save."""
     ttl_seconds_after_finished: int = bounded(3600, low=0)
     """KubeRay RayJob: seconds the finished job's cluster stays (for logs) before it is deleted."""
     backoff_limit: int = bounded(1, low=0)

@@ -11,6 +11,7 @@ when a batch is consumed, so prefetching never moves it.
 from __future__ import annotations
 
 import logging
+import signal
 from typing import Any, Iterator, Optional
 
 import torch
@@ -65,6 +66,13 @@ class PromptSampler:
         self.seed, self.epoch, self.batch = state["seed"], state["epoch"], state["batch"]
 
 
+
+def ignore_sigterm(worker_id: int) -> None:
+    """A loader worker lets a stop's SIGTERM pass: ``easytrain stop`` and Kubernetes signal the driver's whole
+    process tree, and a loader worker dying on it would make torch raise in the driver before it could save. The
+    driver ends its workers itself when the run stops."""
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+
 class PromptLoader:
     """Iterate one epoch of collated batches from the sampler's position; ``len`` = batches left."""
 
@@ -81,7 +89,7 @@ class PromptLoader:
         if not batches:
             return
         loader = DataLoader(self.dataset, batch_sampler=batches, collate_fn=self.collator,
-                            num_workers=self.num_workers,
+                            num_workers=self.num_workers, worker_init_fn=ignore_sigterm if self.num_workers else None,
                             multiprocessing_context="spawn" if self.num_workers else None,
                             prefetch_factor=2 if self.num_workers else None)
         for batch in loader:

@@ -33,9 +33,11 @@ logger = logging.getLogger(__name__)
 
 DEFAULT_ADDRESS = "http://127.0.0.1:8265"
 EXCLUDES = [".venv", "venv", ".git", "outputs", "runs", "multirun", "**/__pycache__", "*.egg-info", ".pytest_cache",
-            ".mypy_cache", "bench/results/*.png", "*.safetensors", "*.pt", "*.bin", "checkpoints"]
+            ".mypy_cache", "bench/results/*.png", "*.safetensors", "*.pt", "*.bin", "checkpoints", ".gpu", ".probe"]
 """What the upload of the working directory leaves out (Ray caps a working_dir at a few hundred MB)."""
 TERMINAL = ("SUCCEEDED", "FAILED", "STOPPED")
+AGENT_WAIT_S = 120.0
+"""How long ``submit`` waits for a just-started head's job agent (the dashboard answers first)."""
 
 
 def address_of(address: Optional[str]) -> str:
@@ -82,6 +84,8 @@ def runtime_env(config: Any, working_dir: str) -> dict[str, Any]:
     launch = getattr(config, "launch", None)
     env_vars = {str(k): str(v) for k, v in dict(getattr(launch, "env_vars", None) or {}).items()}
     env_vars.setdefault("TOKENIZERS_PARALLELISM", "false")
+    # the job supervisor reads this from the job's runtime env: SIGTERM, then SIGKILL after this many seconds
+    env_vars.setdefault("RAY_JOB_STOP_WAIT_TIME_S", str(getattr(launch, "stop_grace_s", 900)))
     env: dict[str, Any] = {"working_dir": working_dir, "excludes": EXCLUDES, "env_vars": env_vars}
     pip = list(getattr(launch, "pip", None) or [])
     if pip:
@@ -112,9 +116,19 @@ def submit(overrides: Sequence[str], address: Optional[str] = None, working_dir:
         raise SystemExit(f"easytrain: --working-dir {working_dir!r} is not a directory")
     where = address_of(address)
     jobs = client(where)
-    job_id = jobs.submit_job(entrypoint=entrypoint(overrides),
-                             runtime_env=runtime_env(config, os.path.abspath(working_dir)),
-                             metadata={"easytrain": "1", "experiment": str(config.trainer.experiment_name)})
+    deadline = time.monotonic() + AGENT_WAIT_S
+    while True:
+        try:
+            job_id = jobs.submit_job(entrypoint=entrypoint(overrides),
+                                     runtime_env=runtime_env(config, os.path.abspath(working_dir)),
+                                     metadata={"easytrain": "1", "experiment": str(config.trainer.experiment_name)})
+            break
+        except RuntimeError as err:  # a head just started: its job agent comes up seconds after the dashboard
+            if "No available agent" not in str(err) or time.monotonic() > deadline:
+                raise
+            out.write("waiting for the head's job agent to start...\n")
+            out.flush()
+            time.sleep(2.0)
     out.write(f"submitted {job_id}\ndashboard: {dashboard_url(where, job_id)}\n"
               f"follow: easytrain logs {job_id} --follow --address {where}\n")
     out.flush()

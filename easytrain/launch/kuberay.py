@@ -150,7 +150,8 @@ def _worker_size(config: Config) -> tuple[float, float]:
 def _env(config: Config) -> list[dict[str, Any]]:
     la = config.launch
     mount = os.path.normpath(la.volume_mount_path)
-    plain = {"RAY_memory_usage_threshold": f"{ray_kill_threshold():g}",
+    plain = {"RAY_JOB_STOP_WAIT_TIME_S": str(la.stop_grace_s), "EASYTRAIN_STOP_GRACE_S": str(la.stop_grace_s),
+             "RAY_memory_usage_threshold": f"{ray_kill_threshold():g}",
              "RAY_memory_monitor_refresh_ms": str(RAY_MEMORY_MONITOR_REFRESH_MS),
              "HF_HOME": f"{mount}/cache/huggingface",
              "TOKENIZERS_PARALLELISM": "false"}
@@ -176,6 +177,9 @@ def _container(name: str, config: Config, cpu: float, memory_gb: float, gpus: in
     }
     if ports:
         container["ports"] = [{"name": port_name, "containerPort": port} for port_name, port in ports]
+    # a stop saves first: the head stops the job (its driver saves), a worker keeps its node up until it has
+    hook = ["python", "-m", "easytrain.launch.prestop"] + ([] if ports else ["--wait-only"])
+    container["lifecycle"] = {"preStop": {"exec": {"command": hook}}}
     return container
 
 
@@ -183,6 +187,7 @@ def _pod(container: dict[str, Any], config: Config, shm_gb: float, labels: dict[
          gpus: int) -> dict[str, Any]:
     la = config.launch
     spec: dict[str, Any] = {
+        "terminationGracePeriodSeconds": la.stop_grace_s + 30,  # the preStop hook gives up 5 s before stop_grace_s
         "containers": [container],
         "volumes": [{"name": SHM_VOLUME, "emptyDir": {"medium": "Memory", "sizeLimit": _gb(shm_gb)}},
                     {"name": SHARED_VOLUME, "persistentVolumeClaim": {"claimName": la.volume_claim}}],
