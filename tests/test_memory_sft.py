@@ -182,10 +182,10 @@ def test_setup_loads_the_whole_fp32_model_once_per_node_or_partitioned() -> None
     config = load(args)
     p = plan(config)
     assert p.row("setup").parts["whole fp32 model (loading)"] == QWEN2VL_7B * 4 == 33_165_502_464
-    assert p.device_headroom is not None and p.device_headroom > 0.10  # every step phase fits with room ...
+    assert p.device_headroom is not None and p.device_headroom > 0.05  # every step phase fits with room ...
     assert not p.fits and p.verdict == "does not fit (setup)"  # ... but the model cannot be loaded
     advice = suggestions(config, p, hf_config_for(config.model))
-    assert advice[0].overrides == {"worker.actor.strategy": "fsdp"} and advice[0].fits
+    assert advice[0].fits and advice[0].phase_deltas.get("setup", 0) < 0  # the first advice loads it
 
 
 def _knob(key: str) -> bool:
@@ -225,7 +225,11 @@ def test_zero_stage_is_searched_before_offload() -> None:
 def test_plan_command_for_sft_in_text_and_json() -> None:
     from easytrain.memory.report import plan_command
 
-    config = load(SFT_7B + ["trainer.gpu_memory_gb=40"])
+    from easytrain.memory.capacity import accuracy_margin
+
+    peak = 39_721_618_688 + 64 * 2**20
+    gpu_gb = round(peak * (1 + accuracy_margin()[1]) * 1.05 / 1e9, 1)  # the recorded device margin, then 5% left
+    config = load(SFT_7B + [f"trainer.gpu_memory_gb={gpu_gb}"])
     text = plan_command(config, "table", search=True)
     assert "SFT: the actor only, fsdp" in text
     for phase in SFT_PHASES:
@@ -234,7 +238,7 @@ def test_plan_command_for_sft_in_text_and_json() -> None:
     assert "rollout" not in text and "vllm" not in text.lower()
     report = json.loads(plan_command(config, "json", search=True))
     assert [p["phase"] for p in report["phases"]] == list(SFT_PHASES)
-    assert report["device_peak_bytes"] == 39_721_618_688 + 64 * 2**20 and report["capacity"]["gpu_bytes"] == 40_000_000_000
+    assert report["device_peak_bytes"] == peak and report["capacity"]["gpu_bytes"] == int(gpu_gb * 1e9)
     assert report["fit"] and all(_knob(k) for s in report["suggestions"] for k in s["overrides"])
 
 

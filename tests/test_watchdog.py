@@ -238,7 +238,10 @@ def advice(overrides: list[str], metrics: dict[str, float]) -> str:
 
 def test_the_stop_asks_the_planner_for_the_side_under_pressure() -> None:
     host = advice(["+exp=qwen25vl_7b"], {"memory/node_ram_fraction_max": 0.93})
-    assert host.startswith("config changes that lower the peak (easytrain plan): worker.actor.offload.params=false")
+    # bring offloaded states back to the GPUs (the reference's first: the actor's no longer fits with the device
+    # margin recorded on a GPU)
+    assert host.startswith("config changes that lower the peak (easytrain plan): worker.ref.offload.params=false")
+    assert "worker.actor.offload.params=false" in host
     assert "host per node" in host
     device = advice(["+exp=qwen25vl_7b"], {"memory/node_ram_fraction_max": 0.5, "memory/gpu_fraction_max": 0.98})
     assert "micro_batch_size_per_device_for_experience=8" in device and "offload.params=false" not in device
