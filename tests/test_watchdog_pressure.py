@@ -9,8 +9,9 @@ does not move the levels:
 - soft: 2 GB freed-but-retained heap (glibc keeps it) -> free_caches returns it; the RSS drop the
   samplers measure from outside matches what the relief reported, and the run ends exactly as the
   uninterrupted one;
-- hard: 3.5 GB held -> the run saves and exits 4 naming the node, the process that grew and what to change;
-  run again, it resumes and ends exactly as the uninterrupted one.
+- hard: 3.5 GB held -> caught right after the rollout phase of the step whose reward took it (before the
+  update: the step ends unfinished, its predecessor is the saved state), the run exits 4 naming the node,
+  the process that grew and what to change; run again, it resumes and ends exactly as the uninterrupted one.
 """
 
 from __future__ import annotations
@@ -71,8 +72,12 @@ def test_hard_pressure_saves_stops_with_the_reason_and_resumes_exactly(reference
     log = run.log.read_text()
 
     last = max(logged_steps(run_dir))
-    assert 3 <= last < STEPS
+    assert 2 <= last < STEPS - 1
     assert (run_dir / "checkpoints" / "latest").read_text().strip() == str(last)  # saved before stopping
+    # caught between two phases of the step whose reward took the ballast, before its update (issue 24): that step
+    # ends unfinished, nothing of it is in the weights, and the checkpoint is the step before it
+    (hard,) = [e for e in records(run_dir, "event") if e["level"] == "hard"]
+    assert hard["step"] == last + 1 and hard["phase"] == "rollout", hard
     stop = re.search(r"stopped at step (\d+) \(memory: node \S+ RAM of this run at [\d.]+% .*hard threshold\)(.*)", log)
     assert stop is not None and int(stop.group(1)) == last, run.tail()
     grower = next(p for p in records(run_dir, "process") if p["pid"] == pid)

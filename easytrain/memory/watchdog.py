@@ -51,6 +51,7 @@ class NodeSampler:
         self.lock = threading.Lock()
         self.stopped = threading.Event()
         self.nvml = open_nvml()
+        self.peak: dict[str, Any] = {}
         self.gauges = self._gauges()
         self.thread = threading.Thread(target=self._loop, name="easytrain-memory-sampler", daemon=True)
         self.thread.start()
@@ -93,6 +94,8 @@ class NodeSampler:
         with self.lock:
             self.buffer.extend(records)
             del self.buffer[:-MAX_BUFFERED]
+            if records[0]["ram_fraction"] >= self.peak.get("ram_fraction", -1.0):
+                self.peak = dict(records[0])  # the highest node reading since the driver last asked (peak_since)
         return records
 
     def _export(self, records: list[dict[str, Any]]) -> None:
@@ -120,6 +123,14 @@ class NodeSampler:
         with self.lock:
             records, self.buffer = self.buffer, []
         return records
+
+    def peak_since(self) -> dict[str, Any]:
+        """The node's highest RAM reading since the last call and a reading of its processes taken now, without
+        draining what the step boundary judges: what the driver checks between two phases of a step."""
+        now = self.sample()
+        with self.lock:
+            peak, self.peak = self.peak, {}
+        return {"node": peak, "processes": [r for r in now if r["kind"] == "process"]}
 
     def stop(self) -> None:
         self.stopped.set()
@@ -283,6 +294,26 @@ class Watchdog:
                 self.event(step, out.level, line)
         self.file.flush()
         return out
+
+    def between_phases(self) -> tuple[str, list[str]]:
+        """Each node's highest RAM reading since the last check (not drained: the step boundary still judges every
+        sample) against the thresholds: the worst level and a line per node at or above warn. GPU memory is
+        judged at the step boundary, where the workers' own allocator readings say what is held."""
+        levels, pressure = [], []
+        for answer in self._ask("peak_since").values():
+            for p in answer["processes"]:  # what grew, should the run have to stop here
+                self.baseline.setdefault((p["role"], p["rank"]), (p["node_ip"], p["rss_bytes"]))
+                self.latest[(p["role"], p["rank"])] = (p["node_ip"], p["rss_bytes"])
+            r = answer["node"]
+            if not r:
+                continue
+            lv = level(r["ram_fraction"], self.cfg.ram_warn, self.cfg.ram_soft, self.cfg.ram_hard)
+            levels.append(lv)
+            if lv != "ok":
+                of_run = " of this run" if r.get("scope") == "run" else ""
+                pressure.append(f"node {r['node_ip']} RAM{of_run} at {r['ram_fraction']:.1%} "
+                                f"({r['ram_used_bytes'] / GB:.2f} of {r['ram_limit_bytes'] / GB:.2f} GB, {lv} threshold)")
+        return worst(levels), pressure
 
     def _check_limit(self, r: dict[str, Any]) -> None:
         """With watchdog.ram_limit_gb above what Ray allows the node, the hard level could come too late."""

@@ -33,6 +33,15 @@ from easytrain.trainer.signals import resume_hint, stop_on_sigterm
 logger = logging.getLogger(__name__)
 
 
+class StepAborted(Exception):
+    """Hard memory pressure before a step's update: the step ends unfinished (its weights are still the last
+    step's) and the run saves that last step and stops."""
+
+    def __init__(self, reason: str) -> None:
+        super().__init__(reason)
+        self.reason = reason
+
+
 class Stopped(Exception):
     """The run stopped on request (SIGTERM, the watchdog) after saving a checkpoint."""
 
@@ -149,8 +158,13 @@ class Trainer:
                 return first
         bar = tqdm(total=self.total_steps, initial=self.step, desc=self.name, unit="step")
         while self.step < self.total_steps:
+            boundary = {"data": self.loader.state_dict(), "rng": rng_state()}  # what the last step ended with
             self.step += 1
-            metrics = self.train_step()
+            try:
+                metrics = self.train_step()
+            except StepAborted as abort:  # nothing of this step is in the weights: the last step is the state
+                self.step -= 1
+                raise Stopped(abort.reason, self.step, self.save(boundary=boundary)) from None
             self.record_peaks("step")
             if self.guard is not None:  # pressure is judged at the step boundary, where relief and saving can run
                 watched, stop = self.guard.after_step(self.step, self.spans, self.worker_readings)
@@ -216,9 +230,22 @@ class Trainer:
         """Save at the end of the current step and go on (the watchdog's request)."""
         self.save_requested = True
 
-    def save(self, background: bool = False) -> Optional[Path]:
+    def check_pressure(self, phase: str, before_update: bool = True) -> None:
+        """Node RAM between two phases of a step (the watchdog's samplers): soft pressure is relieved now; hard
+        pressure before the update ends the step unfinished (:class:`StepAborted`), from the update on the step
+        finishes, saves and stops."""
+        if self.guard is None or self.stop_reason is not None:
+            return
+        stop = self.guard.between_phases(self.step, phase)
+        if stop is not None and before_update:
+            raise StepAborted(stop)
+        if stop is not None:
+            self.request_stop(stop)
+
+    def save(self, background: bool = False, boundary: Optional[dict[str, Any]] = None) -> Optional[Path]:
         """Checkpoint the current step (once); None when saving is off (trainer.save_freq=0). ``background``: return
-        once the workers staged their state and publish it at a later step boundary, once written (also None)."""
+        once the workers staged their state and publish it at a later step boundary, once written (also None).
+        ``boundary``: the data position and RNG the step ended with (a later step was begun and abandoned)."""
         self.save_requested = False
         if self.config.trainer.save_freq == 0 or self.step == 0:
             return None
@@ -228,8 +255,9 @@ class Trainer:
         start = time.perf_counter()
         tmp = self.checkpoints.begin(self.step)
         calls = self.roles.actor.call("save_checkpoint", str(tmp / ACTOR), background)
+        ended = boundary or {"data": self.loader.state_dict(), "rng": rng_state()}
         state = {"step": self.step, "task": self.config.trainer.task, "strategy": self.config.worker.actor.strategy,
-                 "data": self.loader.state_dict(), "rng": rng_state(),
+                 "data": ended["data"], "rng": ended["rng"],
                  "actor_world_size": self.roles.actor.world_size, "model_signature": model_signature(self.config),
                  **self.driver_state()}
         pending = PendingCheckpoint(tmp, self.step, state, OmegaConf.to_yaml(OmegaConf.structured(self.config)),

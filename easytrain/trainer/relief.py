@@ -49,6 +49,8 @@ class MemoryGuard:
         self.config = config
         self.watchdog = Watchdog(config, output_dir)
         self.roles: Optional[Roles] = None
+        self.relieved_step = -1
+        """The step whose phases last ran relief (at most once inside a step)."""
 
     def register(self, roles: Roles) -> None:
         """Every easytrain process of the run (workers of each role, reward workers, the driver)."""
@@ -80,6 +82,28 @@ class MemoryGuard:
             self.watchdog.event(step, "stop", stop)
         metrics["time/watchdog"] = time.perf_counter() - start
         return metrics, stop
+
+    def between_phases(self, step: int, phase: str) -> Optional[str]:
+        """Check the nodes' RAM after ``phase`` of a running step: soft pressure is relieved now (once per step),
+        warn is logged; at the hard level returns why the run must stop (memory that grows inside a step must
+        not wait for the step boundary, where Ray's memory monitor may already have killed a worker)."""
+        lv, pressure = self.watchdog.between_phases()
+        if lv == "ok":
+            return None
+        where = f"after {phase} of step {step}"
+        self.watchdog.event(step, lv, f"{'; '.join(pressure)} ({where})", phase=phase)
+        if lv == "hard":
+            stop = self.explain(pressure, {})
+            self.watchdog.event(step, "stop", stop)
+            return stop
+        if lv == "soft" and self.relieved_step != step:
+            self.relieved_step = step
+            logger.warning("memory %s: %s; relief: %s", where, "; ".join(pressure), ", ".join(self.config.watchdog.actions))
+            self.relieve(step, {"ram"})
+            self.watchdog.skip_pending()  # the step boundary judges what follows the relief, not what it freed
+        elif lv == "warn":
+            logger.warning("memory %s: %s", where, "; ".join(pressure))
+        return None
 
     # ------------------------------------------------------------------ relief
 

@@ -75,14 +75,18 @@ class RLTrainer(Trainer):
         prompts = self.batches if prompts is None else prompts
         timer, start = PhaseTimer(), time.perf_counter()
         batch, scores, sampling = self.rollout(prompts, timer)
+        self.check_pressure("rollout")  # before the update, hard pressure ends the step unfinished: nothing lost
         batch = self.with_reference(batch, timer)
+        self.check_pressure("ref")
         with timer("old_log_probs"):
             if not (self.on_policy and self.config.worker.actor.reuse_log_probs_on_policy):
                 batch = batch.union(self.log_probs(self.roles.actor, "compute_log_probs", batch))
         with timer("advantages"):
             batch, shaping = self.add_advantages(batch, scores)
+        self.check_pressure("old_log_probs")
         with timer("update"):
             update = self.update(batch)
+        self.check_pressure("update", before_update=False)  # from here on the step finishes and saves
         with timer("sync"):
             synced = self.roles.transport.sync(self.roles.actor, self.roles.rollout)
         metrics = {**reward_metrics(scores), **response_metrics(batch, self.config.data.max_response_length),
