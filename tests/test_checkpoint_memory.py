@@ -295,6 +295,10 @@ class FakeActor:
                 raise WorkerError(self.failure)
             self.written = True
             return [{"write_s": 0.5, "staged_gb": 0.1}, {"write_s": 0.7, "staged_gb": 0.1}]
+        if method == "checkpoint_files":  # each rank's view of the folder before the driver publishes it
+            root = Path(args[0])
+            files = {str(f.relative_to(root)): f.stat().st_size for f in root.rglob("*") if f.is_file()}
+            return [{"rank": rank, "node_ip": "127.0.0.1", "files": files} for rank in range(self.world_size)]
         raise AssertionError(method)
 
 
