@@ -55,23 +55,32 @@ def _reading() -> dict[str, int]:
             "gpu_step_peak_bytes": int(torch.cuda.max_memory_allocated())}
 
 
-def _engine(conn: Any, total: int) -> None:
-    torch.cuda.set_device(0)
-    pool = torch.empty(int(POOL_FRACTION * total), dtype=torch.uint8, device="cuda")
-    weights = torch.empty(int(0.01 * total), dtype=torch.uint8, device="cuda")
+def _serve(conn: Any, run_step: Any) -> None:
+    """A child's command loop: ``("run", step)`` runs ``run_step(step)`` and answers the step; ``"reading"``
+    answers the allocator reading and starts a new peak; ``"stop"`` ends it."""
     while True:
         command = conn.recv()
         if command == "stop":
-            break
+            return
         if command == "reading":
             conn.send(_reading())
             torch.cuda.reset_peak_memory_stats()
             continue
-        step = command[1]  # generate: transients of a fixed size (the batch shape does not change)
-        work = [torch.ones(int(0.002 * total) // 4, device="cuda") for _ in range(4)]
+        run_step(command[1])
         torch.cuda.synchronize()
+        conn.send(command[1])
+
+
+def _engine(conn: Any, total: int) -> None:
+    torch.cuda.set_device(0)
+    pool = torch.empty(int(POOL_FRACTION * total), dtype=torch.uint8, device="cuda")
+    weights = torch.empty(int(0.01 * total), dtype=torch.uint8, device="cuda")
+
+    def generate(step: int) -> None:  # transients of a fixed size (the batch shape does not change)
+        work = [torch.ones(int(0.002 * total) // 4, device="cuda") for _ in range(4)]
         del work
-        conn.send(step)
+
+    _serve(conn, generate)
     del pool, weights
 
 
@@ -79,15 +88,8 @@ def _trainer(conn: Any, total: int, leak: bool) -> None:
     torch.cuda.set_device(0)
     state = torch.zeros(int(STATE_FRACTION * total) // 4, device="cuda")
     kept = []
-    while True:
-        command = conn.recv()
-        if command == "stop":
-            break
-        if command == "reading":
-            conn.send(_reading())
-            torch.cuda.reset_peak_memory_stats()
-            continue
-        step = command[1]
+
+    def update(step: int) -> None:
         size = int(ACTIVATION_FRACTION * total * (0.8 + 0.05 * step)) // 8 // 4
         activations = [torch.ones(size, device="cuda") for _ in range(8)]
         state.add_(activations[0][: state.numel()].sum() * 0)  # a use of them
@@ -95,7 +97,8 @@ def _trainer(conn: Any, total: int, leak: bool) -> None:
         del activations
         if leak:
             kept.append(torch.ones(int(LEAK_FRACTION * total) // 4, device="cuda"))
-        conn.send(step)
+
+    _serve(conn, update)
 
 
 class NvmlSampler:

@@ -40,6 +40,11 @@ MAX_BUFFERED = 200_000
 """Samples a sampler keeps between drains (a very long step at a short period); the oldest go first."""
 
 
+def ram_where(node: dict[str, Any]) -> str:
+    """How a node reading's RAM is named in a pressure line: the node's, or this run's share of it."""
+    return f"node {node['node_ip']} RAM{' of this run' if node.get('scope') == 'run' else ''}"
+
+
 class NodeSampler:
     """Samples one node in a background thread; the driver drains what it recorded."""
 
@@ -254,15 +259,12 @@ class Watchdog:
         levels, highest = [], {}
         for r in records:
             if r["kind"] == "node":
-                of_run = " of this run" if r.get("scope") == "run" else ""
-                where, used, limit, fraction = (f"node {r['node_ip']} RAM{of_run}", r["ram_used_bytes"],
+                where, used, limit, fraction = (ram_where(r), r["ram_used_bytes"],
                                                 r["ram_limit_bytes"], r["ram_fraction"])
                 lv, resource = level(fraction, self.cfg.ram_warn, self.cfg.ram_soft, self.cfg.ram_hard), "ram"
                 self._check_limit(r)
             elif r["kind"] == "process":
-                key = (r["role"], r["rank"])
-                self.baseline.setdefault(key, (r["node_ip"], r["rss_bytes"]))
-                self.latest[key] = (r["node_ip"], r["rss_bytes"])
+                self._seen(r)
                 continue
             else:
                 continue
@@ -295,6 +297,12 @@ class Watchdog:
         self.file.flush()
         return out
 
+    def _seen(self, process: dict[str, Any]) -> None:
+        """A process reading: its first is the baseline its growth is measured from, the newest its size now."""
+        key = (process["role"], process["rank"])
+        self.baseline.setdefault(key, (process["node_ip"], process["rss_bytes"]))
+        self.latest[key] = (process["node_ip"], process["rss_bytes"])
+
     def between_phases(self) -> tuple[str, list[str]]:
         """Each node's highest RAM reading since the last check (not drained: the step boundary still judges every
         sample) against the thresholds: the worst level and a line per node at or above warn. GPU memory is
@@ -302,16 +310,14 @@ class Watchdog:
         levels, pressure = [], []
         for answer in self._ask("peak_since").values():
             for p in answer["processes"]:  # what grew, should the run have to stop here
-                self.baseline.setdefault((p["role"], p["rank"]), (p["node_ip"], p["rss_bytes"]))
-                self.latest[(p["role"], p["rank"])] = (p["node_ip"], p["rss_bytes"])
+                self._seen(p)
             r = answer["node"]
             if not r:
                 continue
             lv = level(r["ram_fraction"], self.cfg.ram_warn, self.cfg.ram_soft, self.cfg.ram_hard)
             levels.append(lv)
             if lv != "ok":
-                of_run = " of this run" if r.get("scope") == "run" else ""
-                pressure.append(f"node {r['node_ip']} RAM{of_run} at {r['ram_fraction']:.1%} "
+                pressure.append(f"{ram_where(r)} at {r['ram_fraction']:.1%} "
                                 f"({r['ram_used_bytes'] / GB:.2f} of {r['ram_limit_bytes'] / GB:.2f} GB, {lv} threshold)")
         return worst(levels), pressure
 
