@@ -87,6 +87,15 @@ def flaky(responses, truths):
 
 def malformed(responses, truths):
     return [1.0 for r in responses]
+
+def not_a_number(responses, truths):
+    return [{"overall": float("nan") if "nan" in r else float("inf") if "inf" in r else 1.0} for r in responses]
+
+def hangs(responses, truths):
+    import time
+    if any("hang" in r for r in responses):
+        time.sleep(3600)
+    return [{"overall": 1.0} for r in responses]
 '''
 
 
@@ -115,6 +124,31 @@ def test_a_raising_reward_scores_that_sample_zero(user_file: Path) -> None:
 def test_a_malformed_reward_result_is_an_error_per_sample(user_file: Path) -> None:
     scores, errors = Reward(load_function(f"{user_file}:malformed"))(["a", "b"], ["a", "b"])
     assert scores == [{"overall": 0.0}, {"overall": 0.0}] and errors == 2
+
+
+def test_a_reward_that_is_not_a_finite_number_is_an_error_per_sample(user_file: Path) -> None:
+    scores, errors = Reward(load_function(f"{user_file}:not_a_number"))(["a", "nan", "b", "inf"], ["t"] * 4)
+    assert [s["overall"] for s in scores] == [1.0, 0.0, 1.0, 0.0] and errors == 2
+
+
+def test_a_reward_worker_that_hangs_is_replaced_at_the_timeout(ray_local: None, user_file: Path) -> None:
+    import time
+
+    from easytrain.workers.reward_pool import RewardPool
+
+    pool = RewardPool(RewardConfig(function=f"{user_file}:hangs", num_workers=2, timeout_s=3.0))
+    try:
+        first = pool.workers[1]
+        start = time.monotonic()
+        scores, errors = pool.collect(pool.submit(["a", "b", "hang", "c"], ["t"] * 4), every_s=0.2)
+        took = time.monotonic() - start
+        assert [s["overall"] for s in scores] == [1.0, 1.0, 0.0, 0.0] and errors == 2  # the second worker's half
+        assert 3.0 <= took < 30.0
+        assert pool.workers[1] is not first
+        scores, errors = pool.collect(pool.submit(["a", "b", "c", "d"], ["t"] * 4))  # the new worker scores
+        assert [s["overall"] for s in scores] == [1.0] * 4 and errors == 0
+    finally:
+        pool.shutdown()
 
 
 @pytest.mark.parametrize("spec,match", [

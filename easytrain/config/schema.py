@@ -340,6 +340,9 @@ class RewardConfig:
     """Share of the format reward in `overall`: (1 - w) * accuracy + w * format."""
     num_workers: int = bounded(2, low=1)
     """Ray actors scoring a rollout's responses in parallel with each other."""
+    timeout_s: float = bounded(600.0, low=0.0, low_open=True)
+    """Seconds a reward worker may take for its share of a rollout; past it the worker is killed and replaced
+    and its responses score 0, counted in reward/errors (a function that hangs must not hang the run)."""
 
 
 # ----------------------------------------------------------------------------- trainer

@@ -42,6 +42,7 @@ import ray
 from easytrain.distributed.batch import Batch
 from easytrain.distributed.resources import ResourcePool
 from easytrain.memory import peaks
+from easytrain.memory.flag import MemoryStop
 
 logger = logging.getLogger(__name__)
 
@@ -250,6 +251,8 @@ class WorkerGroup:
                              f"{reason}") from err
         except ray.exceptions.RayTaskError as err:
             cause = err.cause if getattr(err, "cause", None) is not None else err
+            if isinstance(cause, MemoryStop):  # the worker saw hard memory pressure and stopped: the step ends
+                raise cause from None
             raise WorkerError(f"{self.role} worker rank {rank} on node {place.node_ip} failed in {method}: "
                               f"{type(cause).__name__}: {str(cause).splitlines()[0] if str(cause) else ''}"
                               ) from err

@@ -31,6 +31,7 @@ import ray
 from easytrain.config.schema import Config
 from easytrain.config.validate import ray_kill_threshold
 from easytrain.memory.detect import MB, LeakDetector, RankMemory, gpu_pressure, imbalance, level, worst
+from easytrain.memory.flag import GrowthRate, PressureFlag, hard_threshold
 from easytrain.memory.readings import gpu_readings, node_ram, open_nvml, process_rss
 
 logger = logging.getLogger(__name__)
@@ -45,11 +46,28 @@ def ram_where(node: dict[str, Any]) -> str:
     return f"node {node['node_ip']} RAM{' of this run' if node.get('scope') == 'run' else ''}"
 
 
+def ram_line(node: dict[str, Any], lv: str) -> str:
+    """A node reading at ``lv`` in one line: where, how full, which threshold (and, when growth lowered the
+    hard one, to what)."""
+    lowered = node.get("ram_hard_lowered")
+    why = (f", lowered to {node['ram_hard']:.1%} by growth of {node['ram_growth_per_s']:.1%}/s" if lv == "hard"
+           and lowered else "")
+    return (f"{ram_where(node)} at {node['ram_fraction']:.1%} ({node['ram_used_bytes'] / GB:.2f} of "
+            f"{node['ram_limit_bytes'] / GB:.2f} GB, {lv} threshold{why})")
+
+
 class NodeSampler:
     """Samples one node in a background thread; the driver drains what it recorded."""
 
-    def __init__(self, node_id: str, period_s: float, limit_bytes: Optional[int], scope: str = "node") -> None:
+    def __init__(self, node_id: str, period_s: float, limit_bytes: Optional[int], scope: str = "node",
+                 thresholds: Optional[tuple[float, float, float]] = None) -> None:
+        """``thresholds``: watchdog.ram_warn, ram_soft, ram_hard; with them every sample is judged here too and
+        its level written to the node's pressure flag (:mod:`easytrain.memory.flag`)."""
         self.node_id, self.period_s, self.limit_bytes, self.scope = node_id, period_s, limit_bytes, scope
+        self.thresholds = thresholds
+        self.growth = GrowthRate()
+        self.flag = PressureFlag.of_this_job() if thresholds else None
+        self.flagged: Optional[str] = None
         self.node_ip = ray.util.get_node_ip_address()
         self.processes: dict[int, tuple[str, int]] = {}
         self.buffer: list[dict[str, Any]] = []
@@ -89,6 +107,7 @@ class NodeSampler:
                 records.append({"kind": "process", **where, "role": role, "rank": rank, "pid": pid, "rss_bytes": rss})
         run_bytes = sum(r["rss_bytes"] for r in records) if self.scope == "run" else None
         records.insert(0, {**node_ram(self.limit_bytes, run_bytes=run_bytes), **where})
+        self._judge(records[0])
         if self.nvml is not None:
             try:
                 records.extend({**gpu, **where} for gpu in gpu_readings(self.nvml))
@@ -102,6 +121,23 @@ class NodeSampler:
             if records[0]["ram_fraction"] >= self.peak.get("ram_fraction", -1.0):
                 self.peak = dict(records[0])  # the highest node reading since the driver last asked (peak_since)
         return records
+
+    def _judge(self, node: dict[str, Any]) -> None:
+        """The hard threshold for this sample (lowered while RAM grows fast) and its level on the flag."""
+        if self.thresholds is None:
+            return
+        warn, soft, hard = self.thresholds
+        growth = self.growth.add(node["t"], node["ram_fraction"])
+        # Ray's kill line in this reading's terms; a run's share of a node (scope=run) is its own line
+        ceiling = 1.0 if self.scope == "run" else min(
+            1.0, ray_kill_threshold() * node["ram_total_bytes"] / node["ram_limit_bytes"])
+        node["ram_hard"] = hard_threshold(hard, soft, ceiling, growth, self.period_s)
+        node["ram_growth_per_s"] = growth
+        node["ram_hard_lowered"] = node["ram_hard"] < hard
+        lv = level(node["ram_fraction"], warn, soft, node["ram_hard"])
+        if self.flag is not None and (lv != "ok" or lv != self.flagged):
+            self.flag.write(lv, ram_line(node, lv) if lv != "ok" else "")
+            self.flagged = lv
 
     def _export(self, records: list[dict[str, Any]]) -> None:
         ip = {"node_ip": self.node_ip}
@@ -129,16 +165,21 @@ class NodeSampler:
             records, self.buffer = self.buffer, []
         return records
 
-    def peak_since(self) -> dict[str, Any]:
-        """The node's highest RAM reading since the last call and a reading of its processes taken now, without
-        draining what the step boundary judges: what the driver checks between two phases of a step."""
+    def peak_since(self, reset: bool = True) -> dict[str, Any]:
+        """The node's highest RAM reading since the last call that reset it and a reading of its processes taken
+        now, without draining what the step boundary judges: what the driver checks between two phases of a step
+        (``reset``) and while one runs."""
         now = self.sample()
         with self.lock:
-            peak, self.peak = self.peak, {}
+            peak = self.peak
+            if reset:
+                self.peak = {}
         return {"node": peak, "processes": [r for r in now if r["kind"] == "process"]}
 
     def stop(self) -> None:
         self.stopped.set()
+        if self.flag is not None:
+            self.flag.remove()
 
 
 @dataclass
@@ -194,8 +235,9 @@ class Watchdog:
         for node_id in sorted(alive - set(self.samplers)):
             options = {"num_cpus": 0, "max_restarts": 0, "name": f"easytrain-memory-{node_id[:12]}-{id(self):x}",
                        "scheduling_strategy": NodeAffinitySchedulingStrategy(node_id, soft=False)}
+            thresholds = (self.cfg.ram_warn, self.cfg.ram_soft, self.cfg.ram_hard)
             self.samplers[node_id] = remote.options(**options).remote(node_id, self.cfg.sample_period_s, limit,
-                                                                      self.cfg.ram_scope)
+                                                                      self.cfg.ram_scope, thresholds)
         self.write({"kind": "samplers", "t": time.time(), "nodes": sorted(self.samplers)})
 
     def _ask(self, method: str, per_node: Optional[dict[str, tuple[Any, ...]]] = None,
@@ -261,7 +303,7 @@ class Watchdog:
             if r["kind"] == "node":
                 where, used, limit, fraction = (ram_where(r), r["ram_used_bytes"],
                                                 r["ram_limit_bytes"], r["ram_fraction"])
-                lv, resource = level(fraction, self.cfg.ram_warn, self.cfg.ram_soft, self.cfg.ram_hard), "ram"
+                lv, resource = self._ram_level(r), "ram"
                 self._check_limit(r)
             elif r["kind"] == "process":
                 self._seen(r)
@@ -303,22 +345,26 @@ class Watchdog:
         self.baseline.setdefault(key, (process["node_ip"], process["rss_bytes"]))
         self.latest[key] = (process["node_ip"], process["rss_bytes"])
 
-    def between_phases(self) -> tuple[str, list[str]]:
+    def _ram_level(self, node: dict[str, Any]) -> str:
+        """A node reading's level, by the hard threshold its sampler judged it by (lowered by fast growth)."""
+        return level(node["ram_fraction"], self.cfg.ram_warn, self.cfg.ram_soft, node.get("ram_hard", self.cfg.ram_hard))
+
+    def between_phases(self, reset: bool = True) -> tuple[str, list[str]]:
         """Each node's highest RAM reading since the last check (not drained: the step boundary still judges every
         sample) against the thresholds: the worst level and a line per node at or above warn. GPU memory is
-        judged at the step boundary, where the workers' own allocator readings say what is held."""
+        judged at the step boundary, where the workers' own allocator readings say what is held. ``reset=False``
+        (a check while a phase runs) leaves the peak for the check at the phase's end."""
         levels, pressure = [], []
-        for answer in self._ask("peak_since").values():
+        for answer in self._ask("peak_since", reset=reset).values():
             for p in answer["processes"]:  # what grew, should the run have to stop here
                 self._seen(p)
             r = answer["node"]
             if not r:
                 continue
-            lv = level(r["ram_fraction"], self.cfg.ram_warn, self.cfg.ram_soft, self.cfg.ram_hard)
+            lv = self._ram_level(r)
             levels.append(lv)
             if lv != "ok":
-                pressure.append(f"{ram_where(r)} at {r['ram_fraction']:.1%} "
-                                f"({r['ram_used_bytes'] / GB:.2f} of {r['ram_limit_bytes'] / GB:.2f} GB, {lv} threshold)")
+                pressure.append(ram_line(r, lv))
         return worst(levels), pressure
 
     def _check_limit(self, r: dict[str, Any]) -> None:
@@ -377,6 +423,7 @@ class Watchdog:
         memory.jsonl and draw memory.png next to it."""
         if self.samplers:
             self.skip_pending()
+            self._ask("stop")  # each removes its node's pressure flag
             for sampler in self.samplers.values():
                 ray.kill(sampler)
             self.samplers = {}

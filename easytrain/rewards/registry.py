@@ -18,6 +18,7 @@ from __future__ import annotations
 import importlib
 import importlib.util
 import logging
+import math
 import os
 from dataclasses import dataclass
 from typing import Callable, Sequence
@@ -88,8 +89,11 @@ class Reward:
 
 
 def _valid(scores: object, n: int) -> bool:
+    """A list of ``n`` dicts, each with a finite number under "overall" (a NaN would reach every advantage of
+    its group and, through the loss, every weight)."""
     return (isinstance(scores, list) and len(scores) == n
-            and all(isinstance(s, dict) and isinstance(s.get("overall"), (int, float)) for s in scores))
+            and all(isinstance(s, dict) and isinstance(s.get("overall"), (int, float)) and math.isfinite(s["overall"])
+                    for s in scores))
 
 
 def _robust(fn: RewardFn, responses: Sequence[str], truths: Sequence[str]) -> tuple[list[dict[str, float]], int]:
@@ -105,7 +109,7 @@ def _robust(fn: RewardFn, responses: Sequence[str], truths: Sequence[str]) -> tu
         try:
             single = fn([response], [truth])
             if not _valid(single, 1):
-                raise TypeError("expected a list with one dict holding 'overall'")
+                raise TypeError("expected a list with one dict holding a finite number under 'overall'")
             out.append({k: float(v) for k, v in single[0].items()})
         except Exception as err:
             errors += 1

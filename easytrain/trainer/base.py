@@ -12,7 +12,7 @@ from __future__ import annotations
 import logging
 import time
 from pathlib import Path
-from typing import Any, Iterator, Optional
+from typing import Any, Callable, Iterator, Optional
 
 from omegaconf import OmegaConf
 from tqdm import tqdm
@@ -20,6 +20,7 @@ from tqdm import tqdm
 from easytrain.config.schema import Config
 from easytrain.distributed.checkpoint import rng_state, set_rng_state
 from easytrain.distributed.group import WorkerError
+from easytrain.memory.flag import MemoryStop
 from easytrain.memory.plan_check import PlanCheck
 from easytrain.trainer.checkpoint import (ACTOR, CONFIG_FILE, PREFIX, CheckpointError, CheckpointWriter,
                                           PendingCheckpoint, check_compatible, checkpoint_root, is_complete, latest,
@@ -33,13 +34,10 @@ from easytrain.trainer.signals import resume_hint, stop_on_sigterm
 logger = logging.getLogger(__name__)
 
 
-class StepAborted(Exception):
-    """Hard memory pressure before a step's update: the step ends unfinished (its weights are still the last
-    step's) and the run saves that last step and stops."""
-
-    def __init__(self, reason: str) -> None:
-        super().__init__(reason)
-        self.reason = reason
+class StepAborted(MemoryStop):
+    """Hard memory pressure before a step's update, seen by the driver: the step ends unfinished (its weights
+    are still the last step's) and the run saves that last step and stops. A :class:`MemoryStop` raised by a
+    worker (a generation that saw the node's hard flag) ends the step the same way."""
 
 
 class Stopped(Exception):
@@ -152,7 +150,7 @@ class Trainer:
     def _fit(self) -> dict[str, float]:
         t = self.config.trainer
         if self.step == 0 and (t.val_before_train or t.val_only):
-            first = self.validate()
+            first = self.validate_or_stop()
             self.record_peaks("validation")
             if t.val_only:
                 return first
@@ -162,9 +160,10 @@ class Trainer:
             self.step += 1
             try:
                 metrics = self.train_step()
-            except StepAborted as abort:  # nothing of this step is in the weights: the last step is the state
+            except MemoryStop as abort:  # nothing of this step is in the weights: the last step is the state
+                reason = self.stop_reason_of(abort, "generate")
                 self.step -= 1
-                raise Stopped(abort.reason, self.step, self.save(boundary=boundary)) from None
+                raise Stopped(reason, self.step, self.save(boundary=boundary)) from None
             self.record_peaks("step")
             if self.guard is not None:  # pressure is judged at the step boundary, where relief and saving can run
                 watched, stop = self.guard.after_step(self.step, self.spans, self.worker_readings)
@@ -178,14 +177,14 @@ class Trainer:
             if self.stop_reason is not None:
                 raise Stopped(self.stop_reason, self.step, self.save())
             if t.val_freq > 0 and self.step % t.val_freq == 0 and self.step < self.total_steps:
-                self.validate()
+                self.validate_or_stop()
                 self.record_peaks("validation")
             bar.update(1)
             bar.set_postfix({self.headline: f"{metrics.get(self.headline, float('nan')):.3f}"})
         bar.close()
         final_checkpoint = self.save()
         self.record_peaks("save")
-        final = self.validate()
+        final = self.validate_or_stop()
         self.record_peaks("validation")
         if t.export_final and final_checkpoint is not None:
             from easytrain.trainer.export import export
@@ -241,6 +240,35 @@ class Trainer:
             raise StepAborted(stop)
         if stop is not None:
             self.request_stop(stop)
+
+    def watch_phase(self, phase: str) -> Optional[Callable[[], None]]:
+        """What the driver calls while it waits for ``phase``'s workers (every watchdog.sample_period_s): hard
+        pressure raises :class:`StepAborted` at once, the caller stops what it waits for (a reward worker
+        whose code grows is killed: it holds no state). None without a watchdog."""
+        guard = self.guard
+        if guard is None:
+            return None
+
+        def check() -> None:
+            stop = guard.during_phase(self.step, phase)
+            if stop is not None:
+                raise StepAborted(stop)
+
+        return check
+
+    def stop_reason_of(self, stop: MemoryStop, phase: str) -> str:
+        """The run's stop line for a :class:`MemoryStop`: the driver's own, or a worker's, explained (where,
+        what grew, what to change) and recorded in memory.jsonl."""
+        if isinstance(stop, StepAborted) or self.guard is None:
+            return stop.reason
+        return self.guard.stopped_during(self.step, phase, stop.reason)
+
+    def validate_or_stop(self) -> dict[str, float]:
+        """Validation; a generation stopped by hard pressure saves the step just finished and stops."""
+        try:
+            return self.validate()
+        except MemoryStop as stop:
+            raise Stopped(self.stop_reason_of(stop, "validation"), self.step, self.save()) from None
 
     def save(self, background: bool = False, boundary: Optional[dict[str, Any]] = None) -> Optional[Path]:
         """Checkpoint the current step (once); None when saving is off (trainer.save_freq=0). ``background``: return

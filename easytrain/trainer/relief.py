@@ -90,12 +90,10 @@ class MemoryGuard:
         lv, pressure = self.watchdog.between_phases()
         if lv == "ok":
             return None
+        if lv == "hard":
+            return self._stop(step, phase, pressure, "after")
         where = f"after {phase} of step {step}"
         self.watchdog.event(step, lv, f"{'; '.join(pressure)} ({where})", phase=phase)
-        if lv == "hard":
-            stop = self.explain(pressure, {})
-            self.watchdog.event(step, "stop", stop)
-            return stop
         if lv == "soft" and self.relieved_step != step:
             self.relieved_step = step
             logger.warning("memory %s: %s; relief: %s", where, "; ".join(pressure), ", ".join(self.config.watchdog.actions))
@@ -104,6 +102,23 @@ class MemoryGuard:
         elif lv == "warn":
             logger.warning("memory %s: %s", where, "; ".join(pressure))
         return None
+
+    def during_phase(self, step: int, phase: str) -> Optional[str]:
+        """Node RAM while ``phase`` still runs: at the hard level, why the run must stop (recorded); lower levels
+        wait for the phase's end, where relief can run (the workers are busy now)."""
+        lv, pressure = self.watchdog.between_phases(reset=False)
+        return self._stop(step, phase, pressure, "during") if lv == "hard" else None
+
+    def stopped_during(self, step: int, phase: str, seen: str) -> str:
+        """A worker stopped ``phase`` on the hard flag it read (``seen``): recorded, explained."""
+        lv, pressure = self.watchdog.between_phases(reset=False)  # the processes' sizes now, for what grew
+        return self._stop(step, phase, pressure if lv == "hard" else [seen], "during")
+
+    def _stop(self, step: int, phase: str, pressure: list[str], when: str) -> str:
+        self.watchdog.event(step, "hard", f"{'; '.join(pressure)} ({when} {phase} of step {step})", phase=phase)
+        stop = self.explain(pressure, {})
+        self.watchdog.event(step, "stop", stop)
+        return stop
 
     # ------------------------------------------------------------------ relief
 

@@ -130,8 +130,9 @@ class RLTrainer(Trainer):
             batch = self.roles.rollout.call("generate", prompts, self.step, validate, call)
         texts = self.data.decode(batch)
         pending = self.roles.rewards.submit(texts, batch.meta["answers"])
-        with timer("reward"):
-            scores, errors = self.roles.rewards.collect(pending)
+        with timer("reward"):  # a reward function that grows under hard pressure is stopped, with the step
+            watch = None if validate else self.watch_phase("reward")
+            scores, errors = self.roles.rewards.collect(pending, watch, self.config.watchdog.sample_period_s)
         table = {key: torch.tensor([s.get(key, 0.0) for s in scores]) for key in scores[0]}
         table["errors"] = torch.full((len(scores),), float(errors) / max(1, len(scores)))
         batch.meta["texts"] = texts

@@ -9,8 +9,9 @@ module is imported where it runs) and scores a contiguous chunk.
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass
-from typing import Any, Sequence
+import time
+from dataclasses import dataclass, field
+from typing import Any, Callable, Optional, Sequence
 
 import ray
 
@@ -40,31 +41,68 @@ class RewardWorker:
 @dataclass
 class PendingScores:
     refs: list[Any]
+    sizes: list[int]
+    """Responses each worker scores (a worker killed at the timeout scores them 0)."""
+    started: float = field(default_factory=time.monotonic)
 
 
 class RewardPool:
     def __init__(self, cfg: RewardConfig) -> None:
         load_function(cfg.function)  # fail here, in the driver, with a clear message
+        self.cfg = cfg
         self.workers = [RewardWorker.remote(cfg.function, cfg.format_weight) for _ in range(cfg.num_workers)]
 
     def submit(self, responses: Sequence[str], truths: Sequence[str]) -> PendingScores:
         n = len(responses)
         size = -(-n // len(self.workers)) if n else 0
+        starts = list(range(0, n, size or 1))
         refs = [worker.score.remote(list(responses[i:i + size]), list(truths[i:i + size]))
-                for worker, i in zip(self.workers, range(0, n, size or 1))]
-        return PendingScores(refs)
+                for worker, i in zip(self.workers, starts)]
+        return PendingScores(refs, [len(responses[i:i + size]) for i in starts])
 
-    def collect(self, pending: PendingScores) -> tuple[list[dict[str, float]], int]:
+    def collect(self, pending: PendingScores, watch: Optional[Callable[[], None]] = None,
+                every_s: float = 1.0) -> tuple[list[dict[str, float]], int]:
+        """The scores, in order, and how many responses failed (scored 0). ``watch`` is called every ``every_s``
+        while some are still scoring; when it raises, the workers still scoring are killed (what their code
+        holds goes with them; a new worker takes each place) and its exception propagates. A worker still
+        scoring after ``reward.timeout_s`` is killed and replaced the same way, its responses scored 0."""
+        deadline = pending.started + self.cfg.timeout_s
+        waiting = list(pending.refs)
+        while waiting:
+            _, waiting = ray.wait(waiting, num_returns=len(waiting), timeout=min(every_s, self.cfg.timeout_s))
+            if not waiting:
+                break
+            late = [pending.refs.index(ref) for ref in waiting]
+            try:
+                if watch is not None:
+                    watch()
+            except BaseException:
+                self.replace(late)
+                raise
+            if time.monotonic() >= deadline:
+                self.replace(late)
+                logger.warning("reward: %s took longer than reward.timeout_s=%g s on %d response(s); they score 0",
+                               self.cfg.function, self.cfg.timeout_s, sum(pending.sizes[i] for i in late))
+                break
         scores: list[dict[str, float]] = []
         errors = 0
+        timed_out = set(waiting)
         try:
-            chunks = ray.get(pending.refs)
+            chunks = [([{"overall": 0.0}] * size, size) if ref in timed_out else ray.get(ref)
+                      for ref, size in zip(pending.refs, pending.sizes)]
         except ray.exceptions.RayActorError as err:  # e.g. its node was lost: recoverable like any worker
             raise WorkerDied("reward", -1, "?", f"a reward worker died: {str(err).splitlines()[0]}") from err
         for chunk, chunk_errors in chunks:
             scores.extend(chunk)
             errors += chunk_errors
         return scores, errors
+
+    def replace(self, indices: list[int]) -> None:
+        """Kill the workers at ``indices`` now and start new ones in their places."""
+        for i in indices:
+            ray.kill(self.workers[i])
+            self.workers[i] = RewardWorker.remote(self.cfg.function, self.cfg.format_weight)
+        logger.warning("killed %d reward worker(s) while they scored; new ones took their places", len(indices))
 
     def process_info(self) -> list[dict[str, Any]]:
         return self._each("process_info")

@@ -6,29 +6,37 @@ process:
 
 - ``fragment_mb``: allocates and frees it again, keeping one block above the rest, so glibc holds the freed
   heap (RSS stays up) until someone calls ``malloc_trim``: what the watchdog's free_caches relief does;
-- ``hold_mb``: allocates and keeps it (a leak no relief can free): the hard threshold's case.
+- ``hold_mb``: allocates and keeps it (a leak no relief can free): the hard threshold's case;
+- ``grow_mb``: ``TOTAL RATE`` - allocates TOTAL MB at RATE MB/s, in 32 MiB pieces, and keeps it: memory rising
+  inside a step, which only a watchdog that acts while the reward runs can stop (and Ray's memory monitor
+  kills for, past its line).
 """
 
 from __future__ import annotations
 
 import os
+import time
 from pathlib import Path
 
 BLOCK = 64 * 1024
 _held: list[bytearray] = []
 
 
-def _claim(name: str) -> int:
+def _claim_text(name: str) -> str:
     folder = os.environ.get("EASYTRAIN_TEST_BALLAST")
     if not folder:
-        return 0
+        return ""
     command = Path(folder) / name
     taken = command.with_name(f"{name}.taken.{os.getpid()}")
     try:
         os.rename(command, taken)
     except OSError:
-        return 0
-    return int(taken.read_text())
+        return ""
+    return taken.read_text()
+
+
+def _claim(name: str) -> int:
+    return int(_claim_text(name) or 0)
 
 
 def spread(responses: list[str], ground_truths: list[str]) -> list[dict[str, float]]:
@@ -39,4 +47,11 @@ def spread(responses: list[str], ground_truths: list[str]) -> list[dict[str, flo
         del blocks
     if hold_mb:
         _held.extend(bytearray(BLOCK) for _ in range(hold_mb * 2**20 // BLOCK))
+    grow = _claim_text("grow_mb").split()
+    if grow:
+        total, rate = int(grow[0]), float(grow[1])
+        piece, start = 32, time.monotonic()
+        for i in range(1, total // piece + 1):
+            _held.append(bytearray(piece * 2**20))  # zero-filled: resident at once
+            time.sleep(max(0.0, start + i * piece / rate - time.monotonic()))
     return [{"overall": (sum(map(ord, r)) % 7) / 6.0} for r in responses]

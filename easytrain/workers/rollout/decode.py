@@ -21,7 +21,7 @@ this loop samples exactly the distribution whose log-probs it records.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Callable, Optional
 
 import torch
 from torch import nn
@@ -57,10 +57,12 @@ def text_positions(mask: torch.Tensor) -> torch.Tensor:
 
 @torch.no_grad()
 def decode(model: Any, once: dict[str, torch.Tensor], n: int, params: SamplingParams, stop_ids: list[int],
-           pad_id: int, suppressed: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+           pad_id: int, suppressed: list[int],
+           check: Optional[Callable[[], None]] = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Sample ``n`` responses for each row of ``once`` (prompt tensors, left-padded); returns responses (B*n, T)
     with pad after each stop token, and the raw per-token log-probs of the sampling distribution (B*n, T).
-    T is the number of steps run (at most ``params.max_new_tokens``)."""
+    T is the number of steps run (at most ``params.max_new_tokens``). ``check`` is called before every token
+    (the engine's pressure check: raising there ends the loop)."""
     from transformers import DynamicCache
 
     vision = is_vision_model(model)
@@ -89,6 +91,8 @@ def decode(model: Any, once: dict[str, torch.Tensor], n: int, params: SamplingPa
     torch.manual_seed(params.seed)
     steps = 0
     for step in range(params.max_new_tokens):
+        if check is not None:
+            check()
         token = choose(logits, params, suppressed)
         responses[live, step] = token
         log_probs[live, step] = gather_log_probs(sampling_logits(logits, params.temperature, suppressed), token)

@@ -55,6 +55,9 @@ class RolloutEngine(abc.ABC):
     """What :meth:`sleep` released and no :meth:`wake` has brought back yet (``weights``, ``kv_cache``)."""
     stale: bool = False
     """A sleep discarded the weights and no sync has refilled them (generation must wait for one)."""
+    pressure: Any = None
+    """The node's pressure flag (:class:`easytrain.memory.flag.PressureFlag`), set under a watchdog; an engine
+    that reads it while generating stops early at the hard level (the HF engine, at every token)."""
 
     @classmethod
     @abc.abstractmethod

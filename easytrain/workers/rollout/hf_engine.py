@@ -4,18 +4,25 @@ In a fused worker the engine sleeps while the other roles compute: level 2 drops
 refills them in place; on CPU this frees the engine's host copy for the training phases), level 1 moves them
 to host memory (on a GPU; on CPU they are already there, so level 1 frees nothing and the engine stays awake).
 It holds no KV cache between generations.
+
+Its decode loop reads the node's pressure flag (:mod:`easytrain.memory.flag`) at every token: at the hard
+level the generation stops (:class:`MemoryStop`: the step ends unfinished, nothing of it trained); at the soft
+level the prompts still to generate are taken in pieces half the size, each with its own KV cache, the piece
+in flight is begun again, and the engine keeps the smaller piece for the rest of the run.
 """
 
 from __future__ import annotations
 
+import gc
 import logging
-from typing import Any, Iterable, Sequence
+from typing import Any, Iterable, Optional, Sequence
 
 import torch
 
 from easytrain.algorithms.losses import token_log_probs
 from easytrain.workers.forward import suppressed_tokens
 from easytrain.distributed.batch import Batch
+from easytrain.memory.flag import MemoryStop, PressureFlag
 from easytrain.models.image_dedup import dedupe_images
 from easytrain.workers.rollout.decode import decode, text_positions
 from easytrain.workers.rollout.engine import EngineSpec, RolloutEngine, SamplingParams, response_mask
@@ -23,6 +30,10 @@ from easytrain.workers.rollout.engine import EngineSpec, RolloutEngine, Sampling
 logger = logging.getLogger(__name__)
 
 GENERATE_INPUTS = ("input_ids", "attention_mask", "pixel_values", "image_grid_thw", "mm_token_type_ids")
+
+
+class _Shrink(Exception):
+    """Soft pressure seen while a piece decodes: begin it again in smaller pieces."""
 
 
 class HFEngine(RolloutEngine):
@@ -40,6 +51,12 @@ class HFEngine(RolloutEngine):
         """Level-2 sleep dropped the weights and no sync has refilled them yet."""
         self._shapes: dict[int, tuple[torch.Size, torch.dtype]] = {}
         self._filled: set[int] = set()
+        self.pressure: Optional[PressureFlag] = None
+        """The node's pressure flag, read at every decoded token (set by the rollout worker under a watchdog)."""
+        self.piece: Optional[int] = None
+        """Prompts generated together; None = all of a call's (soft pressure halves it, see :meth:`_decode`)."""
+        self.shrunk = False
+        """The piece was halved in this spell of soft pressure."""
 
     @classmethod
     def build(cls, config: Any, spec: EngineSpec) -> "HFEngine":
@@ -117,12 +134,55 @@ class HFEngine(RolloutEngine):
         return self._finish(responses, token_log_probs(logits, responses, params.temperature, self.suppressed))
 
     def _decode(self, prompts: Batch, params: SamplingParams) -> Batch:
+        """Decode ``prompts`` in pieces of :attr:`piece` prompts (all at once by default). Piece ``k`` starting at
+        prompt ``i`` samples with seed ``params.seed + i * n``: the whole batch in one piece draws what it always
+        did. Soft pressure while a piece decodes halves the piece size and begins it again, once per spell of
+        pressure (until the flag reads below soft at the start of a generation)."""
         share = self.share_prefill and params.n > 1
-        source = prompts if share else prompts.repeat_interleave(params.n)
-        once = {k: source[k].to(self.device) for k in GENERATE_INPUTS if k in source}
-        responses, raw = decode(self.model, once, params.n if share else 1, params, self.eos_ids, self.pad_id,
-                                self.suppressed)
+        outputs: list[tuple[torch.Tensor, torch.Tensor]] = []
+        start = 0
+        if self.pressure is not None and self.pressure.read()[0] not in ("soft", "hard"):
+            self.shrunk = False
+        while start < len(prompts):
+            size = min(self.piece or len(prompts), len(prompts) - start)
+            piece = prompts.select(range(start, start + size)) if size < len(prompts) else prompts
+            source = piece if share else piece.repeat_interleave(params.n)
+            once = {k: source[k].to(self.device) for k in GENERATE_INPUTS if k in source}
+            seeded = SamplingParams(params.n, params.temperature, params.top_p, params.top_k, params.max_new_tokens,
+                                    params.seed + start * params.n)
+            check = self._watch(can_shrink=size > 1 and not self.shrunk)
+            try:
+                outputs.append(decode(self.model, once, params.n if share else 1, seeded, self.eos_ids, self.pad_id,
+                                      self.suppressed, check))
+            except _Shrink as soft:
+                self.shrunk, self.piece = True, (size + 1) // 2
+                del once, source, piece
+                gc.collect()  # the abandoned piece's KV cache goes now, before the smaller pieces decode
+                logger.warning("memory: %s during generation; generating %d prompt(s) at a time from here on "
+                               "(was %d)", soft, self.piece, size)
+                continue
+            start += size
+        width = max(r.shape[1] for r, _ in outputs)
+        responses = torch.cat([torch.nn.functional.pad(r, (0, width - r.shape[1]), value=self.pad_id)
+                               for r, _ in outputs])
+        raw = torch.cat([torch.nn.functional.pad(lp, (0, width - lp.shape[1])) for _, lp in outputs])
         return self._finish(responses, raw)
+
+    def _watch(self, can_shrink: bool) -> Optional[Any]:
+        """What the decode loop calls at every token: raises at the hard level (:class:`MemoryStop`), and at the
+        soft one when the piece can still be halved."""
+        flag = self.pressure
+        if flag is None:
+            return None
+
+        def check() -> None:
+            lv, line = flag.read()
+            if lv == "hard":
+                raise MemoryStop(f"{line} (during generation)")
+            if lv == "soft" and can_shrink:
+                raise _Shrink(line)
+
+        return check
 
     def _finish(self, responses: torch.Tensor, raw_log_probs: torch.Tensor) -> Batch:
         """Responses cut after their stop token (pad after it), the mask, and the masked log-probs, on CPU."""

@@ -15,6 +15,7 @@ import torch
 from easytrain.config.schema import Config
 from easytrain.distributed.batch import Batch
 from easytrain.distributed.group import Dispatch, dispatch
+from easytrain.memory.flag import PressureFlag
 from easytrain.models.hf import load_tokenizer
 from easytrain.workers.base import DTYPES, WorkerBase
 from easytrain.workers.rollout.engine import EngineSpec, RolloutEngine, SamplingParams, engine_class
@@ -84,6 +85,8 @@ class RolloutWorker(WorkerBase):
         spec = EngineSpec(self.folder, stop_token_ids(tokenizer, r.stop_tokens), tokenizer.pad_token_id,
                           self.device, self.member, self.fused)
         self.engine = engine_class(r.engine).build(self.config, spec)
+        if self.config.watchdog.enabled:
+            self.engine.pressure = PressureFlag.of_this_job()
         vision = getattr(AutoConfig.from_pretrained(self.folder), "vision_config", None)
         self.merge_size = int(getattr(vision, "spatial_merge_size", 2))
         return {"engine": r.engine, "stop_ids": spec.stop_ids, "can_sleep": self.engine.can_sleep}
