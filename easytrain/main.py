@@ -17,6 +17,7 @@ or checkpoint, 3 workers died (the message gives the command to resume),
 
 from __future__ import annotations
 
+import errno
 import logging
 import sys
 from typing import TYPE_CHECKING, Sequence
@@ -75,9 +76,15 @@ def run(config: Config) -> dict[str, float]:
 
         trainer = RLTrainer(config)
     try:
-        return trainer.fit()
-    finally:
-        trainer.close()
+        result = trainer.fit()
+    except BaseException:
+        try:  # what failed is what the user must read: a close that fails after it (a full disk) only logs
+            trainer.close()
+        except Exception:  # noqa: BLE001
+            logger.exception("closing the run after its failure failed too")
+        raise
+    trainer.close()
+    return result
 
 
 @hydra.main(config_path=str(CONF_DIR), config_name="config", version_base="1.3")
@@ -85,6 +92,7 @@ def _hydra_main(cfg: DictConfig) -> None:
     from easytrain.data.sources import DataError
     from easytrain.memory.report import PlanDoesNotFit
     from easytrain.distributed.group import WorkerError
+    from easytrain.distributed.resources import ResourceError
     from easytrain.trainer.checkpoint import CheckpointError
     from easytrain.trainer.base import RunFailed, Stopped
     from easytrain.trainer.signals import EXIT_STOPPED, resume_hint
@@ -100,6 +108,12 @@ def _hydra_main(cfg: DictConfig) -> None:
     except RunFailed as err:
         sys.stderr.write(f"easytrain: run failed: {err}\n")
         sys.exit(EXIT_RUN_FAILED)
+    except OSError as err:
+        if err.errno not in (errno.ENOSPC, errno.EDQUOT):
+            raise
+        sys.stderr.write(f"easytrain: run failed: no space left writing {err.filename or 'a file'}: free space "
+                         f"there and resume. {resume_hint(config)}\n")
+        sys.exit(EXIT_RUN_FAILED)
     except CheckpointError as err:
         sys.stderr.write(f"easytrain: checkpoint error: {err}\n")
         sys.exit(EXIT_CONFIG_ERROR)
@@ -107,6 +121,9 @@ def _hydra_main(cfg: DictConfig) -> None:
         logger.exception("worker error")
         sys.stderr.write(f"easytrain: {err}\n")
         sys.exit(1)
+    except ResourceError as err:  # the cluster cannot hold the worker groups' bundles
+        sys.stderr.write(f"easytrain: {err}\n")
+        sys.exit(EXIT_CONFIG_ERROR)
     except PlanDoesNotFit as err:
         sys.stderr.write(f"easytrain: {err}\n")
         sys.exit(EXIT_CONFIG_ERROR)

@@ -6,9 +6,6 @@ from __future__ import annotations
 
 import io
 import json
-import os
-import subprocess
-import sys
 import time
 import urllib.error
 import urllib.request
@@ -17,32 +14,20 @@ from typing import Any, Iterator
 
 import pytest
 
-from easytrain.distributed.group import free_port
 from easytrain.launch import jobs
+
+import fault_harness
 
 pytestmark = pytest.mark.slow
 ROOT = Path(__file__).resolve().parents[1]
-RAY = str(Path(sys.executable).with_name("ray"))
 
 
 @pytest.fixture
-def ray_head(ray_clusters: Any, tmp_path: Path) -> Iterator[dict[str, Any]]:
+def ray_head(ray_clusters: Any) -> Iterator[dict[str, Any]]:
     """A head node started the way a user starts one (token authentication is Ray 2.60's default)."""
     ray_clusters.stop()  # no in-process Ray beside it
-    ports = {"gcs": free_port(), "dashboard": free_port(), "metrics": free_port()}
-    env = {**os.environ, "RAY_metrics_report_interval_ms": "1000",  # export every second, not every 10 s
-           "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}"}  # the job's `python`
-    env.pop("RAY_ADDRESS", None)
-    start = [RAY, "start", "--head", "--node-ip-address=127.0.0.1", f"--port={ports['gcs']}",
-             "--dashboard-host=127.0.0.1", f"--dashboard-port={ports['dashboard']}",
-             f"--metrics-export-port={ports['metrics']}", "--num-cpus=8", "--disable-usage-stats"]
-    done = subprocess.run(start, env=env, capture_output=True, text=True, timeout=180)
-    assert done.returncode == 0, done.stdout + done.stderr
-    address = f"http://127.0.0.1:{ports['dashboard']}"
-    try:
-        yield {"address": address, "metrics": f"http://127.0.0.1:{ports['metrics']}/metrics", "env": env}
-    finally:
-        subprocess.run([RAY, "stop", "--force"], env=env, capture_output=True, timeout=120)
+    with fault_harness.ray_head() as head:
+        yield head
 
 
 def scrape(url: str) -> str:

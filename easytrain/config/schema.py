@@ -342,7 +342,7 @@ class RewardConfig:
     """Ray actors scoring a rollout's responses in parallel with each other."""
     timeout_s: float = bounded(600.0, low=0.0, low_open=True)
     """Seconds a reward worker may take for its share of a rollout; past it the worker is killed and replaced
-    and its responses score 0, counted in reward/errors (a function that hangs must not hang the run)."""
+    and its responses score 0, counted in reward/error_rate (a function that hangs must not hang the run)."""
 
 
 # ----------------------------------------------------------------------------- trainer

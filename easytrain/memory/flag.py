@@ -96,14 +96,19 @@ def hard_threshold(hard: float, soft: float, ceiling: float, growth_per_s: float
 
 
 class GrowthRate:
-    """The fastest rise of a RAM fraction between two consecutive samples, over the last few samples."""
+    """The fastest rise of a RAM fraction between two samples at least ``min_interval_s`` apart, over the last
+    few such pairs (a reading the driver asks for between two periodic ones is too close to its neighbour for
+    a rate: what moves in a few milliseconds is noise)."""
 
-    def __init__(self, window: int = GROWTH_WINDOW) -> None:
+    def __init__(self, min_interval_s: float, window: int = GROWTH_WINDOW) -> None:
+        self.min_interval_s = min_interval_s
         self.rates: deque[float] = deque(maxlen=window)
         self.last: Optional[tuple[float, float]] = None
 
     def add(self, t: float, fraction: float) -> float:
-        if self.last is not None and t > self.last[0]:
+        if self.last is None:
+            self.last = (t, fraction)
+        elif t - self.last[0] >= self.min_interval_s:
             self.rates.append((fraction - self.last[1]) / (t - self.last[0]))
-        self.last = (t, fraction)
+            self.last = (t, fraction)
         return max(self.rates, default=0.0)

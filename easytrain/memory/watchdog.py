@@ -65,7 +65,7 @@ class NodeSampler:
         its level written to the node's pressure flag (:mod:`easytrain.memory.flag`)."""
         self.node_id, self.period_s, self.limit_bytes, self.scope = node_id, period_s, limit_bytes, scope
         self.thresholds = thresholds
-        self.growth = GrowthRate()
+        self.growth = GrowthRate(min_interval_s=min(period_s / 2, 0.1))
         self.flag = PressureFlag.of_this_job() if thresholds else None
         self.flagged: Optional[str] = None
         self.node_ip = ray.util.get_node_ip_address()

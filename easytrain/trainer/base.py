@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import logging
 import time
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, Callable, Iterator, Optional
 
@@ -24,7 +25,7 @@ from easytrain.memory.flag import MemoryStop
 from easytrain.memory.plan_check import PlanCheck
 from easytrain.trainer.checkpoint import (ACTOR, CONFIG_FILE, PREFIX, CheckpointError, CheckpointWriter,
                                           PendingCheckpoint, check_compatible, checkpoint_root, is_complete, latest,
-                                          model_signature, step_of)
+                                          disk_full, model_signature, save_failed, step_of)
 from easytrain.trainer.metrics import MetricsLogger
 from easytrain.trainer.ray_metrics import RayMetrics
 from easytrain.trainer.relief import MemoryGuard
@@ -282,7 +283,8 @@ class Trainer:
             return self.checkpoints.root / f"{PREFIX}{self.step}"
         start = time.perf_counter()
         tmp = self.checkpoints.begin(self.step)
-        calls = self.roles.actor.call("save_checkpoint", str(tmp / ACTOR), background)
+        with self.no_space_fails(tmp, self.step):
+            calls = self.roles.actor.call("save_checkpoint", str(tmp / ACTOR), background)
         ended = boundary or {"data": self.loader.state_dict(), "rng": rng_state()}
         state = {"step": self.step, "task": self.config.trainer.task, "strategy": self.config.worker.actor.strategy,
                  "data": ended["data"], "rng": ended["rng"],
@@ -292,7 +294,8 @@ class Trainer:
                                     start, blocked_s=time.perf_counter() - start)
         self.saved_step = self.step
         if not background:
-            return self.publish(pending, write_s=max(c["call_s"] for c in calls))
+            with self.no_space_fails(tmp, self.step):
+                return self.publish(pending, write_s=max(c["call_s"] for c in calls))
         self.pending_save = pending
         logger.info("checkpoint of step %d: staged in %.1f s, writing in the background (host RAM: a copy of each "
                     "rank's state until written)", self.step, pending.blocked_s)
@@ -306,15 +309,27 @@ class Trainer:
             return
         self.pending_save = None
         start = time.perf_counter()
+        with self.no_space_fails(pending.tmp, pending.step):
+            try:
+                writes = self.roles.actor.call("wait_checkpoint")
+            except WorkerError:
+                logger.error("writing the checkpoint of step %d failed; %s is not published (the last published "
+                             "one stays the latest)", pending.step, pending.tmp.name)
+                raise
+            pending.blocked_s += time.perf_counter() - start
+            self.publish(pending, write_s=max((w.get("write_s", 0.0) for w in writes), default=0.0),
+                         staged_gb=max((w.get("staged_gb", 0.0) for w in writes), default=0.0))
+
+    @contextmanager
+    def no_space_fails(self, tmp: Path, step: int) -> Iterator[None]:
+        """A checkpoint write that finds the disk full ends the run in one line (:class:`RunFailed`): the
+        half-written folder goes, the last published checkpoint is named intact."""
         try:
-            writes = self.roles.actor.call("wait_checkpoint")
-        except WorkerError:
-            logger.error("writing the checkpoint of step %d failed; %s is not published (the last published one "
-                         "stays the latest)", pending.step, pending.tmp.name)
-            raise
-        pending.blocked_s += time.perf_counter() - start
-        self.publish(pending, write_s=max((w.get("write_s", 0.0) for w in writes), default=0.0),
-                     staged_gb=max((w.get("staged_gb", 0.0) for w in writes), default=0.0))
+            yield
+        except (OSError, WorkerError) as err:
+            if not disk_full(err, self.checkpoints.root):
+                raise
+            raise RunFailed(f"{save_failed(self.checkpoints.root, step, tmp, err)}. {resume_hint(self.config)}") from None
 
     def publish(self, pending: PendingCheckpoint, write_s: float, staged_gb: float = 0.0) -> Path:
         """Commit a checkpoint whose shards every rank has written; log and record what it cost the step loop (and,

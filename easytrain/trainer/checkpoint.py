@@ -22,6 +22,7 @@ the step, and the commit waits until every rank reports its write finished.
 
 from __future__ import annotations
 
+import errno
 import logging
 import os
 import re
@@ -160,6 +161,46 @@ class PendingCheckpoint:
     """``time.perf_counter()`` when the save began."""
     blocked_s: float = 0.0
     """Seconds the step loop waited for this checkpoint so far: the save call, then any wait for its write."""
+
+
+NO_SPACE = ("No space left on device", "Disk quota exceeded", "[Errno 28]", "[Errno 122]")
+"""How a full disk reads in an error, raised here or by a worker (its message carried in a WorkerError)."""
+
+
+def disk_full(err: BaseException, root: Path) -> bool:
+    """Whether ``err`` (or what it was raised from) is a write that found no space, or a failed write while the
+    disk of ``root`` has less room than the last checkpoint took (a worker's distributed-checkpoint error names
+    only the serializer's complaint, not the full disk behind it)."""
+    previous = latest(root)
+    needed = max(64 * 2**20, folder_bytes(previous) if previous is not None else 0)
+    if shutil.disk_usage(root).free < needed:
+        return True
+    while err is not None:
+        if isinstance(err, OSError) and err.errno in (errno.ENOSPC, errno.EDQUOT):
+            return True
+        if any(text in str(err) for text in NO_SPACE):
+            return True
+        err = err.__cause__ or err.__context__  # type: ignore[assignment]
+    return False
+
+
+def folder_bytes(folder: Path) -> int:
+    return sum(f.stat().st_size for f in folder.rglob("*") if f.is_file())
+
+
+def save_failed(root: Path, step: int, tmp: Path, err: BaseException) -> str:
+    """One line for a checkpoint that a full disk stopped: the half-written folder is removed (it can never be
+    loaded, and it holds the space), the last published checkpoint is named, intact, with how much room a
+    checkpoint takes and how much is free."""
+    shutil.rmtree(tmp, ignore_errors=True)
+    previous = latest(root)
+    size = folder_bytes(previous) if previous is not None else 0
+    free = shutil.disk_usage(root).free
+    kept = (f"{previous.name} (the latest) is intact and takes {size / 2**20:.0f} MB" if previous is not None
+            else "no earlier checkpoint exists")
+    return (f"the checkpoint of step {step} was not saved: no space left on the disk of {root} "
+            f"({free / 2**20:.0f} MB free); {kept}. Free space there (or set trainer.save_limit to keep fewer "
+            f"checkpoints) and resume")
 
 
 class CheckpointWriter:

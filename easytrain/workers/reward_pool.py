@@ -90,7 +90,8 @@ class RewardPool:
         try:
             chunks = [([{"overall": 0.0}] * size, size) if ref in timed_out else ray.get(ref)
                       for ref, size in zip(pending.refs, pending.sizes)]
-        except ray.exceptions.RayActorError as err:  # e.g. its node was lost: recoverable like any worker
+        except (ray.exceptions.RayActorError, ray.exceptions.OutOfMemoryError) as err:  # its node lost, Ray's
+            # memory monitor killed it: recoverable like any worker
             raise WorkerDied("reward", -1, "?", f"a reward worker died: {str(err).splitlines()[0]}") from err
         for chunk, chunk_errors in chunks:
             scores.extend(chunk)

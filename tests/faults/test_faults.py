@@ -1,0 +1,74 @@
+"""The fault-injection suite (issue 24): one trial of each fault that no other test injects, on real runs of
+``python -m easytrain.main`` (tests/fault_harness.py; bench/faults.py repeats them, with random moments, into
+bench/results/faults.json). Killed drivers and fused workers, SIGTERM, a lost node, ``easytrain stop`` and a
+corrupt checkpoint are in tests/test_resume.py, test_grpo_two_nodes.py, test_submit.py and
+test_corrupt_checkpoint.py."""
+
+from __future__ import annotations
+
+import random
+from pathlib import Path
+
+import pytest
+
+import fault_harness as fh
+
+pytestmark = pytest.mark.slow
+
+
+@pytest.fixture(scope="module")
+def work(uninterrupted_run: tuple[Path, int], tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The session's uninterrupted run (the harness settings with the pressure tests' watchdog settings, which
+    change no numerics) is the reference of the default settings and of the in-step pressure trial."""
+    reference, _ = uninterrupted_run
+    fh.REFERENCES[()] = reference
+    fh.REFERENCES[fh.MEMORY_WATCH] = reference
+    return tmp_path_factory.mktemp("faults")
+
+
+def assert_recovered(outcome: fh.Outcome, steps_lost: int = 1) -> None:
+    assert outcome.recovered and not outcome.data_lost and outcome.steps_lost <= steps_lost, outcome
+
+
+def test_memory_rising_inside_a_step_is_stopped_before_rays_monitor_kills(work: Path) -> None:
+    """Item 6: with Ray's memory monitor armed at a line the growing reward worker crosses, the run without a
+    watchdog is killed by Ray; with it, the step is stopped in its reward phase, the step before is saved (0
+    steps lost) and the same command ends as the uninterrupted run."""
+    control = fh.memory_in_step(work, "memory-control", random.Random(1), control=True)
+    assert control.detail["exit_codes"][0] != 0 and control.detail["killed_by_ray"], control
+    outcome = fh.memory_in_step(work, "memory", random.Random(2))
+    assert_recovered(outcome, steps_lost=0)
+    (step, phase), = outcome.detail["caught_at"]
+    assert step == outcome.detail["grow_at_step"] and phase == "reward", outcome
+
+
+def test_a_full_disk_during_a_save_is_one_line_and_the_checkpoint_before_is_intact(work: Path) -> None:
+    outcome = fh.full_disk(work, "full-disk")
+    if outcome is None:
+        pytest.skip("mounting a small tmpfs needs root")
+    assert_recovered(outcome)
+    assert "no space left" in outcome.detail["one_line_error"] and outcome.detail["latest_when_full"], outcome
+
+
+def test_a_reward_that_raises_hangs_or_is_nan_costs_those_scores_only(work: Path) -> None:
+    assert_recovered(fh.faulty_reward(work, ("raises", "hangs", "nan"), "rewards"), steps_lost=0)
+
+
+def test_the_driver_killed_while_a_checkpoint_is_written_resumes_from_the_one_before(work: Path) -> None:
+    outcome = fh.kill_in_save(work, 3, "in-save")
+    assert_recovered(outcome)
+    assert outcome.detail["writing"], outcome
+
+
+def test_killed_rollout_and_reward_workers_are_recovered_inside_the_run(work: Path) -> None:
+    assert_recovered(fh.kill(work, "rollout", 3, 0.2, "rollout-killed"))
+    assert_recovered(fh.kill(work, "reward", 3, 0.2, "reward-killed"))
+
+
+def test_an_sft_run_recovers_from_a_killed_driver_and_a_killed_worker(work: Path) -> None:
+    assert_recovered(fh.kill(work, "driver", 3, 0.2, "sft-driver", *fh.SFT_ARGS))
+    assert_recovered(fh.kill(work, "actor", 3, 0.2, "sft-worker", *fh.SFT_ARGS))
+
+
+def test_the_training_file_removed_mid_run_changes_nothing(work: Path) -> None:
+    assert_recovered(fh.dataset_removed(work, "no-data", exact=False), steps_lost=0)
