@@ -416,7 +416,7 @@ def memory_in_step(work: Path, name: str, rng: random.Random, control: bool = Fa
         hard_events = [r for r in map(json.loads, (run_dir / "memory.jsonl").read_text().splitlines())
                        if r.get("kind") == "event" and r.get("level") == "hard"]
     detail = {"grow_at_step": step, "grow_mb_per_s": round(rate_mb_s), "ray_kill_line": round(kill_line, 4),
-              "ram_hard": round(hard, 4), "killed_by_ray": "memory monitor" in log or "OutOfMemoryError" in log,
+              "ram_hard": round(hard, 4), "killed_by_ray": any(text in log for text in ("memory monitor", "OutOfMemoryError", "low on memory")),
               "caught_at": [(e["step"], e.get("phase")) for e in hard_events], "reaction_s": reaction(run_dir)}
     if control:
         return Outcome("memory_in_step_control", codes[0] == 0, 0, codes[0] != 0, round(time.perf_counter() - start, 1),

@@ -74,16 +74,19 @@ def test_hard_pressure_saves_stops_with_the_reason_and_resumes_exactly(reference
     last = max(logged_steps(run_dir))
     assert 2 <= last < STEPS - 1
     assert (run_dir / "checkpoints" / "latest").read_text().strip() == str(last)  # saved before stopping
-    # caught between two phases of the step whose reward took the ballast, before its update (issue 24): that step
-    # ends unfinished, nothing of it is in the weights, and the checkpoint is the step before it
+    # caught while the reward that took the ballast ran, or right after its phase, before the step's update (issue
+    # 24): that step ends unfinished, nothing of it is in the weights, and the checkpoint is the step before it
     (hard,) = [e for e in records(run_dir, "event") if e["level"] == "hard"]
-    assert hard["step"] == last + 1 and hard["phase"] == "rollout", hard
-    stop = re.search(r"stopped at step (\d+) \(memory: node \S+ RAM of this run at [\d.]+% .*hard threshold\)(.*)", log)
+    assert hard["step"] == last + 1 and hard["phase"] in ("reward", "rollout"), hard
+    stop = re.search(r"stopped at step (\d+) \(memory: node \S+ RAM of this run at [\d.]+% .*hard threshold[^)]*\)(.*)",
+                     log)
     assert stop is not None and int(stop.group(1)) == last, run.tail()
     grower = next(p for p in records(run_dir, "process") if p["pid"] == pid)
     assert re.search(rf"RSS since start: reward rank {grower['rank']} on node \S+ \+(\d+) MB", log)
     grown = int(re.search(r"RSS since start: reward rank \d+ on node \S+ \+(\d+) MB", log).group(1))
-    assert grown > 0.9 * HARD_MB, grown
+    # stopped while it grew (the driver polls the samplers as the reward runs, and kills it): by then it held at
+    # least what took the run from its peak past soft (1 GB; the hard threshold never goes below soft)
+    assert 0.8 * 1024 < grown <= HARD_MB + 64, grown
     assert "the planner" in stop.group(2), stop.group(0)  # what to change (or why no config change helps)
     assert "Resume with: python -m easytrain.main" in log
 

@@ -26,8 +26,9 @@ REACTION_S = 1.0
 """Seconds from a process reading a hard flag to its memory growth having stopped (a decode step ends, the
 driver's poll comes round, a reward worker is killed): measured in bench/faults.py's in-step pressure
 trials (``reaction_s``), rounded up."""
-GROWTH_WINDOW = 10
-"""Samples the growth rate is the fastest of (a burst is remembered for this many periods)."""
+GROWTH_WINDOW = 3
+"""Sample pairs the growth rate is the fastest of: a rise is remembered for a few periods, then memory that
+stopped growing is judged by the configured threshold again."""
 
 
 class MemoryStop(Exception):

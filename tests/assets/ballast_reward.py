@@ -5,7 +5,9 @@ to claim it (an atomic rename) allocates that much memory in 64 KiB blocks, insi
 process:
 
 - ``fragment_mb``: allocates and frees it again, keeping one block above the rest, so glibc holds the freed
-  heap (RSS stays up) until someone calls ``malloc_trim``: what the watchdog's free_caches relief does;
+  heap (RSS stays up) until someone calls ``malloc_trim``: what the watchdog's free_caches relief does. It
+  rises at 1 GB/s: faster, the watchdog judges the rise itself as hard (its hard threshold comes down while
+  memory grows fast: tests/test_pressure_flag.py);
 - ``hold_mb``: allocates and keeps it (a leak no relief can free): the hard threshold's case;
 - ``grow_mb``: ``TOTAL RATE`` - allocates TOTAL MB at RATE MB/s, in 32 MiB pieces, and keeps it: memory rising
   inside a step, which only a watchdog that acts while the reward runs can stop (and Ray's memory monitor
@@ -42,7 +44,11 @@ def _claim(name: str) -> int:
 def spread(responses: list[str], ground_truths: list[str]) -> list[dict[str, float]]:
     fragment_mb, hold_mb = _claim("fragment_mb"), _claim("hold_mb")
     if fragment_mb:
-        blocks = [bytearray(BLOCK) for _ in range(fragment_mb * 2**20 // BLOCK)]
+        blocks, start = [], time.monotonic()
+        for i in range(fragment_mb * 2**20 // BLOCK):
+            blocks.append(bytearray(BLOCK))
+            if i % 512 == 511:  # 32 MiB, then keep to 1 GB/s
+                time.sleep(max(0.0, start + (i + 1) * BLOCK / 2**30 - time.monotonic()))
         _held.append(bytearray(BLOCK))  # above the freed blocks: the heap cannot shrink from its top
         del blocks
     if hold_mb:
