@@ -28,7 +28,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "tests"))
 
-from bench.provenance import write_result  # noqa: E402
+from bench.provenance import provenance, write_result  # noqa: E402
 import fault_harness as fh  # noqa: E402
 
 Trial = Callable[[Path, str, random.Random], Optional[fh.Outcome]]
@@ -72,6 +72,8 @@ def main() -> None:
     parser.add_argument("--trials", type=int, default=10, help="trials of a fault whose moment is random")
     parser.add_argument("--fixed-trials", type=int, default=3, help="trials of the other faults")
     parser.add_argument("--only", nargs="*", default=None, help="these faults (and controls) alone")
+    parser.add_argument("--update", action="store_true",
+                        help="keep the other faults of --out as they are (each keeps the commit it was measured at)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--out", default=str(ROOT / "bench" / "results" / "faults.json"))
     args = parser.parse_args()
@@ -84,16 +86,22 @@ def main() -> None:
             parser.error(f"unknown fault(s) {sorted(unknown)}; known: {', '.join(chosen)}")
         chosen = {k: v for k, v in chosen.items() if k in args.only}
     results: dict[str, Any] = {}
+    if args.update and Path(args.out).exists():
+        previous = json.loads(Path(args.out).read_text())
+        results = {name: {"commit": previous["commit"], **entry} for name, entry in previous["faults"].items()
+                   if name not in chosen}
+    commit = provenance()["commit"]
     for name, (random_moment, trial) in chosen.items():
         count = 1 if name in CONTROLS else args.trials if random_moment else args.fixed_trials
         head = fh.ray_head() if name == "easytrain_stop" else contextlib.nullcontext({})
         with head as started:
             HEAD.update(started)
             outcomes = run_trials(name, trial, count, work, rng)
-        results[name] = {**summary(outcomes), "random_moment": random_moment, "outcomes": outcomes}
+        results[name] = {"commit": commit, **summary(outcomes), "random_moment": random_moment, "outcomes": outcomes}
         print(f"{name}: {results[name]['recovered']}/{results[name]['trials']} recovered, "
               f"steps lost at most {results[name]['steps_lost_max']}, data lost in {results[name]['data_lost']}",
               flush=True)
+    results = {k: results[k] for k in [*FAULTS, *CONTROLS] if k in results}  # the table's order
     faults = [v for k, v in results.items() if k not in CONTROLS]
     zero = [results[k] for k in ("memory_in_step", "easytrain_stop") if k in results]
     report = {"setting": "tests/resume_harness.py RUN_ARGS (tiny Qwen2.5-VL GRPO, 2 fused workers, 6 steps, a "

@@ -13,6 +13,7 @@ import torch
 from easytrain.distributed.batch import Batch
 from easytrain.distributed.group import Dispatch, WorkerGroup, dispatch
 from easytrain.distributed.resources import ResourcePool
+from easytrain.memory.flag import MemoryStop
 
 
 def test_local_ray_runs_tasks(ray_local: None) -> None:
@@ -79,6 +80,13 @@ class Echo:
         ids = batch["ids"].repeat_interleave(2)  # two results per sample, like n responses per prompt
         return Batch({"ids": ids, "rank": torch.full_like(ids, self.rank)})
 
+    @dispatch(Dispatch.BROADCAST)
+    def generate_under_pressure(self) -> int:
+        """Rank 1 stops as an engine does that read the hard flag; the others answer."""
+        if self.rank == 1:
+            raise MemoryStop("node test RAM at 99.0% (hard threshold) (during generation)")
+        return self.rank
+
 
 @pytest.fixture
 def echo_importable() -> None:
@@ -103,6 +111,20 @@ def test_blocks_of_ranks_share_a_chunk_and_the_leader_answers(ray_local: None, b
             assert leaders == list(range(0, 4, block))[:len(leaders)] and all(r % block == 0 for r in leaders)
         with pytest.raises(ValueError, match="do not tile"):
             WorkerGroup(Echo, "echo", pool, num_cpus=0.25, num_gpus=0, block_size=3)
+    finally:
+        group.shutdown()
+        pool.release()
+
+
+@pytest.mark.usefixtures("echo_importable")
+def test_a_worker_that_stops_on_memory_pressure_reaches_the_driver_as_a_memory_stop(ray_local: None) -> None:
+    """Not a worker error (which would fail the run): the driver ends the step and saves (issue 24, item 6)."""
+    pool = ResourcePool("pressure", 1, 2, "cpu", cpus_per_worker=0.25)
+    group = WorkerGroup(Echo, "echo", pool, num_cpus=0.25, num_gpus=0)
+    try:
+        with pytest.raises(MemoryStop) as stopped:
+            group.call("generate_under_pressure")
+        assert stopped.value.reason == "node test RAM at 99.0% (hard threshold) (during generation)"
     finally:
         group.shutdown()
         pool.release()

@@ -23,9 +23,10 @@ from pathlib import Path
 from typing import Optional
 
 REACTION_S = 1.0
-"""Seconds from a process reading a hard flag to its memory growth having stopped (a decode step ends, the
-driver's poll comes round, a reward worker is killed): measured in bench/faults.py's in-step pressure
-trials (``reaction_s``), rounded up."""
+"""Seconds allowed from a sample at the hard level to the growth having stopped (the driver's poll comes round
+and kills a reward worker, a decode step ends, the killed process exits). bench/faults.py's 10 in-step
+pressure trials measured 0.002-0.18 s from the first hard sample to the driver's stop (``reaction_s``); 1 s
+leaves room for the process's exit and a busy driver."""
 GROWTH_WINDOW = 3
 """Sample pairs the growth rate is the fastest of: a rise is remembered for a few periods, then memory that
 stopped growing is judged by the configured threshold again."""
