@@ -26,6 +26,7 @@ from easytrain.config import ConfigError
 from easytrain.distributed.checkpoint import BUFFER_RANGE, _boxes, host_buffer_bytes
 from easytrain.distributed.group import WorkerError
 from easytrain.trainer.checkpoint import LATEST, CheckpointWriter, latest
+from easytrain.trainer.base import RunFailed
 
 ROOT = Path(__file__).resolve().parents[1]
 MiB = 2**20
@@ -355,8 +356,8 @@ def test_a_failed_background_write_is_reported_and_never_published(tmp_path: Pat
     trainer.save()  # a published one to fall back on
     trainer.step = 2
     trainer.save(background=True)
-    trainer.roles.actor.failure = "actor rank 1 raised OSError: [Errno 28] No space left on device"
-    with pytest.raises(WorkerError, match="No space left"):
+    trainer.roles.actor.failure = "actor rank 1 raised OSError: [Errno 5] Input/output error"
+    with pytest.raises(WorkerError, match="Input/output error"):
         trainer.finish_save(wait=True)
     assert "writing the checkpoint of step 2 failed; .tmp_global_step_2 is not published" in caplog.text
     assert latest(root) == root / "global_step_1" and not (root / "global_step_2").exists()
@@ -365,3 +366,12 @@ def test_a_failed_background_write_is_reported_and_never_published(tmp_path: Pat
     trainer.step = 3
     trainer.save()
     assert not (root / ".tmp_global_step_2").exists() and latest(root) == root / "global_step_3"
+
+    # a full disk (issue 24): one line naming the checkpoint kept, the half-written folder gone
+    trainer.step = 4
+    trainer.save(background=True)
+    trainer.roles.actor.failure = "actor rank 1 raised OSError: [Errno 28] No space left on device"
+    with pytest.raises(RunFailed, match=r"the checkpoint of step 4 was not saved: no space left .* global_step_3 "
+                                        r"\(the latest\) is intact"):
+        trainer.finish_save(wait=True)
+    assert not (root / ".tmp_global_step_4").exists() and latest(root) == root / "global_step_3"

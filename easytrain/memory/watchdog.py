@@ -46,12 +46,11 @@ def ram_where(node: dict[str, Any]) -> str:
     return f"node {node['node_ip']} RAM{' of this run' if node.get('scope') == 'run' else ''}"
 
 
-def ram_line(node: dict[str, Any], lv: str) -> str:
+def ram_line(node: dict[str, Any], lv: str, hard: float, configured: float) -> str:
     """A node reading at ``lv`` in one line: where, how full, which threshold (and, when growth lowered the
-    hard one, to what)."""
-    lowered = node.get("ram_hard_lowered")
-    why = (f", lowered to {node['ram_hard']:.1%} by growth of {node['ram_growth_per_s']:.1%}/s" if lv == "hard"
-           and lowered else "")
+    hard one from ``configured`` to ``hard``, to what)."""
+    why = (f", lowered to {hard:.1%} by growth of {node['ram_growth_per_s']:.1%}/s" if lv == "hard"
+           and hard < configured else "")
     return (f"{ram_where(node)} at {node['ram_fraction']:.1%} ({node['ram_used_bytes'] / GB:.2f} of "
             f"{node['ram_limit_bytes'] / GB:.2f} GB, {lv} threshold{why})")
 
@@ -132,11 +131,10 @@ class NodeSampler:
         ceiling = 1.0 if self.scope == "run" else min(
             1.0, ray_kill_threshold() * node["ram_total_bytes"] / node["ram_limit_bytes"])
         node["ram_hard"] = hard_threshold(hard, soft, ceiling, growth, self.period_s)
-        node["ram_growth_per_s"] = growth
-        node["ram_hard_lowered"] = node["ram_hard"] < hard
+        node["ram_growth_per_s"], node["ram_ceiling"] = growth, ceiling
         lv = level(node["ram_fraction"], warn, soft, node["ram_hard"])
         if self.flag is not None and (lv != "ok" or lv != self.flagged):
-            self.flag.write(lv, ram_line(node, lv) if lv != "ok" else "")
+            self.flag.write(lv, ram_line(node, lv, node["ram_hard"], hard) if lv != "ok" else "")
             self.flagged = lv
 
     def _export(self, records: list[dict[str, Any]]) -> None:
@@ -345,9 +343,16 @@ class Watchdog:
         self.baseline.setdefault(key, (process["node_ip"], process["rss_bytes"]))
         self.latest[key] = (process["node_ip"], process["rss_bytes"])
 
+    def _hard(self, node: dict[str, Any]) -> float:
+        """The hard threshold a node reading is judged by: watchdog.ram_hard, lowered by the growth its sampler saw
+        (:func:`easytrain.memory.flag.hard_threshold`)."""
+        if "ram_growth_per_s" not in node:
+            return self.cfg.ram_hard
+        return hard_threshold(self.cfg.ram_hard, self.cfg.ram_soft, node["ram_ceiling"], node["ram_growth_per_s"],
+                              self.cfg.sample_period_s)
+
     def _ram_level(self, node: dict[str, Any]) -> str:
-        """A node reading's level, by the hard threshold its sampler judged it by (lowered by fast growth)."""
-        return level(node["ram_fraction"], self.cfg.ram_warn, self.cfg.ram_soft, node.get("ram_hard", self.cfg.ram_hard))
+        return level(node["ram_fraction"], self.cfg.ram_warn, self.cfg.ram_soft, self._hard(node))
 
     def between_phases(self, reset: bool = True) -> tuple[str, list[str]]:
         """Each node's highest RAM reading since the last check (not drained: the step boundary still judges every
@@ -364,7 +369,7 @@ class Watchdog:
             lv = self._ram_level(r)
             levels.append(lv)
             if lv != "ok":
-                pressure.append(ram_line(r, lv))
+                pressure.append(ram_line(r, lv, self._hard(r), self.cfg.ram_hard))
         return worst(levels), pressure
 
     def _check_limit(self, r: dict[str, Any]) -> None:
