@@ -27,6 +27,7 @@ from omegaconf import DictConfig
 
 from easytrain.config import (CONF_DIR, Config, ConfigError, compose, register_schema, to_config, validate,
                               with_default_preset)
+from easytrain.config.paths import check_local_paths
 from easytrain.models.shapes import resolve_shape
 
 if TYPE_CHECKING:
@@ -42,9 +43,12 @@ EXIT_MEMORY = 4
 register_schema()
 
 
-def resolve(cfg: DictConfig) -> Config:
-    """Typed, validated config, including the checks that need the model's shape."""
+def resolve(cfg: DictConfig, local_paths: bool = True) -> Config:
+    """Typed, validated config, including the checks that need the model's shape and (``local_paths``) that the
+    files and folders it names are on this machine (off where the run starts elsewhere: ``easytrain submit``)."""
     config = to_config(cfg)
+    if local_paths:
+        check_local_paths(config)
     validate(config, resolve_shape(config.model))
     return config
 
@@ -57,7 +61,7 @@ def fail(err: ConfigError, prog: str = "easytrain") -> None:
 
 def run(config: Config) -> dict[str, float]:
     """Start or join Ray and run the trainer for ``trainer.task``; returns the final validation metrics."""
-    from easytrain.distributed.cluster import check_local_gpus, init_ray, warn_small_nodes
+    from easytrain.distributed.cluster import check_cluster_fits, check_local_gpus, init_ray
     from easytrain.memory.report import check_before_launch
     from easytrain.trainer.checkpoint import check_resume
 
@@ -66,7 +70,7 @@ def run(config: Config) -> dict[str, float]:
     check_before_launch(config)
     check_resume(config)
     init_ray(config.ray)
-    warn_small_nodes(config)
+    check_cluster_fits(config)
     if config.trainer.task == "sft":
         from easytrain.trainer.sft import SFTTrainer
 

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import logging
 import subprocess
 import sys
 import time
@@ -12,7 +11,7 @@ import torch
 
 from easytrain.config import load
 from easytrain.config.validate import ConfigError
-from easytrain.distributed.cluster import check_local_gpus, warn_small_nodes
+from easytrain.distributed.cluster import check_cluster_fits, check_local_gpus, places
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="this machine's GPUs could hold the run")
@@ -36,17 +35,53 @@ def test_the_local_gpu_check_leaves_cpu_runs_and_joined_clusters_alone(monkeypat
         check_local_gpus(load(["trainer.device=cuda", "trainer.workers_per_node=2", "trainer.nnodes=2"]))
 
 
-def test_a_cluster_without_a_node_that_fits_is_named(ray_local: None, caplog: pytest.LogCaptureFixture) -> None:
+def test_pool_places_on_distinct_nodes() -> None:
+    # a pool takes workers_per_node devices of a node, and never two places on one node
+    assert places([8, 8, 8, 8], workers_per_node=8, pools=2) == 4  # actor on two nodes, rollout on the other two
+    assert places([16, 16], workers_per_node=8, pools=2) == 4  # both pools on both nodes
+    assert places([16], workers_per_node=8, pools=2) == 2  # one node: room for one pool-node pair of 2 nodes
+    assert places([24, 8], workers_per_node=8, pools=2) == 3  # the big node holds each pool once, not three times
+    assert places([7, 7], workers_per_node=8, pools=1) == 0
+
+
+def test_a_cluster_that_cannot_hold_the_pools_is_a_config_error_naming_both_numbers(ray_local: None) -> None:
     import ray
 
-    most = max(n["Resources"].get("CPU", 0) for n in ray.nodes() if n["Alive"])
+    cpus = [n["Resources"]["CPU"] for n in ray.nodes() if n["Alive"]]
+    assert cpus == [8]  # the tests' local Ray: one node, 8 logical CPUs
     config = load([])
-    with caplog.at_level(logging.WARNING, logger="easytrain.distributed.cluster"):
-        config.trainer.workers_per_node = int(most)  # (set past validation: only the node shape matters here)
-        warn_small_nodes(config)
-        assert not caplog.records  # this node fits
-        config.trainer.workers_per_node = int(most) + 1
-        warn_small_nodes(config)
-    assert len(caplog.records) == 1
-    assert f"needs {int(most) + 1} CPU(s) on each of 1 node(s); 0 of the cluster's" in caplog.text
-    assert f"the largest has {most:g}" in caplog.text
+    config.trainer.workers_per_node = 8  # (set past validation: only the pools' shape matters here)
+    check_cluster_fits(config)  # one colocated pool of 8
+    config.trainer.workers_per_node = 9
+    with pytest.raises(ConfigError, match=r"^trainer.workers_per_node=9: the run needs 9 CPU\(s\) on each of "
+                                          r"trainer.nnodes=1 node\(s\), and the local Ray easytrain started has 1 "
+                                          r"node\(s\) with 8 CPU\(s\): room for 0 of the 1 pool-node places"):
+        check_cluster_fits(config)
+    config.trainer.colocate, config.trainer.workers_per_node, config.algorithm.kl_coef = False, 4, 0.0
+    check_cluster_fits(config)  # actor and rollout pools of 4
+    config.trainer.workers_per_node = 5
+    with pytest.raises(ConfigError, match=r"each of the run's 2 worker pools needs 5 CPU.*room for 1 of the 2 "
+                                          r"pool-node places; lower trainer.workers_per_node, set trainer.colocate"):
+        check_cluster_fits(config)
+
+
+def test_a_joined_cluster_waits_for_an_autoscaler_only_as_long_as_asked(ray_local: None) -> None:
+    config = load(["ray.wait_for_nodes_s=2"])
+    config.ray.address = "auto"  # (Ray is already up: only "joined" matters)
+    config.trainer.nnodes = 2
+    start = time.monotonic()
+    with pytest.raises(ConfigError, match=r"room for 1 of the 2 .*give an autoscaler ray.wait_for_nodes_s"):
+        check_cluster_fits(config, poll_s=0.2)
+    assert 2.0 <= time.monotonic() - start < 30  # it polled until the deadline, then gave up
+
+
+def test_a_local_run_that_asks_for_more_cpus_than_ray_has_fails_in_seconds(tmp_path) -> None:
+    start = time.monotonic()
+    done = subprocess.run([sys.executable, "-m", "easytrain.main", "ray.num_cpus=2", "trainer.workers_per_node=4",
+                           "worker.actor.micro_batch_size_per_device_for_update=16", "ray.include_dashboard=false", f"trainer.output_dir={tmp_path}"],
+                          capture_output=True, text=True, timeout=300)
+    lines = done.stderr.strip().splitlines()
+    assert done.returncode == 2, done.stderr[-2000:]
+    assert lines[-1].startswith("easytrain: config error: trainer.workers_per_node=4: the run needs 4 CPU(s)"), lines
+    assert "with 2 CPU(s)" in lines[-1] and "raise ray.num_cpus" in lines[-1]
+    assert time.monotonic() - start < 90  # Ray's start, not the pools' 120 s wait

@@ -138,7 +138,7 @@ BAD = [
     (["data.train_files=[]"], "data.train_files"),
     (["model.lora.rank=-1"], "model.lora.rank=-1"),
     (["data.max_response_length=5000"], "data.max_response_length=5000"),
-    (["trainer.save_freq=0"], "trainer.save_freq=0"),
+    (["trainer.save_freq=0", "trainer.export_final=true"], "trainer.export_final=True"),
     (["model.freeze_llm=true", "model.freeze_vision_tower=true", "model.freeze_aligner=true"],
      "model.freeze_llm"),
     (["worker.actor.optim.betas=[0.9]"], "worker.actor.optim.betas"),

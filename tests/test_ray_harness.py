@@ -6,10 +6,12 @@ import json
 import os
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 import torch
 
+from easytrain.config.validate import ConfigError
 from easytrain.distributed.batch import Batch
 from easytrain.distributed.group import Dispatch, WorkerGroup, dispatch
 from easytrain.distributed.resources import ResourcePool
@@ -87,6 +89,14 @@ class Echo:
             raise MemoryStop("node test RAM at 99.0% (hard threshold) (during generation)")
         return self.rank
 
+    @dispatch(Dispatch.BROADCAST)
+    def load_model_from(self, folder: str) -> None:
+        """What a role's setup does with model.path."""
+        from easytrain.config.schema import ModelConfig
+        from easytrain.models.hf import load_model
+
+        load_model(ModelConfig(path=folder))
+
 
 @pytest.fixture
 def echo_importable() -> None:
@@ -125,6 +135,25 @@ def test_a_worker_that_stops_on_memory_pressure_reaches_the_driver_as_a_memory_s
         with pytest.raises(MemoryStop) as stopped:
             group.call("generate_under_pressure")
         assert stopped.value.reason == "node test RAM at 99.0% (hard threshold) (during generation)"
+    finally:
+        group.shutdown()
+        pool.release()
+
+
+@pytest.mark.usefixtures("echo_importable")
+def test_a_model_a_worker_cannot_load_reaches_the_driver_as_one_line_naming_model_path(
+        ray_local: None, tmp_path: Path) -> None:
+    """Issue 25 item 1: a folder with a config.json but no weights passes validation; the load in the worker fails,
+    and the driver gets the config error itself (main prints it in one line, exit 2), not a worker traceback."""
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": "qwen2", "hidden_size": 8}))
+    pool = ResourcePool("badmodel", 1, 2, "cpu", cpus_per_worker=0.25)
+    group = WorkerGroup(Echo, "echo", pool, num_cpus=0.25, num_gpus=0)
+    try:
+        with pytest.raises(ConfigError) as failed:
+            group.call("load_model_from", str(tmp_path))
+        message = str(failed.value)
+        assert message.startswith(f"model.path={str(tmp_path)!r}: the model could not be loaded (OSError: "), message
+        assert "\n" not in message and failed.value.key == "model.path"
     finally:
         group.shutdown()
         pool.release()

@@ -33,6 +33,14 @@ from easytrain.rewards.answers import answer_reward, final_answer, format_reward
     ("it is a circle", "circle", 0.0),
     ("", "3", 0.0),
     ("\\boxed{3", "3", 0.0),  # unbalanced box
+    # numbers compare exactly (issue 25 item 10): as floats, these two integers are one number
+    ("\\boxed{12345678901234567891}", "12345678901234567890", 0.0),
+    ("\\boxed{12345678901234567890}", "12345678901234567890", 1.0),
+    ("\\boxed{0.1000000000000000001}", "0.1", 0.0),
+    ("\\boxed{1,000}", "1000", 1.0),  # thousands grouped
+    ("\\boxed{2,3}", "23", 0.0),  # not a grouping: two numbers listed
+    ("\\boxed{.50}", "0.5", 1.0),
+    ("\\boxed{-0}", "0", 1.0),
 ])
 def test_answer_reward(response: str, truth: str, score: float) -> None:
     assert answer_reward([response], [truth])[0]["overall"] == score
@@ -45,6 +53,9 @@ def test_answer_reward(response: str, truth: str, score: float) -> None:
     ("\\boxed{\\{1, 2\\}}", "2", 0.0),
     ("\\boxed{1} or \\boxed{2}", "2", 0.0),
     ("<think>\\boxed{2}</think>", "2", 0.0),
+    ("\\boxed{12345678901234567891}", "12345678901234567890", 0.0),  # math-verify and float both call these equal
+    ("\\boxed{0.1000000001}", "0.1", 0.0),  # math-verify rounds plain decimals
+    ("\\boxed{1.50}", "\\boxed{1.5}", 1.0),
 ])
 def test_math_reward(response: str, truth: str, score: float) -> None:
     assert math_reward([response], [truth])[0]["overall"] == score

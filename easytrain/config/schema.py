@@ -106,6 +106,9 @@ class DataConfig:
     """Column holding images (bytes, paths, or base64); null for text-only data."""
     image_dir: Optional[str] = None
     """Folder that relative image paths are resolved against."""
+    allow_outside_image_dir: bool = False
+    """Read image paths that lead outside data.image_dir (absolute paths, '..', links out of it; the current
+    folder when image_dir is null); by default such a row is skipped (image_outside_dir)."""
     format_prompt: Optional[str] = None
     """Jinja template file applied to each prompt before the chat template (gets `content`)."""
     max_prompt_length: int = bounded(256, low=1)
@@ -420,9 +423,9 @@ class TrainerConfig:
     memory_check: str = choice("auto", "auto", "error", "warn", "off")
     """Before any worker starts, check the memory plan (`easytrain plan`): error stops a run that does not
     fit, warn logs it, off skips it; auto = error on cuda, warn on cpu."""
-    gpu_memory_gb: Optional[float] = None
+    gpu_memory_gb: Optional[float] = bounded(None, low=0.0, low_open=True)
     """Memory of one GPU the plan checks against (e.g. 80 for H100-80GB); null = read from this machine."""
-    node_memory_gb: Optional[float] = None
+    node_memory_gb: Optional[float] = bounded(None, low=0.0, low_open=True)
     """RAM of one node the plan checks against; null = this machine's."""
 
 
@@ -478,10 +481,13 @@ class WatchdogConfig:
 class RayConfig:
     address: Optional[str] = None
     """Cluster to join; null = RAY_ADDRESS if set, else start a local Ray."""
-    num_cpus: Optional[int] = None
+    num_cpus: Optional[int] = bounded(None, low=1)
     """CPUs of a local Ray started by easytrain; null = all of this machine's."""
     include_dashboard: bool = True
     """Start the dashboard with a local Ray."""
+    wait_for_nodes_s: int = bounded(0, low=0)
+    """A joined cluster without trainer.nnodes nodes that hold trainer.workers_per_node workers: seconds to wait for
+    an autoscaler to add them before the run fails; 0 = fail at once, naming what is missing."""
 
 
 # ----------------------------------------------------------------------------- launch

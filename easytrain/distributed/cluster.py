@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import logging
 import os
+import time
 from typing import Any
 
 from easytrain.config.schema import Config, RayConfig
@@ -20,8 +21,8 @@ logger = logging.getLogger(__name__)
 def check_local_gpus(config: Config) -> None:
     """``trainer.device=cuda`` on a Ray that easytrain starts here: this machine must have a GPU per worker of the
     node (``trainer.workers_per_node``), else a config error now, naming both numbers, rather than a pool that
-    waits for devices that never come. A joined cluster is checked by :func:`warn_small_nodes` (an autoscaler
-    may still add nodes)."""
+    waits for devices that never come. A joined cluster is checked by :func:`check_cluster_fits` once Ray is
+    up."""
     t = config.trainer
     if t.device != "cuda" or config.ray.address or os.environ.get("RAY_ADDRESS"):
         return
@@ -38,21 +39,70 @@ def check_local_gpus(config: Config) -> None:
                           "trainer.device=cpu, or join a GPU cluster (ray.address)")
 
 
-def warn_small_nodes(config: Config) -> None:
-    """On a joined cluster, say when no alive node has the GPUs (CPUs on a CPU run) of ``workers_per_node``
-    workers: the pools will wait for a node that fits, which only an autoscaler can add."""
+def pools_per_node(config: Config) -> int:
+    """Worker pools the run places on each node: one when colocated (or SFT), else actor, rollout and reference."""
+    from easytrain.config.validate import needs_reference
+
+    if config.trainer.task == "sft" or config.trainer.colocate:
+        return 1
+    return 3 if needs_reference(config) else 2
+
+
+def places(capacities: list[float], workers_per_node: int, pools: int) -> int:
+    """How many (pool, node) places nodes of these capacities hold, a pool taking ``workers_per_node`` devices of
+    a node and never two places on one node: a node of capacity c holds min(c // workers_per_node, pools). The
+    pools fit on ``nnodes`` distinct nodes each exactly when this reaches ``pools * nnodes`` (fill the places
+    pool by pool, node by node, round robin)."""
+    return sum(min(int(c // workers_per_node), pools) for c in capacities)
+
+
+def check_cluster_fits(config: Config, poll_s: float = 2.0) -> None:
+    """The Ray just started or joined must hold every worker pool: ``trainer.workers_per_node`` GPUs (CPUs on a
+    CPU run) on each of ``trainer.nnodes`` distinct nodes per pool. Else a config error in seconds naming both
+    numbers, rather than pools that wait for devices that never come. A joined cluster with an autoscaler may
+    get ``ray.wait_for_nodes_s`` seconds to add the nodes first."""
     import ray
 
     t = config.trainer
-    key, need = ("GPU", t.workers_per_node) if t.device == "cuda" else ("CPU", t.workers_per_node)
-    nodes = [n for n in ray.nodes() if n.get("Alive")]
-    fitting = [n for n in nodes if n.get("Resources", {}).get(key, 0) >= need]
-    if len(fitting) < t.nnodes:
-        most = max((n.get("Resources", {}).get(key, 0) for n in nodes), default=0)
-        logger.warning("trainer.workers_per_node=%d x trainer.nnodes=%d needs %d %s(s) on each of %d node(s); %d "
-                       "of the cluster's %d node(s) have that many (the largest has %g): the worker pools will wait "
-                       "until an autoscaler adds nodes that fit", need, t.nnodes, need, key, t.nnodes, len(fitting),
-                       len(nodes), most)
+    pools = pools_per_node(config)
+    key = "GPU" if t.device == "cuda" else "CPU"
+    joined = bool(config.ray.address or os.environ.get("RAY_ADDRESS"))
+    deadline = time.monotonic() + (config.ray.wait_for_nodes_s if joined else 0)
+    while True:
+        capacities = [n.get("Resources", {}).get(key, 0.0) for n in ray.nodes() if n.get("Alive")]
+        held = places(capacities, t.workers_per_node, pools)
+        if held >= pools * t.nnodes:
+            return
+        if time.monotonic() >= deadline:
+            break
+        time.sleep(poll_s)
+    where = "the cluster" if joined else "the local Ray easytrain started"
+    what = f"each of the run's {pools} worker pools needs" if pools > 1 else "the run needs"
+    fixes = ["lower trainer.workers_per_node"] + (["set trainer.colocate=true"] if pools > 1 else [])
+    fixes += (["add nodes, or give an autoscaler ray.wait_for_nodes_s to add them"] if joined else
+              [] if t.device == "cuda" else ["raise ray.num_cpus (Ray's CPUs are logical)"])
+    raise ConfigError("trainer.workers_per_node", t.workers_per_node,
+                      f"{what} {t.workers_per_node} {key}(s) on each of trainer.nnodes={t.nnodes} node(s), and "
+                      f"{where} has {len(capacities)} node(s) with {', '.join(f'{c:g}' for c in capacities)} {key}(s): "
+                      f"room for {held} of the {pools * t.nnodes} pool-node places", ", ".join(fixes))
+
+
+def check_client_address(address: str, source: str) -> None:
+    """A Ray Client address (``ray://HOST:10001``) that is not this machine gets the Ray token only over TLS
+    (``RAY_USE_TLS=1``) or with ``EASYTRAIN_INSECURE_HTTP=1``: else a config error naming ``source``. A bare
+    ``HOST:PORT`` (GCS) or ``auto`` is left alone: joining that way makes this process part of the cluster's own
+    network, on which every node already exchanges the same token (and Ray Jobs starts its drivers with
+    RAY_ADDRESS set to the head's node IP)."""
+    if not address.startswith("ray://"):
+        return
+    from easytrain.launch.jobs import InsecureAddress, check_token_transport
+
+    tls = os.environ.get("RAY_USE_TLS", "0").lower() in ("1", "true")
+    try:
+        check_token_transport(address, source, encrypted=tls,
+                              opt_in="set RAY_USE_TLS=1 with Ray's TLS set up, or EASYTRAIN_INSECURE_HTTP=1")
+    except InsecureAddress as err:
+        raise ConfigError(source, address, str(err), "") from None
 
 
 def init_ray(cfg: RayConfig, namespace: str = "easytrain") -> dict[str, Any]:
@@ -63,6 +113,7 @@ def init_ray(cfg: RayConfig, namespace: str = "easytrain") -> dict[str, Any]:
     if not ray.is_initialized():
         address = cfg.address or os.environ.get("RAY_ADDRESS")
         if address:
+            check_client_address(address, "ray.address" if cfg.address else "RAY_ADDRESS")
             logger.info("joining the Ray cluster at %s", address)
             context = ray.init(address=address, namespace=namespace, log_to_driver=True)
         else:

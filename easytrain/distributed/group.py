@@ -39,6 +39,7 @@ from typing import Any, Callable, Optional, TypeVar
 
 import ray
 
+from easytrain.config.validate import ConfigError
 from easytrain.distributed.batch import Batch
 from easytrain.distributed.resources import ResourcePool
 from easytrain.memory import peaks
@@ -252,6 +253,8 @@ class WorkerGroup:
         except ray.exceptions.RayTaskError as err:
             cause = err.cause if getattr(err, "cause", None) is not None else err
             if isinstance(cause, MemoryStop):  # the worker saw hard memory pressure and stopped: the step ends
+                raise cause from None
+            if isinstance(cause, ConfigError):  # a config value the worker could not use (model.path): one line
                 raise cause from None
             raise WorkerError(f"{self.role} worker rank {rank} on node {place.node_ip} failed in {method}: "
                               f"{type(cause).__name__}: {str(cause).splitlines()[0] if str(cause) else ''}"

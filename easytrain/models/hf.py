@@ -11,10 +11,12 @@ from __future__ import annotations
 
 import json
 import logging
+from contextlib import contextmanager
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any, Iterator, Optional
 
 from easytrain.config.schema import ModelConfig
+from easytrain.config.validate import ConfigError
 from easytrain.models.shapes import RANDOM_PREFIX
 from easytrain.models.tiny import build_tiny, image_processor_class, model_class_for
 
@@ -34,21 +36,38 @@ def model_folder(model: ModelConfig) -> str:
     return model.path
 
 
-def model_family(folder: str) -> str:
-    """The HF ``model_type`` of a folder (or hub id, via AutoConfig)."""
-    config_file = Path(folder) / "config.json"
-    if config_file.is_file():
-        return str(json.loads(config_file.read_text())["model_type"])
-    from transformers import AutoConfig
+@contextmanager
+def loading(key: str, path: str, what: str) -> Iterator[None]:
+    """Any error loading ``what`` from ``path`` becomes a one-line :class:`ConfigError` naming ``key`` (a missing
+    or partial folder, a hub id that does not exist or cannot be reached, an unknown architecture)."""
+    try:
+        yield
+    except ConfigError:
+        raise
+    except Exception as err:  # transformers raises OSError, ValueError, KeyError, json and safetensors errors
+        first = str(err).strip().splitlines()[0] if str(err).strip() else ""
+        raise ConfigError(key, path, f"the {what} could not be loaded ({type(err).__name__}: {first[:300]})",
+                          "give a Hugging Face model folder (config.json, tokenizer and weights) or a hub id this "
+                          "machine can download") from err
 
-    return str(AutoConfig.from_pretrained(folder).model_type)
+
+def model_family(folder: str, key: str = "model.path") -> str:
+    """The HF ``model_type`` of a folder (or hub id, via AutoConfig)."""
+    with loading(key, folder, "model config"):
+        config_file = Path(folder) / "config.json"
+        if config_file.is_file():
+            return str(json.loads(config_file.read_text())["model_type"])
+        from transformers import AutoConfig
+
+        return str(AutoConfig.from_pretrained(folder).model_type)
 
 
 def load_tokenizer(model: ModelConfig, folder: Optional[str] = None) -> Any:
     from transformers import AutoTokenizer
 
     source = model.tokenizer_path or folder or model_folder(model)
-    return AutoTokenizer.from_pretrained(source, trust_remote_code=model.trust_remote_code)
+    with loading("model.tokenizer_path" if model.tokenizer_path else "model.path", source, "tokenizer"):
+        return AutoTokenizer.from_pretrained(source, trust_remote_code=model.trust_remote_code)
 
 
 def load_image_processor(model: ModelConfig, folder: Optional[str] = None) -> Any:
@@ -56,7 +75,9 @@ def load_image_processor(model: ModelConfig, folder: Optional[str] = None) -> An
     folder = folder or model_folder(model)
     if model_family(folder) not in ("qwen2_5_vl", "qwen2_vl"):
         return None
-    return image_processor_class().from_pretrained(model.tokenizer_path or folder)
+    source = model.tokenizer_path or folder
+    with loading("model.tokenizer_path" if model.tokenizer_path else "model.path", source, "image processor"):
+        return image_processor_class().from_pretrained(source)
 
 
 def load_model(model: ModelConfig, folder: Optional[str] = None, device: str = "cpu",
@@ -70,9 +91,10 @@ def load_model(model: ModelConfig, folder: Optional[str] = None, device: str = "
     torch_dtype = getattr(torch, DTYPES[dtype or model.dtype])
     if is_random_folder(folder):  # no weights to read: built and initialised on the device itself
         return random_model(folder, torch_dtype, model.attn_implementation, device)
-    cls = model_class_for(model_family(folder))
-    loaded = cls.from_pretrained(
-        folder, dtype=torch_dtype, attn_implementation=model.attn_implementation,
-        trust_remote_code=model.trust_remote_code,
-    )
+    with loading("model.path", folder, "model"):
+        cls = model_class_for(model_family(folder))
+        loaded = cls.from_pretrained(
+            folder, dtype=torch_dtype, attn_implementation=model.attn_implementation,
+            trust_remote_code=model.trust_remote_code,
+        )
     return loaded.to(device)

@@ -17,6 +17,7 @@ by listing candidates):
 from __future__ import annotations
 
 import re
+from decimal import Decimal, InvalidOperation
 from typing import Optional, Sequence
 
 THINK_END = "</think>"
@@ -52,18 +53,35 @@ def boxed_contents(text: str) -> list[str]:
         start = i
 
 
+_NUMBER = re.compile(r"[-+]?(?:\d{1,3}(?:,\d{3})+|\d*)(?:\.\d+)?")
+"""A plain decimal number: digits with an optional fraction, thousands optionally grouped by commas."""
+
+
+def exact_number(text: str) -> Optional[Decimal]:
+    """``text`` as an exact decimal (``1,234.50`` -> 1234.50), or None when it is not a plain number. Never a
+    float: 12345678901234567891 and 12345678901234567890 stay different numbers."""
+    text = text.strip()
+    if not text or not _NUMBER.fullmatch(text) or not any(ch.isdigit() for ch in text):
+        return None
+    try:
+        return Decimal(text.replace(",", ""))
+    except InvalidOperation:
+        return None
+
+
 def normalize(answer: str) -> str:
-    """Comparable form: no TeX text wrappers, $, surrounding space, case or a trailing period."""
+    """Comparable form: no TeX text wrappers, $, surrounding space, case or a trailing period; a number in its
+    exact canonical decimal form (``3.0`` -> ``3``, ``1,000`` -> ``1000``, ``-0`` -> ``0``)."""
     text = _TEXT_WRAP.sub(r"\1", answer)
     text = text.replace("$", "").replace("\\!", "").replace("\\,", "").strip().rstrip(".").strip()
     text = re.sub(r"\s+", " ", text).lower()
-    try:
-        number = float(text.replace(",", "")) if re.fullmatch(r"-?[\d,]*\.?\d+", text) else None
-    except ValueError:
-        number = None
-    if number is not None and number.is_integer():
-        return str(int(number))
-    return text
+    number = exact_number(text)
+    if number is None:
+        return text
+    canonical = format(number, "f")  # exact at any length (Decimal.normalize would round to 28 digits)
+    if "." in canonical:
+        canonical = canonical.rstrip("0").rstrip(".")
+    return "0" if canonical == "-0" else canonical
 
 
 def final_answer(response: str) -> Optional[str]:
@@ -98,11 +116,13 @@ def math_reward(responses: Sequence[str], ground_truths: Sequence[str]) -> list[
     for response, truth in zip(responses, ground_truths):
         stated = final_answer(response)
         accuracy = 0.0
-        if stated is not None:
+        plain = normalize(boxed_contents(truth)[0] if boxed_contents(truth) else truth)
+        if stated is not None and exact_number(stated) is not None and exact_number(plain) is not None:
+            accuracy = float(stated == plain)  # two plain numbers: exactly equal (math-verify rounds them)
+        elif stated is not None:
             gold = parse(f"${truth}$") or parse(truth)
             guess = parse(f"${stated}$") or parse(stated)
-            accuracy = float(bool(gold) and bool(guess) and verify(gold, guess)) or float(
-                stated == normalize(truth))
+            accuracy = float(bool(gold) and bool(guess) and verify(gold, guess)) or float(stated == plain)
         scores.append({"overall": accuracy, "accuracy": accuracy})
     return scores
 

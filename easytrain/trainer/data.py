@@ -12,6 +12,7 @@ from easytrain.data.collate import PromptCollator
 from easytrain.data.dataset import PromptDataset
 from easytrain.data.loader import PromptLoader
 from easytrain.data.sft import SFTCollator, SFTDataset
+from easytrain.data.sources import DataError
 from easytrain.data.vision import IMAGE_PAD, expand_image_placeholders
 from easytrain.distributed.batch import Batch
 from easytrain.models.hf import load_image_processor, load_tokenizer, model_folder
@@ -40,6 +41,7 @@ class RLData:
         for dataset in (self.train, self.val):
             if dataset is not None:
                 dataset.write_skip_report(config.trainer.output_dir)
+        self.check_enough_rows()
         self.collator = PromptCollator(self.tokenizer.pad_token_id, self.processor if vision else None,
                                        self.tokenizer.convert_tokens_to_ids(IMAGE_PAD))
         self.loader = PromptLoader(self.train, self.batch_size(), self.train_collator(), d.shuffle,
@@ -47,6 +49,19 @@ class RLData:
 
     def batch_size(self) -> int:
         return self.config.data.rollout_batch_size
+
+    batch_key = "data.rollout_batch_size"
+    """The config key that sets :meth:`batch_size` (named when the data cannot fill one batch)."""
+
+    def check_enough_rows(self) -> None:
+        """One batch needs ``batch_size()`` usable rows: fewer (after the pre-flight skips) is a one-line error."""
+        usable, size, skips = len(self.train), self.batch_size(), self.train.skips
+        if usable >= size:
+            return
+        skipped = skips.rows - skips.kept
+        raise DataError(f"{self.batch_key}={size}: larger than the {usable} usable row(s) of data.train_files "
+                        f"({skips.rows} read, {skipped} skipped: {dict(skips.reasons) or 'none'}; see "
+                        f"data_report.json in the run folder); lower {self.batch_key} to at most {usable} or add data")
 
     def train_collator(self) -> Any:
         return self.collator
@@ -115,6 +130,8 @@ class SFTData(RLData):
 
     def batch_size(self) -> int:
         return self.config.worker.actor.global_batch_size
+
+    batch_key = "worker.actor.global_batch_size"
 
     def train_collator(self) -> Any:
         return SFTCollator(self.tokenizer.pad_token_id, self.processor if self.vision else None,

@@ -1,0 +1,110 @@
+"""Checks of the files and folders a config names, on the machine that runs the driver.
+
+They run where the run starts (``easytrain run``, ``python -m easytrain.main``,
+``easytrain config``), before Ray or a tokenizer: a wrong ``model.path`` or a
+missing data file is one line naming the key, not a traceback minutes later.
+``easytrain submit`` skips them: a cluster's paths (a shared volume, a pod's
+mount) need not exist on the machine that submits, and the job's driver runs
+them again where the files must be.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+
+from easytrain.config.schema import Config
+from easytrain.config.validate import ConfigError, split_files
+
+FAMILIES = ("qwen2_5_vl", "qwen2_vl", "qwen2")
+"""HF ``model_type`` values easytrain builds models for (models/tiny.py's ``model_class_for``)."""
+DATA_SUFFIXES = (".jsonl", ".json", ".parquet")
+"""File types a data entry may be (a folder is an HF dataset)."""
+
+
+def looks_local(path: str) -> bool:
+    """Whether ``path`` names a place on disk rather than a hub id (``name`` or ``owner/name``): absolute,
+    ``~``/``.``-relative, more than one ``/``, or something that exists here."""
+    if path.startswith(("/", "~", ".")) or os.path.exists(os.path.expanduser(path)):
+        return True
+    return path.count("/") > 1 or (os.sep != "/" and os.sep in path)
+
+
+def check_local_paths(cfg: Config) -> None:
+    """Raise :class:`ConfigError` for the first path key naming a file or folder that is not here."""
+    _check_model_folder("model.path", cfg.model.path, needs_config=True)
+    if cfg.model.tokenizer_path is not None:
+        _check_model_folder("model.tokenizer_path", cfg.model.tokenizer_path, needs_config=False)
+    for key, value in (("data.train_files", cfg.data.train_files), ("data.val_files", cfg.data.val_files)):
+        for i, spec in enumerate(split_files(value)):
+            _check_data_entry(key if isinstance(value, str) else f"{key}[{i}]", spec)
+    image_dir = cfg.data.image_dir
+    if image_dir is not None and not os.path.isdir(os.path.expanduser(image_dir)):
+        raise ConfigError("data.image_dir", image_dir, "no such folder",
+                          "give the folder relative image paths are read from, or null")
+    prompt = cfg.data.format_prompt
+    if prompt is not None and not os.path.isfile(os.path.expanduser(prompt)):
+        raise ConfigError("data.format_prompt", prompt, "no such file",
+                          "give the path of a Jinja template (it receives `content`)")
+    spec = cfg.reward.function
+    target = spec.rsplit(":", 1)[0] if ":" in spec else ""
+    if target.endswith(".py") and not os.path.isfile(os.path.expanduser(target)):
+        raise ConfigError("reward.function", spec, f"no such file {target!r}", "check the path")
+    resume = cfg.trainer.resume
+    if resume not in ("auto", "off") and not os.path.isdir(os.path.expanduser(resume)):
+        raise ConfigError("trainer.resume", resume, "is neither auto, off nor an existing checkpoint folder",
+                          "give <output_dir>/checkpoints/global_step_<N>, or auto/off")
+
+
+def _check_model_folder(key: str, path: str, needs_config: bool) -> None:
+    if path.startswith(("tiny:", "random:")) or not looks_local(path):
+        return  # built here, or a hub id (checked when it downloads)
+    folder = os.path.expanduser(path)
+    if not os.path.exists(folder):
+        raise ConfigError(key, path, "no such folder",
+                          "give a Hugging Face model folder (config.json and weights), a hub id like "
+                          "Qwen/Qwen2.5-VL-7B-Instruct, or tiny:qwen2_5_vl")
+    if not os.path.isdir(folder):
+        raise ConfigError(key, path, "is a file, not a model folder",
+                          "give the folder that holds config.json (the one from_pretrained loads)")
+    if not needs_config:
+        return
+    config_file = os.path.join(folder, "config.json")
+    if not os.path.isfile(config_file):
+        raise ConfigError(key, path, "holds no config.json, so it is not a Hugging Face model folder",
+                          "give the folder that holds config.json and the weights (an exported run's --out folder)")
+    try:
+        with open(config_file, encoding="utf-8") as f:
+            family = json.load(f).get("model_type")
+    except (OSError, ValueError, AttributeError) as err:
+        raise ConfigError(key, path, f"its config.json cannot be read ({type(err).__name__}: {err})",
+                          "restore the file from where the model came from") from None
+    if family not in FAMILIES:
+        raise ConfigError(key, path, f"its config.json says model_type={family!r}, which easytrain cannot train",
+                          f"use a {', '.join(FAMILIES)} model")
+
+
+def _check_data_entry(key: str, spec: str) -> None:
+    if spec.startswith("synthetic:"):
+        from easytrain.data.synthetic import parse_task
+
+        try:
+            parse_task(spec[len("synthetic:"):])
+        except ValueError as err:
+            raise ConfigError(key, spec, str(err).split(";")[0], str(err).split("; ", 1)[-1]) from None
+        return
+    path = os.path.expanduser(spec)
+    if os.path.isdir(path):
+        return
+    if os.path.isfile(path):
+        suffix = os.path.splitext(path)[1].lower()
+        if suffix not in DATA_SUFFIXES:
+            raise ConfigError(key, spec, f"unsupported file type {suffix or '(none)'!r}",
+                              "use .jsonl, .parquet or a saved dataset folder")
+        return
+    if "@" in spec and not spec.startswith(("/", "~", ".")):
+        return  # a hub dataset, repo@split (checked when it downloads)
+    raise ConfigError(key, spec, "no such file or folder",
+                      "check the path (relative paths are read from the directory the run starts in); a hub "
+                      "dataset is written repo@split")
+
