@@ -10,7 +10,8 @@ from pathlib import Path
 import pytest
 from PIL import Image
 
-from easytrain.data.images import BadSample, decode_image, fit_image, smart_resize, to_rgb, vision_tokens
+from easytrain.data.images import (BadSample, ImageFiles, decode_image, fit_image, smart_resize, to_rgb,
+                                   vision_tokens)
 from easytrain.models.tiny import image_processor_class
 
 
@@ -75,7 +76,7 @@ def test_decode_every_supported_form(tmp_path: Path) -> None:
     forms = [image, data, {"bytes": data, "path": None}, {"bytes": None, "path": "a.png"},
              str(tmp_path / "a.png"), "a.png", b64, f"data:image/png;base64,{b64}"]
     for form in forms:
-        decoded = decode_image(form, image_dir=str(tmp_path))
+        decoded = decode_image(form, ImageFiles(str(tmp_path)))
         assert decoded.size == (30, 20) and decoded.convert("RGB").getpixel((0, 0)) == (1, 2, 3)
 
 
@@ -105,6 +106,8 @@ def test_decompression_bomb_is_refused_before_decoding() -> None:
     assert len(bomb) < 200_000
     with pytest.raises(BadSample, match="image_too_large"):
         decode_image(bomb)
+    with pytest.raises(BadSample, match="image_too_large"):  # already decoded elsewhere: the limit holds too
+        decode_image(Image.new("1", (10_000, 10_000)))
 
 
 def test_tiny_and_elongated_images_are_refused() -> None:

@@ -84,6 +84,7 @@ def test_messages_schema_with_images_and_parts(tmp_path: Path, data: SFTData) ->
     path = tmp_path / "chat.jsonl"
     path.write_text("".join(json.dumps(r) + "\n" for r in rows))
     config = sft_config(tmp_path)
+    config.data.image_dir = str(tmp_path)  # the rows' absolute image paths are read only under it
     dataset = SFTDataset([str(path)], config.data, data.tokenizer, "train", vision=True, progress=False)
     assert len(dataset) == 3
     first, second, third = (dataset[i] for i in range(3))

@@ -117,7 +117,8 @@ def test_ranks_without_images_still_step_with_ranks_that_have_them(ray_local: No
     for padding_free in ("true", "false"):
         run = tmp_path / f"run-{padding_free}"
         fit(SFTTrainer(load(["+exp=tiny_sft", f"trainer.output_dir={run}", f"data.train_files={data}",
-                             f"data.val_files={data}", "data.shuffle=false", "worker.actor.global_batch_size=4",
+                             f"data.val_files={data}", f"data.image_dir={tmp_path}", "data.shuffle=false",
+                             "worker.actor.global_batch_size=4",
                              "worker.actor.micro_batch_size_per_device_for_update=2",
                              f"worker.actor.padding_free={padding_free}", "trainer.max_steps=3",
                              "trainer.export_final=false", "trainer.loggers=[jsonl]"])))

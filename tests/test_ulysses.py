@@ -116,7 +116,7 @@ def run_vl_rank(rank: int, run_dir: str, port: int, family: str) -> None:
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
     config = load(["+exp=tiny_sft", f"trainer.output_dir={run_dir}", "data.synthetic_size=16",
                    "data.synthetic_val_size=8", "trainer.workers_per_node=1", "data.limit_images=3",
-                   f"model.path=tiny:{family}"])
+                   f"model.path=tiny:{family}", f"data.image_dir={run_dir}"])
     data = SFTData(config)
     if rank == 0:  # one writer: the other rank would read a half-written image
         multi_image_chats(Path(run_dir))

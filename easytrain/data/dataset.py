@@ -23,7 +23,7 @@ from PIL import Image
 from tqdm import tqdm
 
 from easytrain.config.schema import DataConfig
-from easytrain.data.images import FACTOR, BadSample, decode_image, fit_image, vision_tokens
+from easytrain.data.images import FACTOR, BadSample, ImageFiles, decode_image, fit_image, vision_tokens
 from easytrain.data.prompts import build_messages, load_format_template, render_prompt
 from easytrain.data.sources import DataError, RowSource, open_source, require_columns
 
@@ -92,11 +92,14 @@ class PromptDataset:
         self.template = load_format_template(cfg.format_prompt)
         size = cfg.synthetic_size if split == "train" else cfg.synthetic_val_size
         self.sources: list[RowSource] = []
+        self.image_files: list[ImageFiles] = []
+        """Per source: where its image paths resolve and which files they may read."""
         for spec in files:
             source = open_source(spec, cache_dir=cache_dir, seed=seed, split=split, text_only=not self.image_key,
                                  synthetic_size=size, difficulty=cfg.synthetic_difficulty)
             self._check_columns(source)
             self.sources.append(source)
+            self.image_files.append(ImageFiles(cfg.image_dir, cfg.allow_outside_image_dir, source.image_roots))
         self.skips = SkipReport(split)
         self._index: list[tuple[int, int]] = []
         self.prompt_lengths: list[int] = []
@@ -153,7 +156,7 @@ class PromptDataset:
         answer = _text(row.get(cfg.answer_key), "answer")
         if self.template is not None:
             problem = self.template.render(content=problem)
-        decoded = self._decoded_images(row, where)
+        decoded = self._decoded_images(s, row, where)
         images = [fit_image(im, cfg.min_pixels, cfg.max_pixels) for im in decoded]
         messages = build_messages(problem, len(images))
         rendered = render_prompt(self.tokenizer, messages, [vision_tokens(im.height, im.width) for im in images])
@@ -167,9 +170,9 @@ class PromptDataset:
                       image_tokens=rendered.image_tokens, answer=answer,
                       downscaled=downscaled)
 
-    def _decoded_images(self, row: dict[str, Any], where: str) -> list[Image.Image]:
-        """The row's images, decoded to RGB (blanked to white when data.blank_images)."""
-        decoded = [decode_image(v, self.cfg.image_dir, f"{where} image {i}")
+    def _decoded_images(self, s: int, row: dict[str, Any], where: str) -> list[Image.Image]:
+        """The row's images (of source ``s``), decoded to RGB (blanked to white when data.blank_images)."""
+        decoded = [decode_image(v, self.image_files[s], f"{where} image {i}")
                    for i, v in enumerate(self._raw_images(row))]
         if self.cfg.blank_images:
             decoded = [Image.new("RGB", im.size, (255, 255, 255)) for im in decoded]

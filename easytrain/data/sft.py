@@ -148,7 +148,7 @@ class SFTDataset(PromptDataset):
     def _build(self, s: int, r: int) -> SFTSample:
         cfg = self.cfg
         row, where = self._row(s, r)
-        images = [fit_image(im, cfg.min_pixels, cfg.max_pixels) for im in self._decoded_images(row, where)]
+        images = [fit_image(im, cfg.min_pixels, cfg.max_pixels) for im in self._decoded_images(s, row, where)]
         if cfg.messages_key in row:
             turns = conversation_turns(row[cfg.messages_key], len(images))
         else:
