@@ -4,7 +4,7 @@
     easytrain run [overrides...]        same as python -m easytrain.main [overrides...]
     easytrain plan [--fit] [--format table|json] [overrides...]
                                         memory per role and phase, per GPU and node; what to change
-    easytrain export CKPT --out DIR [--merge] [--dtype bfloat16] [--force]
+    easytrain export CKPT --out DIR [--merge] [--dtype bfloat16] [--force] [--trust-remote-code]
                                         a checkpoint (global_step_<N>, or a run folder = its latest) as a
                                         Hugging Face folder; with LoRA the adapter, or --merge the full model
     easytrain memory RUN_DIR [--out PNG]
@@ -12,14 +12,14 @@
                                         as a PNG (default RUN_DIR/memory.png)
     easytrain report RUN_DIR            the run's plots (reward, response length, KL, phase times) and
                                         RUN_DIR/index.html showing them with the final config
-    easytrain submit [--address URL] [--working-dir DIR] [--follow | --wait] [overrides...]
+    easytrain submit [--address URL] [--working-dir DIR] [--follow | --wait] [--insecure-http] [overrides...]
                                         submit the run to a Ray cluster (Ray Jobs); prints the job id and
                                         the dashboard URL
     easytrain submit --kuberay [--dry-run] [--cluster] [overrides...]
                                         the KubeRay RayJob (or with --cluster a long-lived RayCluster) for
                                         the config: printed as YAML (--dry-run) or created with the
                                         kubernetes client
-    easytrain status|logs|stop JOB_ID [--address URL] [--follow]
+    easytrain status|logs|stop JOB_ID [--address URL] [--follow] [--insecure-http]
                                         a submitted job's status, its driver log, or stop it
 
 Overrides are Hydra's: ``+exp=qwen25vl_7b worker.rollout.n=8``.
@@ -64,14 +64,16 @@ def _plan(args: argparse.Namespace) -> int:
 def _export(args: argparse.Namespace) -> int:
     import logging
 
+    from easytrain.distributed.checkpoint import IncompatibleCheckpoint
     from easytrain.trainer.checkpoint import CheckpointError
-    from easytrain.trainer.export import ExportError, export
+    from easytrain.trainer.export import export, one_line
 
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     try:
-        out = export(args.checkpoint, args.out, merge=args.merge, dtype=args.dtype, force=args.force)
-    except (CheckpointError, ExportError, FileNotFoundError) as err:
-        sys.stderr.write(f"easytrain export: {err}\n")
+        out = export(args.checkpoint, args.out, merge=args.merge, dtype=args.dtype, force=args.force,
+                     trust_remote_code=args.trust_remote_code)
+    except (CheckpointError, IncompatibleCheckpoint, ValueError, OSError) as err:  # ExportError is a ValueError
+        sys.stderr.write(f"easytrain export: {one_line(err)}\n")
         return 2
     sys.stdout.write(f"{out}\n")
     return 0
@@ -100,17 +102,26 @@ def _submit(args: argparse.Namespace) -> int:
     if args.dry_run or args.cluster:
         sys.stderr.write("easytrain submit: --dry-run and --cluster are KubeRay options; use them with --kuberay\n")
         return 2
-    from easytrain.launch.jobs import submit
+    from easytrain.launch.jobs import InsecureAddress, submit
 
-    return submit(args.overrides, args.address, args.working_dir, follow=args.follow, wait=args.wait)
+    try:
+        return submit(args.overrides, args.address, args.working_dir, follow=args.follow, wait=args.wait,
+                      insecure_http=args.insecure_http)
+    except InsecureAddress as err:
+        sys.stderr.write(f"easytrain submit: {err}\n")
+        return 2
 
 
 def _job(args: argparse.Namespace) -> int:
     from easytrain.launch import jobs
 
-    if args.command == "logs":
-        return jobs.logs(args.job_id, args.address, follow=args.follow)
-    return int(getattr(jobs, args.command)(args.job_id, args.address))
+    try:
+        if args.command == "logs":
+            return jobs.logs(args.job_id, args.address, follow=args.follow, insecure_http=args.insecure_http)
+        return int(getattr(jobs, args.command)(args.job_id, args.address, insecure_http=args.insecure_http))
+    except jobs.InsecureAddress as err:
+        sys.stderr.write(f"easytrain {args.command}: {err}\n")
+        return 2
 
 
 def _memory(args: argparse.Namespace) -> int:
@@ -129,6 +140,8 @@ def _memory(args: argparse.Namespace) -> int:
 
 
 COMMANDS = {"config": _config, "run": _run}
+INSECURE_HELP = ("send the Ray token over plain http:// to a host that is not this machine (a trusted network "
+                 "only; else use https:// or an SSH tunnel)")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -142,6 +155,9 @@ def build_parser() -> argparse.ArgumentParser:
     export.add_argument("--merge", action="store_true", help="with LoRA: merge the adapter into the weights")
     export.add_argument("--dtype", choices=("float32", "bfloat16", "float16"), default=None,
                         help="cast the weights (default: the checkpoint's fp32 master weights)")
+    export.add_argument("--trust-remote-code", action="store_true",
+                        help="run the base model's own Python code (transformers' trust_remote_code); never taken "
+                             "from the checkpoint's config")
     memory = sub.add_parser("memory", help="draw a run's memory timeline (memory.jsonl) as a PNG")
     memory.add_argument("run_dir", type=Path, help="the run folder holding memory.jsonl")
     memory.add_argument("--out", type=Path, default=None, help="PNG to write (default: RUN_DIR/memory.png)")
@@ -157,12 +173,14 @@ def build_parser() -> argparse.ArgumentParser:
     submit.add_argument("--dry-run", action="store_true", help="with --kuberay: print the manifest as YAML")
     submit.add_argument("--cluster", action="store_true", help="with --kuberay: a long-lived RayCluster instead "
                                                               "of the RayJob")
+    submit.add_argument("--insecure-http", action="store_true", help=INSECURE_HELP)
     submit.add_argument("overrides", nargs=argparse.REMAINDER, help="Hydra overrides, e.g. +exp=qwen25vl_7b")
     for name, help_text in (("status", "a submitted job's status"), ("logs", "a submitted job's driver log"),
                             ("stop", "stop a submitted job")):
         job = sub.add_parser(name, help=help_text)
         job.add_argument("job_id")
         job.add_argument("--address", default=None, help="Ray dashboard (default: RAY_ADDRESS, else local)")
+        job.add_argument("--insecure-http", action="store_true", help=INSECURE_HELP)
         if name == "logs":
             job.add_argument("--follow", action="store_true", help="stream until the job ends")
     for name, help_text in (("config", "print the composed and validated config"),

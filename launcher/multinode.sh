@@ -9,8 +9,10 @@
 # Every node runs the same easytrain checkout and environment (bash scripts/install.sh gpu, or the
 # docker/ image). The head also trains: trainer.nnodes counts it. Token authentication: `head` creates a
 # token (~/.ray/auth_token) if there is none and prints how to hand it to the workers; workers read it from
-# RAY_AUTH_TOKEN or their own ~/.ray/auth_token. Submitting from another machine instead of `run`:
-#   RAY_AUTH_TOKEN=... easytrain submit --address http://HEAD_IP:8265 +exp=qwen25vl_7b trainer.nnodes=2
+# RAY_AUTH_TOKEN or their own ~/.ray/auth_token. Submitting from another machine instead of `run` (through
+# a tunnel: easytrain refuses to send the token over plain http to another machine):
+#   ssh -N -L 8265:localhost:8265 HEAD_IP &
+#   RAY_AUTH_TOKEN=... easytrain submit --address http://127.0.0.1:8265 +exp=qwen25vl_7b trainer.nnodes=2
 #
 # Ray's memory monitor kills workers above RAY_memory_usage_threshold of a node's RAM; the watchdog's
 # watchdog.ram_hard is validated against the same variable, so this script exports the value easytrain

@@ -9,6 +9,7 @@ from __future__ import annotations
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -69,3 +70,83 @@ def test_the_cli_refuses_the_run_folder_in_one_line_and_deletes_nothing(tmp_path
     lines = done.stderr.strip().splitlines()
     assert len(lines) == 1 and "it holds the checkpoint" in lines[0] and "Traceback" not in done.stderr
     assert (step / "trainer_state.json").is_file()
+
+
+# ----------------------------------------------------------------------------- issue 25: one line, no remote code
+
+
+def tiny_checkpoint(tmp_path: Path, *overrides: str) -> Path:
+    """A complete-looking checkpoint of the tiny model whose ``config.yaml`` is a real run's (with ``overrides``)
+    and whose actor folder holds no DCP shards."""
+    from omegaconf import OmegaConf
+
+    from easytrain.config import load
+
+    step = fake_run(tmp_path)
+    config = load(["+exp=tiny", f"trainer.output_dir={tmp_path / 'run'}", *overrides])
+    (step / "config.yaml").write_text(OmegaConf.to_yaml(OmegaConf.structured(config)))
+    (step / "actor").mkdir()
+    return step
+
+
+def export_cli(capsys: pytest.CaptureFixture[str], *args: str) -> tuple[int, list[str]]:
+    from easytrain.cli import main
+
+    capsys.readouterr()
+    with pytest.raises(SystemExit) as code:
+        main(["export", *args])
+    lines = capsys.readouterr().err.strip().splitlines()
+    return int(code.value.code or 0), [line for line in lines if "it/s]" not in line]  # transformers' progress bars
+
+
+def test_an_incompatible_checkpoint_is_one_line_exit_2(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """Before, IncompatibleCheckpoint (a RuntimeError) left the CLI as a traceback."""
+    step = tiny_checkpoint(tmp_path)
+    code, err = export_cli(capsys, str(step), "--out", str(tmp_path / "hf"))
+    assert code == 2 and len(err) == 1, err
+    assert err[0] == f"easytrain export: {step / 'actor'}: no DCP metadata (.metadata); not a complete checkpoint"
+    assert not (tmp_path / "hf").exists()
+
+
+def test_a_config_this_version_cannot_read_is_one_line_exit_2(tmp_path: Path,
+                                                              capsys: pytest.CaptureFixture[str]) -> None:
+    """Before, OmegaConf's ValidationError / ConfigKeyError (several lines each) left the CLI as a traceback."""
+    step = tiny_checkpoint(tmp_path)
+    text = (step / "config.yaml").read_text()
+    (step / "config.yaml").write_text(text.replace("trainer:\n", "trainer:\n  no_such_key: 1\n", 1))
+    code, err = export_cli(capsys, str(step), "--out", str(tmp_path / "hf"))
+    assert code == 2 and len(err) == 1, err
+    assert err[0].startswith(f"easytrain export: {step / 'config.yaml'}: does not fit this easytrain's config (")
+    assert "no_such_key" in err[0] and err[0].endswith("or fix that key in the file")
+    (step / "config.yaml").write_text(text.replace("max_steps:", "max_steps: many #", 1))
+    code, err = export_cli(capsys, str(step), "--out", str(tmp_path / "hf"))
+    assert code == 2 and len(err) == 1 and "max_steps" in err[0], err
+    (step / "config.yaml").unlink()
+    code, err = export_cli(capsys, str(step), "--out", str(tmp_path / "hf"))
+    assert code == 2 and err == [f"easytrain export: {step / 'config.yaml'}: missing; a checkpoint written by "
+                                 "easytrain holds the run's config there, and the export rebuilds the model from it"]
+
+
+def test_trust_remote_code_comes_from_the_command_never_the_checkpoint(tmp_path: Path,
+                                                                      capsys: pytest.CaptureFixture[str],
+                                                                      monkeypatch: pytest.MonkeyPatch) -> None:
+    """A checkpoint's config.yaml saying model.trust_remote_code=true made the export run the base model's own
+    Python code (transformers' trust_remote_code); now only --trust-remote-code does."""
+    import easytrain.models.hf as hf
+    from easytrain.trainer.export import checkpoint_config
+
+    step = tiny_checkpoint(tmp_path, "model.trust_remote_code=true")
+    assert "trust_remote_code: true" in (step / "config.yaml").read_text()
+    assert checkpoint_config(step).model.trust_remote_code is False
+    assert checkpoint_config(step, trust_remote_code=True).model.trust_remote_code is True
+
+    asked: list[bool] = []
+
+    def load_model(model: Any, *args: Any, **kwargs: Any) -> Any:
+        asked.append(model.trust_remote_code)
+        raise ExportError("stopped by the test")
+
+    monkeypatch.setattr(hf, "load_model", load_model)
+    assert export_cli(capsys, str(step), "--out", str(tmp_path / "hf"))[0] == 2
+    assert export_cli(capsys, str(step), "--out", str(tmp_path / "hf"), "--trust-remote-code")[0] == 2
+    assert asked == [False, True]

@@ -22,7 +22,8 @@ import yaml
 
 from easytrain.config import ConfigError, load
 from easytrain.config.validate import ray_kill_threshold
-from easytrain.launch.kuberay import file_text, render, submit_kuberay, to_yaml
+from easytrain.launch.kuberay import (RAY_GID, RAY_UID, SECURITY_CONTEXT, file_text, render, secret_required,
+                                     submit_kuberay, to_yaml)
 
 REPO = Path(__file__).resolve().parents[1]
 SCHEMAS = Path(__file__).resolve().parents[2] / "shared" / "schemas"
@@ -227,11 +228,13 @@ def test_manifests_validate_and_hold_the_config(name: str, crds: dict[str, dict[
         assert config.watchdog.ram_hard < float(threshold)
         assert int(env["RAY_memory_monitor_refresh_ms"]["value"]) > 0
 
-        # credentials only through secretKeyRef, never a value
+        # credentials only through secretKeyRef, never a value; optional only where the run does without them
         for var, ref in la.secret_env.items():
             assert "value" not in env[var]
-            assert env[var]["valueFrom"]["secretKeyRef"] == {"name": ref.split("/")[0], "key": ref.split("/")[1],
-                                                             "optional": True}
+            selector = {"name": ref.split("/")[0], "key": ref.split("/")[1]}
+            assert env[var]["valueFrom"]["secretKeyRef"] == (
+                selector if secret_required(var, config) else {**selector, "optional": True})
+        assert container["securityContext"] == SECURITY_CONTEXT
         for entry in container["env"]:
             if any(w in entry["name"] for w in ("TOKEN", "API_KEY", "SECRET", "PASSWORD")) \
                     and entry["name"] != "TOKENIZERS_PARALLELISM":
@@ -327,3 +330,61 @@ def test_docker_image_matches_the_manifests() -> None:
     ignored = (REPO / ".dockerignore").read_text().split()
     for entry in (".venv", ".git", "outputs", "**/__pycache__"):
         assert entry in ignored
+
+
+# ----------------------------------------------------------------------------- secrets and privileges (issue 25, 14)
+
+
+def _secret_refs(manifest: dict[str, Any]) -> dict[str, dict[str, Any]]:
+    """NAME -> secretKeyRef of every container, checked to be the same in each."""
+    spec = manifest["spec"].get("rayClusterSpec", manifest["spec"])
+    refs: dict[str, dict[str, Any]] = {}
+    for container in _containers(spec):
+        mine = {e["name"]: e["valueFrom"]["secretKeyRef"] for e in container["env"] if "valueFrom" in e}
+        assert not refs or mine == refs
+        refs = mine
+    return refs
+
+
+@pytest.mark.parametrize("overrides, required, optional", [
+    # the preset's model is public (conf/model/): its token is optional; W&B is not a logger: its key is not needed
+    (PRESET, set(), {"HF_TOKEN", "WANDB_API_KEY"}),
+    # another Hub model may be gated: its token is required
+    ([*PRESET, "model.path=someone/gated-vl"], {"HF_TOKEN"}, {"WANDB_API_KEY"}),
+    ([*PRESET, "trainer.loggers=[console,wandb]"], {"WANDB_API_KEY"}, {"HF_TOKEN"}),
+    ([*PRESET, "model.path=someone/gated-vl", "trainer.loggers=[console,wandb]",
+      "+launch.env_vars.WANDB_MODE=offline"], {"HF_TOKEN"}, {"WANDB_API_KEY"}),
+    ([*PRESET, "model.path=someone/gated-vl", "+launch.env_vars.HF_HUB_OFFLINE=1"], set(),
+     {"HF_TOKEN", "WANDB_API_KEY"}),
+    ([*PRESET, "~launch.secret_env.HF_TOKEN"], set(), {"WANDB_API_KEY"}),  # no token at all
+    ([*PRESET, "+launch.secret_env.S3_KEY=s3-creds/secret"], {"S3_KEY"}, {"HF_TOKEN", "WANDB_API_KEY"}),
+    (CONFIGS["cpu_tiny"], set(), {"HF_TOKEN", "WANDB_API_KEY"}),  # a model built here downloads nothing
+])
+def test_secrets_the_run_needs_are_required(overrides: list[str], required: set[str], optional: set[str],
+                                            crds: dict[str, dict[str, Any]]) -> None:
+    """A required Secret that is missing keeps the pods from starting with its name (`kubectl describe pod`);
+    before, every secretKeyRef was optional, so a run needing one failed later with a 401."""
+    _, job, cluster = rendered(overrides)
+    for manifest in (job, cluster):
+        assert problems(manifest, crds) == []
+        refs = _secret_refs(manifest)
+        assert {name for name, ref in refs.items() if "optional" not in ref} == required
+        assert {name for name, ref in refs.items() if ref.get("optional") is True} == optional
+
+
+def test_containers_run_unprivileged_as_the_images_user(crds: dict[str, dict[str, Any]]) -> None:
+    _, job, cluster = rendered(CONFIGS["4nodes_x8"])
+    for manifest in (job, cluster):
+        assert problems(manifest, crds) == []
+        spec = manifest["spec"].get("rayClusterSpec", manifest["spec"])
+        for container in _containers(spec):
+            context = container["securityContext"]
+            assert context["runAsNonRoot"] is True and context["runAsUser"] != 0
+            assert context["allowPrivilegeEscalation"] is False
+            assert context["capabilities"] == {"drop": ["ALL"]}
+    dockerfile = (REPO / "docker" / "Dockerfile").read_text()
+    users = [line.split()[1] for line in dockerfile.splitlines() if line.startswith("USER ")]
+    assert users[-1] == f"{RAY_UID}:{RAY_GID}"  # the uid the manifests run as is the image's own
+    for line in dockerfile.splitlines():
+        if line.startswith("COPY --chown="):
+            assert line.split()[1] == f"--chown={RAY_UID}:{RAY_GID}"

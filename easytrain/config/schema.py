@@ -518,8 +518,10 @@ class LaunchConfig:
     trainer.output_dir is already on it, HF_HOME is <path>/cache/huggingface."""
     secret_env: dict[str, str] = field(default_factory=lambda: {"HF_TOKEN": "hf-token/token",
                                                                 "WANDB_API_KEY": "wandb/api-key"})
-    """KubeRay: environment variables read from Kubernetes Secrets, NAME: secret/key (secretKeyRef, optional: a
-    missing Secret leaves the variable unset). Tokens never appear in the manifests."""
+    """KubeRay: environment variables read from Kubernetes Secrets, NAME: secret/key (secretKeyRef). A Secret the
+    run needs is required (a missing one keeps the pods from starting, named by Kubernetes): HF_TOKEN when the
+    model comes from the Hub and is not one of conf/model/'s public checkpoints, WANDB_API_KEY when wandb logs
+    online, every entry you add; the others are optional. Tokens never appear in the manifests."""
     auth_secret: Optional[str] = None
     """KubeRay: Secret holding Ray's token under the key auth_token; null = KubeRay generates one per cluster.
     Token authentication is always on (authOptions.mode=token)."""

@@ -12,9 +12,13 @@ shared filesystem (or one machine) ends up with one complete folder:
     <folder>/rng_rank<r>.json          each rank's RNG states
 
 Only tensors go through DCP (read back with ``torch.load(weights_only=True)``
-by torch); everything else is JSON, so loading a checkpoint never unpickles
-objects. DCP stores global shapes and offsets, so a folder saved by N ranks
-loads on M ranks (FSDP2 shards or plain tensors alike).
+by torch); everything else is JSON. DCP's index (``.metadata``) is a pickle:
+:class:`SafeReader` reads it with :class:`MetadataUnpickler`, which builds
+only DCP's own metadata classes, ``torch.Size``, dtypes and layouts, and
+refuses a shard file outside the folder; :class:`TensorsOnlyPlanner` refuses
+the non-tensor entries DCP would ``torch.load`` with ``weights_only=False``.
+DCP stores global shapes and offsets, so a folder saved by N ranks loads on
+M ranks (FSDP2 shards or plain tensors alike).
 
 A save holds a bounded amount of host memory (``trainer.checkpoint_host_buffer_gb``):
 :class:`PiecePlanner` cuts every tensor into pieces of at most half the buffer
@@ -36,6 +40,7 @@ import json
 import logging
 import math
 import os
+import pickle
 import random
 import time
 import warnings
@@ -48,11 +53,13 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch import nn
 from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
-from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
+from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner, DefaultSavePlanner
 # DCP's own record writer and file suffix: the pieces are written exactly as FileSystemWriter writes its items
 from torch.distributed.checkpoint.filesystem import DEFAULT_SUFFIX, _write_item
-from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, MetadataIndex
-from torch.distributed.checkpoint.planner import SavePlan, SavePlanner, TensorWriteData, WriteItem, WriteItemType
+from torch.distributed.checkpoint.metadata import (ChunkStorageMetadata, Metadata, MetadataIndex, StorageMeta,
+                                                   TensorStorageMetadata)
+from torch.distributed.checkpoint.planner import (ReadItem, SavePlan, SavePlanner, TensorWriteData, WriteItem,
+                                                  WriteItemType)
 from torch.distributed.checkpoint.storage import WriteResult
 from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict, get_state_dict,
                                                      set_model_state_dict, set_state_dict)
@@ -63,6 +70,81 @@ logger = logging.getLogger(__name__)
 
 class IncompatibleCheckpoint(RuntimeError):
     """A checkpoint's tensors do not fit the model being loaded; the message names the tensor."""
+
+
+class UnsafeCheckpoint(IncompatibleCheckpoint):
+    """A checkpoint file holds something other than tensors and their index (a pickled object that loading would
+    have to run); nothing of it was run."""
+
+
+# ----------------------------------------------------------------------------- reading DCP's index safely
+
+
+_DCP_METADATA = "torch.distributed.checkpoint.metadata"
+METADATA_GLOBALS = {
+    (_DCP_METADATA, name) for name in ("Metadata", "MetadataIndex", "StorageMeta", "TensorStorageMetadata",
+                                       "BytesStorageMetadata", "ChunkStorageMetadata", "TensorProperties",
+                                       "_MEM_FORMAT_ENCODING")
+} | {
+    ("torch.distributed.checkpoint.filesystem", "_StorageInfo"),
+    ("torch", "Size"),
+    ("torch.serialization", "_get_layout"),  # torch.layout pickles as _get_layout("torch.strided"): a table lookup
+    ("collections", "OrderedDict"),
+    ("pathlib", "PosixPath"), ("pathlib", "PurePosixPath"),  # StorageMeta.checkpoint_id: the folder it was saved to
+    ("pathlib", "WindowsPath"), ("pathlib", "PureWindowsPath"),
+}
+"""What torch 2.13's DCP pickles into ``.metadata`` (found by unpickling the index of FSDP2, plain, fp32 and bf16
+saves with a recording unpickler), besides dtypes (``torch.float32`` ...): nothing here runs code when built."""
+
+
+class MetadataUnpickler(pickle.Unpickler):
+    """Unpickles a DCP ``.metadata`` file building only :data:`METADATA_GLOBALS` and torch dtypes: a pickle
+    naming anything else (``os.system``, ``builtins.eval``, a class whose construction runs code) is refused
+    before that object exists."""
+
+    def find_class(self, module: str, name: str) -> Any:
+        if (module, name) in METADATA_GLOBALS or (module == "torch" and isinstance(getattr(torch, name, None),
+                                                                                    torch.dtype)):
+            return super().find_class(module, name)
+        raise UnsafeCheckpoint(f"{module}.{name}")
+
+
+class SafeReader(FileSystemReader):
+    """DCP's FileSystemReader with the index read by :class:`MetadataUnpickler`, and every shard it names a file
+    directly in the folder (a ``../`` path would read a file elsewhere as tensor bytes)."""
+
+    def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
+        path = Path(self._get_metadata_path(kwargs.get("rank")))
+        try:
+            with open(path, "rb") as f:
+                metadata = MetadataUnpickler(f).load()
+        except UnsafeCheckpoint as err:
+            raise UnsafeCheckpoint(f"{path}: refused to load: the DCP index names {err}, which a checkpoint "
+                                   "written by easytrain never holds and which could run code; load only "
+                                   "checkpoints you trust (docs/checkpoints.md, Trust)") from None
+        except Exception as err:  # noqa: BLE001 - whatever a damaged pickle raises: unpickling errors, EOF, ...
+            raise IncompatibleCheckpoint(f"{path}: not a readable DCP index ({type(err).__name__}: {err}); the "
+                                         "checkpoint is damaged or was not written by torch's DCP") from None
+        if not isinstance(metadata, Metadata):
+            raise UnsafeCheckpoint(f"{path}: holds a {type(metadata).__name__}, not DCP metadata")
+        for info in (metadata.storage_data or {}).values():
+            name = str(getattr(info, "relative_path", ""))
+            if not name or Path(name).name != name or name in (".", ".."):
+                raise UnsafeCheckpoint(f"{path}: names the shard file {name!r}, which is not a file of "
+                                       f"{path.parent}; refused")
+        if getattr(metadata, "storage_meta", None) is None:
+            metadata.storage_meta = StorageMeta()
+        metadata.storage_meta.load_id = self.load_id
+        return metadata
+
+
+class TensorsOnlyPlanner(DefaultLoadPlanner):
+    """DCP's load plan for state dicts of tensors only: an entry stored as bytes would be unpickled by
+    ``torch.load(weights_only=False)``, so it is refused (easytrain saves no such entry)."""
+
+    def load_bytes(self, read_item: ReadItem, value: Any) -> None:
+        raise UnsafeCheckpoint(f"{read_item.dest_index.fqn!r} is stored as a pickled object, not a tensor; "
+                               "refused (easytrain's checkpoints hold only tensors there)")
 
 
 # ----------------------------------------------------------------------------- JSON and RNG
@@ -367,7 +449,7 @@ def load_training_state(folder: Path, model: nn.Module, optimizer: torch.optim.O
     groups = optim_sd.pop("param_groups")
     check_tensors(folder, {"model": model_sd, "optim": optim_sd})
     state = {"model": model_sd, "optim": optim_sd}
-    dcp.load(state, storage_reader=FileSystemReader(folder))
+    dcp.load(state, storage_reader=SafeReader(folder), planner=TensorsOnlyPlanner())
     saved_groups = read_json(folder / "param_groups.json")
     if len(saved_groups) != len(groups):
         raise IncompatibleCheckpoint(f"{folder}: {len(saved_groups)} optimizer parameter groups saved, "
@@ -393,7 +475,8 @@ def load_model_weights(folder: Path, model: nn.Module) -> None:
     state = {"model": model_sd}
     with warnings.catch_warnings():  # "assuming the intent is to load in a single process": it is
         warnings.filterwarnings("ignore", message=".*single process", category=UserWarning)
-        dcp.load(state, storage_reader=FileSystemReader(folder), no_dist=not dist.is_initialized())
+        dcp.load(state, storage_reader=SafeReader(folder), planner=TensorsOnlyPlanner(),
+                 no_dist=not dist.is_initialized())
     set_model_state_dict(model, state["model"], options=StateDictOptions(strict=True))
 
 
@@ -402,13 +485,16 @@ def check_tensors(folder: Path, state: dict[str, Any]) -> None:
     difference (DCP's own error for this is a stack of per-rank traces)."""
     if not (folder / ".metadata").exists():
         raise IncompatibleCheckpoint(f"{folder}: no DCP metadata (.metadata); not a complete checkpoint")
-    saved = FileSystemReader(folder).read_metadata().state_dict_metadata
+    saved = SafeReader(folder).read_metadata().state_dict_metadata
     wanted = dict(_flatten(state))
     for key, shape in wanted.items():
         meta = saved.get(key)
         if meta is None:
             raise IncompatibleCheckpoint(f"{folder} has no tensor {key!r}: the checkpoint was written for another "
                                          "model or LoRA setting")
+        if not isinstance(meta, TensorStorageMetadata):
+            raise UnsafeCheckpoint(f"{folder}: {key!r} is stored as a pickled object, not a tensor; refused "
+                                   "(easytrain's checkpoints hold only tensors there)")
         saved_shape = tuple(getattr(meta, "size", ()))
         if shape is not None and saved_shape != shape:
             raise IncompatibleCheckpoint(f"{folder}: tensor {key!r} has shape {list(saved_shape)} in the checkpoint "

@@ -33,12 +33,20 @@ FSDP. Background saves (``trainer.checkpoint_async``) are FSDP's only.
 ZeRO partitions depend on the world size, so a checkpoint resumes only on the
 same number of ranks; :func:`deepspeed_state_dict` turns one into full fp32
 weights in a single process (for ``easytrain export``).
+
+DeepSpeed reads its files back with ``torch.load(weights_only=False)``, which
+unpickles (runs) whatever a file holds. Both loads here (:meth:`DeepSpeedStrategy.load`
+and :func:`deepspeed_state_dict`) run under :func:`weights_only_loads`:
+torch's ``TORCH_FORCE_WEIGHTS_ONLY_LOAD`` turns each of DeepSpeed's loads into
+a weights-only one that builds tensors, containers and the three DeepSpeed
+classes its state holds (:func:`deepspeed_safe_globals`), and refuses the rest.
 """
 
 from __future__ import annotations
 
 import logging
 import os
+import pickle
 from pathlib import Path
 from contextlib import contextmanager
 from typing import Any, Iterator, Optional
@@ -48,8 +56,8 @@ import torch.distributed as dist
 from torch import nn
 
 from easytrain.config.schema import ActorConfig
-from easytrain.distributed.checkpoint import (IncompatibleCheckpoint, drop_file_pages, read_json, rng_state,
-                                              set_rng_state, write_json)
+from easytrain.distributed.checkpoint import (IncompatibleCheckpoint, UnsafeCheckpoint, drop_file_pages, read_json,
+                                              rng_state, set_rng_state, write_json)
 from easytrain.distributed.strategy import TrainStrategy, build_optimizer
 
 logger = logging.getLogger(__name__)
@@ -228,8 +236,9 @@ class DeepSpeedStrategy(TrainStrategy):
         if meta["zero_stage"] != self.zero_stage:
             raise IncompatibleCheckpoint(f"{folder}: saved with ZeRO-{meta['zero_stage']}, this run uses "
                                          f"ZeRO-{self.zero_stage} (worker.actor.deepspeed.zero_stage)")
-        path, _ = self.engine.load_checkpoint(str(folder), tag=CHECKPOINT_TAG, load_optimizer_states=True,
-                                              load_lr_scheduler_states=False)
+        with weights_only_loads(folder):
+            path, _ = self.engine.load_checkpoint(str(folder), tag=CHECKPOINT_TAG, load_optimizer_states=True,
+                                                  load_lr_scheduler_states=False)
         if path is None:
             raise IncompatibleCheckpoint(f"{folder}: DeepSpeed found no checkpoint under tag {CHECKPOINT_TAG!r}")
         self.scheduler.load_state_dict(read_json(folder / "scheduler.json"))
@@ -297,5 +306,43 @@ def deepspeed_state_dict(folder: Path) -> dict[str, torch.Tensor]:
     from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
 
     checkpoint_meta(folder)
-    state = get_fp32_state_dict_from_zero_checkpoint(str(folder), tag=CHECKPOINT_TAG)
+    with weights_only_loads(folder):
+        state = get_fp32_state_dict_from_zero_checkpoint(str(folder), tag=CHECKPOINT_TAG)
     return {name: tensor.float().contiguous() for name, tensor in state.items()}
+
+
+FORCE_WEIGHTS_ONLY = "TORCH_FORCE_WEIGHTS_ONLY_LOAD"
+FORCE_NO_WEIGHTS_ONLY = "TORCH_FORCE_NO_WEIGHTS_ONLY_LOAD"
+
+
+def deepspeed_safe_globals() -> list[Any]:
+    """The classes DeepSpeed 0.19's ZeRO 1-3 checkpoints pickle besides tensors and containers (found by loading
+    every stage's files, fp32 and bf16, with a recording unpickler): building them runs no code."""
+    from deepspeed.runtime.fp16.loss_scaler import LossScaler
+    from deepspeed.runtime.zero.config import ZeroStageEnum
+    from deepspeed.utils.tensor_fragment import fragment_address
+
+    return [LossScaler, ZeroStageEnum, fragment_address]
+
+
+@contextmanager
+def weights_only_loads(folder: Path) -> Iterator[None]:
+    """Every ``torch.load`` inside (DeepSpeed's own, which pass ``weights_only=False``) made weights-only, with
+    :func:`deepspeed_safe_globals` allowed; a file holding anything else is an :class:`UnsafeCheckpoint` naming
+    it, and nothing of it runs. The variable is this process's for the duration (loads are not concurrent)."""
+    saved = {name: os.environ.pop(name, None) for name in (FORCE_WEIGHTS_ONLY, FORCE_NO_WEIGHTS_ONLY)}
+    os.environ[FORCE_WEIGHTS_ONLY] = "1"
+    try:
+        with torch.serialization.safe_globals(deepspeed_safe_globals()):
+            yield
+    except pickle.UnpicklingError as err:
+        detail = next((line.strip() for line in str(err).splitlines() if "GLOBAL" in line or "Unsupported" in line),
+                      str(err).splitlines()[0] if str(err) else "").rstrip(".")
+        raise UnsafeCheckpoint(f"{folder}: refused to load DeepSpeed state that holds more than tensors ({detail}); "
+                               "a checkpoint written by easytrain never does, and unpickling it could run code: "
+                               "load only checkpoints you trust (docs/checkpoints.md, Trust)") from None
+    finally:
+        for name, value in saved.items():
+            os.environ.pop(name, None)
+            if value is not None:
+                os.environ[name] = value

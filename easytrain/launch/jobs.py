@@ -15,12 +15,21 @@ The address is ``--address``, else ``RAY_ADDRESS``, else the local head's
 dashboard (``http://127.0.0.1:8265``). Ray's token authentication stays on:
 every request carries the cluster token from ``RAY_AUTH_TOKEN``,
 ``RAY_AUTH_TOKEN_PATH`` or ``~/.ray/auth_token`` (what ``ray start`` and
-``ray get-auth-token`` use); a refused request says so.
+``ray get-auth-token`` use); a refused request says so. The token is a
+bearer credential: it goes only to ``https://`` or to this machine (loopback:
+``localhost``, ``127.0.0.0/8``, ``::1``, e.g. an SSH tunnel), else the
+command stops before anything is sent, unless ``--insecure-http`` (or
+``EASYTRAIN_INSECURE_HTTP=1``) says the network is trusted.
+
+The upload leaves out :data:`EXCLUDES`, the same list as the repository's
+``.dockerignore`` (tests/test_upload_excludes.py checks both, and what Ray's
+own packer leaves out).
 """
 
 from __future__ import annotations
 
 import asyncio
+import ipaddress
 import logging
 import os
 import shlex
@@ -28,27 +37,87 @@ import sys
 import time
 from pathlib import Path
 from typing import Any, Optional, Sequence, TextIO
+from urllib.parse import urlsplit
 
 logger = logging.getLogger(__name__)
 
 DEFAULT_ADDRESS = "http://127.0.0.1:8265"
-EXCLUDES = [".venv", "venv", ".git", "outputs", "runs", "multirun", "**/__pycache__", "*.egg-info", ".pytest_cache",
-            ".mypy_cache", "bench/results/*.png", "*.safetensors", "*.pt", "*.bin", "checkpoints", ".gpu", ".probe"]
-"""What the upload of the working directory leaves out (Ray caps a working_dir at a few hundred MB)."""
+EXCLUDES = [
+    # local state, run outputs and caches (Ray caps a working_dir at a few hundred MB)
+    ".venv", "venv", ".git", ".gitignore", ".ci", "outputs", "multirun", "runs", "checkpoints", "**/__pycache__",
+    "**/*.pyc", "*.egg-info", "build", "dist", ".pytest_cache", ".mypy_cache", ".ruff_cache", ".cache", ".ray",
+    "**/*.safetensors", "**/*.pt", "**/*.bin", "**/*.ckpt", "bench/results/*.png", "**/events.out.tfevents.*",
+    "**/wandb", "**/mlruns",
+    # credentials
+    ".env", "*.env", "**/auth_token",
+]
+"""What the upload of the working directory leaves out: exactly the patterns of the repository's .dockerignore
+(tests/test_upload_excludes.py compares them line by line), read by Ray as gitignore patterns: one without a
+``/`` (``.env``, ``runs``) matches at any depth, which leaves out more than Docker does, never less."""
+UPLOAD_ONLY_EXCLUDES = [".gpu", ".probe"]
+"""Left out of the upload only: scratch folders of local tools that the Docker build never sees."""
+INSECURE_ENV = "EASYTRAIN_INSECURE_HTTP"
+"""Set to 1 to send the token over plain http to a host that is not this machine (as ``--insecure-http``)."""
 TERMINAL = ("SUCCEEDED", "FAILED", "STOPPED")
 AGENT_WAIT_S = 120.0
 """How long ``submit`` waits for a just-started head's job agent (the dashboard answers first)."""
+
+
+class InsecureAddress(ValueError):
+    """The Ray token would travel unencrypted to another machine; one line naming the address and its source."""
 
 
 def address_of(address: Optional[str]) -> str:
     return address or os.environ.get("RAY_ADDRESS") or DEFAULT_ADDRESS
 
 
-def client(address: Optional[str]) -> Any:
-    """A Job Submission client for ``address`` (see the module docstring for the order of sources)."""
+def address_source(address: Optional[str]) -> str:
+    """Where :func:`address_of` takes the address from, as the user would name it."""
+    if address:
+        return "--address"
+    return "RAY_ADDRESS" if os.environ.get("RAY_ADDRESS") else "the default"
+
+
+def is_loopback(host: str) -> bool:
+    """``localhost``, ``127.0.0.0/8``, ``::1`` (also IPv4-mapped): traffic that never leaves this machine."""
+    host = host.strip("[]").lower()
+    if host == "localhost" or host.endswith(".localhost"):
+        return True
+    try:
+        ip = ipaddress.ip_address(host)
+    except ValueError:
+        return False
+    mapped = getattr(ip, "ipv4_mapped", None)
+    return bool(ip.is_loopback or (mapped is not None and mapped.is_loopback))
+
+
+def check_token_transport(address: str, source: str, *, insecure_http: bool = False, encrypted: bool = False,
+                          opt_in: str = f"pass --insecure-http (or set {INSECURE_ENV}=1)") -> None:
+    """Refuse, before anything is sent, to send the Ray token unencrypted (not ``https://``, and not
+    ``encrypted`` by other means) to a host that is not this machine, unless ``insecure_http`` or
+    ``EASYTRAIN_INSECURE_HTTP=1`` says the network is trusted (``opt_in`` tells the user how). No token found:
+    nothing to protect."""
+    if insecure_http or encrypted or os.environ.get(INSECURE_ENV, "").lower() in ("1", "true", "yes"):
+        return
+    parsed = urlsplit(address if "://" in address else f"http://{address}")
+    host, port = parsed.hostname or "", parsed.port or (10001 if parsed.scheme == "ray" else 8265)
+    if parsed.scheme == "https" or address in ("auto", "local") or is_loopback(host) or not auth_token():
+        return
+    local = f"{parsed.scheme}://127.0.0.1:{port}"
+    raise InsecureAddress(
+        f"refusing to send the Ray auth token in the clear to {address} (from {source}): {host} is not this "
+        f"machine and {parsed.scheme}:// is unencrypted, so anyone on the path could take the token and run code "
+        f"on the cluster; use {'' if parsed.scheme == 'ray' else 'an https:// address, or '}an SSH tunnel "
+        f"(ssh -N -L {port}:localhost:{port} {host}, then {local}), or {opt_in} if you trust the network")
+
+
+def client(address: Optional[str], *, insecure_http: bool = False) -> Any:
+    """A Job Submission client for ``address`` (see the module docstring for the order of sources); an
+    :class:`InsecureAddress` before any request when the token would go unencrypted to another machine."""
+    where = address_of(address)
+    check_token_transport(where, address_source(address), insecure_http=insecure_http)
     from ray.job_submission import JobSubmissionClient
 
-    where = address_of(address)
     token = auth_token()
     headers = {"Authorization": f"Bearer {token}"} if token else None
     try:
@@ -86,7 +155,8 @@ def runtime_env(config: Any, working_dir: str) -> dict[str, Any]:
     env_vars.setdefault("TOKENIZERS_PARALLELISM", "false")
     # the job supervisor reads this from the job's runtime env: SIGTERM, then SIGKILL after this many seconds
     env_vars.setdefault("RAY_JOB_STOP_WAIT_TIME_S", str(getattr(launch, "stop_grace_s", 900)))
-    env: dict[str, Any] = {"working_dir": working_dir, "excludes": EXCLUDES, "env_vars": env_vars}
+    env: dict[str, Any] = {"working_dir": working_dir, "excludes": EXCLUDES + UPLOAD_ONLY_EXCLUDES,
+                           "env_vars": env_vars}
     pip = list(getattr(launch, "pip", None) or [])
     if pip:
         env["pip"] = pip
@@ -98,13 +168,14 @@ def entrypoint(overrides: Sequence[str]) -> str:
 
 
 def submit(overrides: Sequence[str], address: Optional[str] = None, working_dir: str = ".", follow: bool = False,
-           wait: bool = False, out: TextIO = sys.stdout) -> int:
+           wait: bool = False, out: TextIO = sys.stdout, *, insecure_http: bool = False) -> int:
     """Validate the config, submit the run, print its id and dashboard URL; ``follow`` streams its log and
     ``wait`` polls until it ends; both return 0 only when it SUCCEEDED."""
     from easytrain.config import compose, with_default_preset
     from easytrain.main import resolve
 
-    config = resolve(compose(with_default_preset(list(overrides))))  # ConfigError before anything is sent
+    # ConfigError before anything is sent; the paths are checked by the job's driver, where they must be
+    config = resolve(compose(with_default_preset(list(overrides))), local_paths=False)
     if not os.path.isabs(config.trainer.output_dir):
         from easytrain.config import ConfigError
 
@@ -115,7 +186,7 @@ def submit(overrides: Sequence[str], address: Optional[str] = None, working_dir:
     if not os.path.isdir(working_dir):
         raise SystemExit(f"easytrain: --working-dir {working_dir!r} is not a directory")
     where = address_of(address)
-    jobs = client(where)
+    jobs = client(address, insecure_http=insecure_http)
     deadline = time.monotonic() + AGENT_WAIT_S
     while True:
         try:
@@ -133,16 +204,16 @@ def submit(overrides: Sequence[str], address: Optional[str] = None, working_dir:
               f"follow: easytrain logs {job_id} --follow --address {where}\n")
     out.flush()
     if follow:
-        return logs(job_id, where, follow=True, out=out)
+        return logs(job_id, where, follow=True, out=out, insecure_http=insecure_http)
     if wait:
-        return 0 if wait_for(job_id, where) == "SUCCEEDED" else 1
+        return 0 if wait_for(job_id, where, insecure_http=insecure_http) == "SUCCEEDED" else 1
     return 0
 
 
 def wait_for(job_id: str, address: Optional[str] = None, timeout: float = 24 * 3600.0,
-             poll: float = 2.0) -> str:
+             poll: float = 2.0, *, insecure_http: bool = False) -> str:
     """Poll until the job is SUCCEEDED, FAILED or STOPPED (or ``timeout``); returns the last status."""
-    jobs, deadline = client(address), time.monotonic() + timeout
+    jobs, deadline = client(address, insecure_http=insecure_http), time.monotonic() + timeout
     while True:
         state = str(jobs.get_job_status(job_id).value)
         if state in TERMINAL or time.monotonic() > deadline:
@@ -150,8 +221,9 @@ def wait_for(job_id: str, address: Optional[str] = None, timeout: float = 24 * 3
         time.sleep(poll)
 
 
-def status(job_id: str, address: Optional[str] = None, out: TextIO = sys.stdout) -> int:
-    info = client(address).get_job_info(job_id)
+def status(job_id: str, address: Optional[str] = None, out: TextIO = sys.stdout, *,
+           insecure_http: bool = False) -> int:
+    info = client(address, insecure_http=insecure_http).get_job_info(job_id)
     out.write(f"{job_id}: {info.status.value}")
     if info.message:
         out.write(f" ({info.message})")
@@ -159,9 +231,10 @@ def status(job_id: str, address: Optional[str] = None, out: TextIO = sys.stdout)
     return 0
 
 
-def logs(job_id: str, address: Optional[str] = None, follow: bool = False, out: TextIO = sys.stdout) -> int:
+def logs(job_id: str, address: Optional[str] = None, follow: bool = False, out: TextIO = sys.stdout, *,
+         insecure_http: bool = False) -> int:
     """The driver's log so far, or streamed until the job ends (``follow``; exit 0 only when it SUCCEEDED)."""
-    jobs = client(address)
+    jobs = client(address, insecure_http=insecure_http)
     if not follow:
         out.write(jobs.get_job_logs(job_id))
         return 0
@@ -172,12 +245,14 @@ def logs(job_id: str, address: Optional[str] = None, follow: bool = False, out: 
             out.flush()
 
     asyncio.run(stream())
-    state = wait_for(job_id, address, timeout=60.0, poll=0.5)  # the log ends a moment before the status flips
+    # the log ends a moment before the status flips
+    state = wait_for(job_id, address, timeout=60.0, poll=0.5, insecure_http=insecure_http)
     out.write(f"{job_id}: {state}\n")
     return 0 if state == "SUCCEEDED" else 1
 
 
-def stop(job_id: str, address: Optional[str] = None, out: TextIO = sys.stdout) -> int:
-    stopped = client(address).stop_job(job_id)
+def stop(job_id: str, address: Optional[str] = None, out: TextIO = sys.stdout, *,
+         insecure_http: bool = False) -> int:
+    stopped = client(address, insecure_http=insecure_http).stop_job(job_id)
     out.write(f"{job_id}: {'stop requested' if stopped else 'already finished'}\n")
     return 0

@@ -21,7 +21,11 @@ Both manifests (``ray.io/v1``) come from the composed, validated config:
 - the PersistentVolumeClaim ``launch.volume_claim`` at ``launch.volume_mount_path`` on every pod: the run
   folder (``hydra.run.dir=<mount>/runs/<name>`` unless ``trainer.output_dir`` is already on it, so a retry of
   the RayJob resumes from its checkpoints) and the Hugging Face cache (``HF_HOME``);
-- credentials only as ``valueFrom.secretKeyRef`` (``launch.secret_env``), never as values;
+- credentials only as ``valueFrom.secretKeyRef`` (``launch.secret_env``), never as values; a Secret the run
+  needs is required (a pod whose Secret is missing does not start, and ``kubectl describe pod`` names it,
+  rather than a 401 once the cluster is up), see :func:`secret_required`;
+- every container non-root (the image's uid 1000, gid 100), without privilege escalation, with no Linux
+  capabilities and the runtime's default seccomp profile (:data:`SECURITY_CONTEXT`);
 - the RayJob: entrypoint ``python -m easytrain.main <overrides>``, ``shutdownAfterJobFinishes``,
   ``ttlSecondsAfterFinished``, ``backoffLimit``, ``launch.pip`` as its runtime env.
 """
@@ -62,6 +66,18 @@ RAY_MEMORY_MONITOR_REFRESH_MS = 250
 RUN_KEYS = ("hydra.run.dir", "trainer.output_dir")
 HEAD_PORTS = [("gcs-server", 6379), ("dashboard", 8265), ("client", 10001), ("metrics", 8080)]
 SHM_VOLUME, SHARED_VOLUME = "shm", "shared"
+RAY_UID, RAY_GID = 1000, 100
+"""The user of Ray's images (rayproject/ray: ``ray``, uid 1000, group users 100), which docker/Dockerfile keeps."""
+SECURITY_CONTEXT: dict[str, Any] = {
+    "runAsNonRoot": True, "runAsUser": RAY_UID, "runAsGroup": RAY_GID,
+    "allowPrivilegeEscalation": False, "capabilities": {"drop": ["ALL"]},
+    "seccompProfile": {"type": "RuntimeDefault"},
+}
+"""Every Ray container's: Ray, the trainer and the preStop hook need no root, capability or setuid binary (GPUs
+come through the device plugin, /dev/shm is an emptyDir)."""
+LOCAL_MODEL_PREFIXES = ("/", ".", "~", "tiny:", "random:")
+"""A model.path / tokenizer_path starting so (or with more than one ``/``: a hub id is ``name`` or
+``owner/name``) is read from a folder or built, not downloaded from the Hub."""
 
 
 class KubeError(RuntimeError):
@@ -159,8 +175,37 @@ def _env(config: Config) -> list[dict[str, Any]]:
     env: list[dict[str, Any]] = [{"name": k, "value": v} for k, v in plain.items() if k not in la.secret_env]
     for name, ref in la.secret_env.items():
         secret, _, key = str(ref).partition("/")
-        env.append({"name": name, "valueFrom": {"secretKeyRef": {"name": secret, "key": key, "optional": True}}})
+        selector: dict[str, Any] = {"name": secret, "key": key}
+        if not secret_required(name, config):
+            selector["optional"] = True
+        env.append({"name": name, "valueFrom": {"secretKeyRef": selector}})
     return env
+
+
+def secret_required(name: str, config: Config) -> bool:
+    """Whether the run needs the Secret behind ``launch.secret_env.<name>``: a missing required Secret keeps the
+    pods from starting (naming it); an optional one leaves the variable unset. Optional only where the run
+    provably does without it:
+
+    - ``HF_TOKEN`` when nothing comes from the Hugging Face Hub but the public checkpoints of ``conf/model/``
+      (model and tokenizer are such a checkpoint, folders or built, or ``HF_HUB_OFFLINE=1``); another Hub model
+      may be gated or private (a 401 after the cluster is up). For a public one without a token, drop the
+      entry: ``~launch.secret_env.HF_TOKEN``.
+    - ``WANDB_API_KEY`` when ``wandb`` is not in ``trainer.loggers`` or ``WANDB_MODE`` is offline/disabled.
+
+    Every other entry is one the user added, so the run needs it."""
+    env = {str(k): str(v).lower() for k, v in config.launch.env_vars.items()}
+    if name == "HF_TOKEN":
+        from easytrain.models.shapes import known_hf_configs
+
+        public = set(known_hf_configs())  # the presets' checkpoints: public, downloaded without a token
+        sources = [config.model.path, config.model.tokenizer_path or ""]
+        from_hub = any(s and not s.startswith(LOCAL_MODEL_PREFIXES) and s.count("/") <= 1 and s not in public
+                       for s in sources)
+        return from_hub and env.get("HF_HUB_OFFLINE", "0") not in ("1", "true")
+    if name == "WANDB_API_KEY":
+        return "wandb" in config.trainer.loggers and env.get("WANDB_MODE", "online") not in ("offline", "disabled")
+    return True
 
 
 def _container(name: str, config: Config, cpu: float, memory_gb: float, gpus: int,
@@ -172,6 +217,7 @@ def _container(name: str, config: Config, cpu: float, memory_gb: float, gpus: in
     container: dict[str, Any] = {
         "name": name, "image": la.image, "imagePullPolicy": la.image_pull_policy, "env": _env(config),
         "resources": {"requests": dict(resources), "limits": dict(resources)},
+        "securityContext": copy.deepcopy(SECURITY_CONTEXT),
         "volumeMounts": [{"name": SHM_VOLUME, "mountPath": "/dev/shm"},
                          {"name": SHARED_VOLUME, "mountPath": os.path.normpath(la.volume_mount_path)}],
     }
@@ -329,7 +375,7 @@ def submit_kuberay(overrides: list[str], dry_run: bool, cluster: bool = False, o
     from easytrain.config import compose
     from easytrain.main import resolve
 
-    config = resolve(compose(with_default_preset(list(overrides))))
+    config = resolve(compose(with_default_preset(list(overrides))), local_paths=False)  # paths are the pods' own
     job, raycluster = render(config, overrides)
     chosen = [raycluster if cluster else job]
     if dry_run:

@@ -190,7 +190,8 @@ class Trainer:
         if t.export_final and final_checkpoint is not None:
             from easytrain.trainer.export import export
 
-            export(final_checkpoint, Path(t.output_dir) / "hf", merge=t.export_merge)
+            export(final_checkpoint, Path(t.output_dir) / "hf", merge=t.export_merge,
+                   trust_remote_code=self.config.model.trust_remote_code)
         return final
 
     def memory(self) -> dict[str, float]:

@@ -9,6 +9,11 @@ template beside them. With LoRA the folder holds the adapter in PEFT's format
 (load it with ``PeftModel.from_pretrained(base, DIR)``); ``--merge`` folds the
 adapter into the base weights and writes a plain model instead. The folder is
 written under a temporary name and renamed when complete.
+
+A checkpoint is data from whoever wrote it: its tensors are read weights-only
+and its DCP index with a restricted unpickler (easytrain.distributed.checkpoint),
+and ``model.trust_remote_code`` is never taken from its ``config.yaml``: only
+``--trust-remote-code`` on this command runs the base model's own code.
 """
 
 from __future__ import annotations
@@ -18,7 +23,9 @@ import shutil
 from pathlib import Path
 from typing import Any, Optional
 
+import yaml
 from omegaconf import OmegaConf
+from omegaconf.errors import OmegaConfBaseException
 
 from easytrain.config.schema import Config
 from easytrain.distributed.checkpoint import IncompatibleCheckpoint, load_model_weights, read_json, write_json
@@ -31,12 +38,34 @@ PROCESSOR_FILES = ("preprocessor_config.json", "video_preprocessor_config.json",
 """Files of the base model's processor copied as they are when save_pretrained did not write them."""
 
 
-def checkpoint_config(folder: Path) -> Config:
-    """The run config a checkpoint was written with."""
-    merged = OmegaConf.merge(OmegaConf.structured(Config), OmegaConf.load(folder / CONFIG_FILE))
-    config = OmegaConf.to_object(merged)
+def checkpoint_config(folder: Path, trust_remote_code: bool = False) -> Config:
+    """The run config a checkpoint was written with, except ``model.trust_remote_code``: that is
+    ``trust_remote_code`` (this command's choice), whatever the checkpoint says, so that a checkpoint from
+    elsewhere cannot make the export run its base model's Python code."""
+    path = folder / CONFIG_FILE
+    if not path.is_file():
+        raise ExportError(f"{path}: missing; a checkpoint written by easytrain holds the run's config there, and "
+                          "the export rebuilds the model from it")
+    try:
+        merged = OmegaConf.merge(OmegaConf.structured(Config), OmegaConf.load(path))
+        config = OmegaConf.to_object(merged)
+    except (OmegaConfBaseException, yaml.YAMLError) as err:
+        key = getattr(err, "full_key", None)
+        what = (str(err).strip().splitlines() or [type(err).__name__])[0].strip()
+        raise ExportError(f"{path}: does not fit this easytrain's config ({f'{key}: ' if key else ''}{what}); "
+                          "export with the easytrain version that wrote the checkpoint, or fix that key in the "
+                          "file") from None
     assert isinstance(config, Config)
+    if config.model.trust_remote_code and not trust_remote_code:
+        logger.warning("%s sets model.trust_remote_code=true; ignored (it would run code shipped with the model): "
+                       "pass --trust-remote-code if you trust %s", path, config.model.path)
+    config.model.trust_remote_code = trust_remote_code
     return config
+
+
+def one_line(err: BaseException) -> str:
+    """An error's message on one line (transformers' and OmegaConf's span several)."""
+    return " ".join(str(err).split()) or type(err).__name__
 
 
 def load_actor_weights(actor: Path, config: Config, model: Any) -> None:
@@ -85,9 +114,10 @@ def check_out(out: str | Path, checkpoint: Path, force: bool = False) -> Path:
 
 
 def export(checkpoint: str | Path, out: str | Path, merge: bool = False, dtype: Optional[str] = None,
-           force: bool = False) -> Path:
+           force: bool = False, trust_remote_code: bool = False) -> Path:
     """Write the checkpoint's actor as a ``from_pretrained`` folder at ``out`` (replacing an earlier export there;
-    see :func:`check_out` for what is refused); returns ``out``."""
+    see :func:`check_out` for what is refused); returns ``out``. ``trust_remote_code`` is the caller's choice
+    (see :func:`checkpoint_config`)."""
     import torch
 
     from easytrain.models.hf import load_image_processor, load_model, load_tokenizer, model_folder
@@ -95,7 +125,7 @@ def export(checkpoint: str | Path, out: str | Path, merge: bool = False, dtype: 
 
     folder = resolve(checkpoint)
     out = check_out(out, folder, force)  # before the model is loaded: a refusal costs nothing
-    config = checkpoint_config(folder)
+    config = checkpoint_config(folder, trust_remote_code)
     lora = config.model.lora.rank > 0
     if merge and not lora:
         logger.info("--merge: the checkpoint has no LoRA adapter; exporting the full model")
