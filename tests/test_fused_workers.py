@@ -67,3 +67,22 @@ def test_sync_refills_dropped_weights(ray_local: None, tmp_path: Path, lora: boo
                 assert torch.equal(engine[name], tensor), name
     finally:
         trainer.close()
+
+
+def test_one_process_syncs_the_whole_model_in_place_without_a_collective(ray_local: None, tmp_path: Path) -> None:
+    """Issue 32 item 2: one worker holds the whole actor (one GPU): the engine's weights are overwritten where they
+    lie in a few multi-tensor copies, and equal the actor's after a level-2 sleep dropped them."""
+    config = make_config(str(tmp_path), "trainer.workers_per_node=1", "trainer.val_freq=-1", "trainer.save_freq=-1",
+                         "algorithm.kl_coef=0.01")
+    trainer = RLTrainer(config)
+    try:
+        synced = trainer.train_step()
+        assert synced["sync/buckets"] == 1.0 and synced["sync/shared_staging"] == 0.0
+        assert synced["sync/in_place"] == synced["sync/tensors"] > 0  # every weight overwritten where it lies
+        actor = trainer.roles.actor.call("full_state_dict")  # HF names
+        engine = trainer.roles.rollout.call("engine_weights")[0]
+        assert set(engine) == set(actor)
+        for name, tensor in actor.items():
+            assert torch.equal(engine[name], tensor), name
+    finally:
+        trainer.close()

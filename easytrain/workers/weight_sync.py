@@ -306,6 +306,59 @@ def node_staging(state: Mapping[str, torch.Tensor], buckets: list[list[str]], dt
     return staging
 
 
+def unsplit(state: Mapping[str, torch.Tensor]) -> Optional[dict[str, torch.Tensor]]:
+    """The full tensors of a state that is not split across processes (plain tensors, or DTensors on a one-rank
+    mesh: one GPU), without a collective; None where some tensor is sharded over several ranks."""
+    from torch.distributed.tensor import DTensor
+
+    out: dict[str, torch.Tensor] = {}
+    for name, tensor in state.items():
+        if isinstance(tensor, DTensor):
+            if tensor.device_mesh.size() != 1:
+                return None
+            tensor = tensor.to_local()
+        out[name] = tensor.detach()
+    return out
+
+
+def copy_grouped(pairs: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
+    """``dst.copy_(src)`` for every (dst, src), cast on the way, as one multi-tensor copy per (devices, dtypes)
+    group: a few kernel launches for the whole model rather than one per tensor."""
+    groups: dict[tuple[Any, ...], list[tuple[torch.Tensor, torch.Tensor]]] = {}
+    for dst, src in pairs:
+        groups.setdefault((dst.device, src.device, dst.dtype, src.dtype), []).append((dst, src))
+    for (dst_device, src_device, _, _), group in groups.items():
+        dsts, srcs = [d for d, _ in group], [s for _, s in group]
+        if dst_device == src_device:
+            torch._foreach_copy_(dsts, srcs)
+        else:  # offloaded master weights: one copy each, non-blocking from pinned host memory
+            for dst, src in group:
+                dst.copy_(src, non_blocking=True)
+
+
+def _sync_unsplit(full: dict[str, torch.Tensor], engine: Any, lora_scale: float, dtype: torch.dtype,
+                  start: float) -> dict[str, float]:
+    """One process holds the whole actor (one GPU): the engine's weights are overwritten where they lie, the
+    whole model in a few multi-tensor copies (cast to the engine's dtype on the way); what the engine does not
+    take in place (renamed or fused weights: vLLM) goes through its ``load_weights`` once."""
+    mark = time.perf_counter()
+    engine.begin_weight_update()
+    targets = {name: target for name, target in engine.in_place_targets(list(full)).items()
+               if target.dtype == dtype and target.shape == full[name].shape}
+    copy_grouped([(target, full[name]) for name, target in targets.items()])
+    rest = {name: tensor.to(dtype) if tensor.is_floating_point() else tensor
+            for name, tensor in full.items() if name not in targets}
+    loaded = engine.load_weights(to_hf_names(rest, lora_scale).items()) if rest else 0
+    if getattr(engine, "device", torch.device("cpu")).type == "cuda":
+        torch.cuda.synchronize()
+    load_s = time.perf_counter() - mark
+    engine.finish_weight_update()
+    model_bytes = sum(t.numel() for t in full.values()) * torch.empty((), dtype=dtype).element_size()
+    return {"sync/buckets": 1.0, "sync/model_mb": model_bytes / 2**20, "sync/tensors": float(loaded + len(targets)),
+            "sync/in_place": float(len(targets)), "sync/shared_staging": 0.0, "sync/gather_s": 0.0,
+            "sync/load_s": load_s, "sync/seconds": time.perf_counter() - start}
+
+
 def sync_in_process(model: torch.nn.Module, engine: Any, bucket_bytes: int, lora_scale: float,
                     dtype: torch.dtype) -> dict[str, float]:
     """The fused workers' sync: every rank gathers each bucket's full tensors (in the engine's dtype, on its
@@ -317,10 +370,13 @@ def sync_in_process(model: torch.nn.Module, engine: Any, bucket_bytes: int, lora
     start = time.perf_counter()
     device = getattr(engine, "device", None) or torch.device("cpu")
     state: dict[str, torch.Tensor] = dict(model.state_dict())  # tied weights under every name (see push_weights)
+    merged = any(name.startswith(_PEFT_PREFIX) for name in state)  # LoRA: names and values change on the way
+    full = None if merged else unsplit(state)
+    if full is not None:
+        return _sync_unsplit(full, engine, lora_scale, dtype, start)
     sizes = {name: t.numel() * torch.empty((), dtype=dtype).element_size() for name, t in state.items()}
     buckets = plan_buckets(sizes, bucket_bytes)
     peers = node_staging(state, buckets, dtype) if device.type == "cpu" and _flat_shards(state) else None
-    merged = any(name.startswith(_PEFT_PREFIX) for name in state)  # LoRA: names and values change on the way
     times = {"gather": 0.0, "load": 0.0}
     engine.begin_weight_update()
     loaded, in_place = 0, 0
