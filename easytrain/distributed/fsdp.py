@@ -38,8 +38,12 @@ def transformer_blocks(model: nn.Module) -> list[nn.Module]:
 
 
 def apply_activation_checkpointing(model: nn.Module) -> None:
-    """Recompute activations in backward (transformers' implementation, non-reentrant)."""
-    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    """Recompute activations in backward (transformers' implementation, non-reentrant), each layer under the
+    attention layout its forward ran with (a packed or prompt-shared pass: models/segments.py)."""
+    from easytrain.models.segments import checkpoint_contexts
+
+    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False,
+                                                                       "context_fn": checkpoint_contexts})
     if hasattr(model, "config"):
         model.config.use_cache = False
 
