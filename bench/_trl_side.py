@@ -51,8 +51,9 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 
-def make_processor(folder: str, family: str):
-    """The processing class TRL gets: the tokenizer (text model) or a Qwen-VL processor without video."""
+def make_processor(folder: str, family: str, min_pixels: int = 0, max_pixels: int = 0):
+    """The processing class TRL gets: the tokenizer (text model) or a Qwen-VL processor without video (its images
+    resized into [min_pixels, max_pixels] where given, as easytrain's data.min_pixels / data.max_pixels do)."""
     from transformers import AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(folder, padding_side="left")
@@ -71,12 +72,15 @@ def make_processor(folder: str, family: str):
 
     _NoVideoProcessor.__name__ = f"_NoVideo{base.__name__}"
     image_processor = Qwen2VLImageProcessorPil.from_pretrained(folder)
+    if min_pixels and max_pixels:
+        image_processor.size = {"shortest_edge": min_pixels, "longest_edge": max_pixels}
     return _NoVideoProcessor(image_processor=image_processor, tokenizer=tokenizer, video_processor=None,
                              chat_template=tokenizer.chat_template)
 
 
-def make_dataset(family: str, size: int, seed: int, difficulty: int):
-    """easytrain's synthetic colour question as a TRL prompt dataset (conversational, image column for VL)."""
+def make_dataset(family: str, size: int, seed: int, difficulty: int, task: str = "shapes/colour"):
+    """easytrain's synthetic question (default: the colour one) as a TRL prompt dataset (conversational, image
+    column for VL)."""
     import datasets
     import pyarrow.parquet as pq
     from PIL import Image
@@ -84,7 +88,7 @@ def make_dataset(family: str, size: int, seed: int, difficulty: int):
     from easytrain.data.synthetic import ensure_synthetic
 
     text_only = family == "qwen2"
-    path = ensure_synthetic("shapes/colour", "train", size, seed, difficulty, text_only=text_only)
+    path = ensure_synthetic(task, "train", size, seed, difficulty, text_only=text_only)
     rows = pq.read_table(path).to_pylist()
     records = []
     for row in rows:
@@ -117,6 +121,15 @@ def main() -> None:
     parser.add_argument("--beta", type=float, default=0.04)
     parser.add_argument("--seed", type=int, default=1, help="trainer seed (easytrain's trainer.seed default)")
     parser.add_argument("--out", type=Path, required=True)
+    # bench/gpu_step.py's settings (the defaults are trl_compare's CPU ones)
+    parser.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
+    parser.add_argument("--bf16", action="store_true", help="bf16 weights and compute (model loaded in bf16)")
+    parser.add_argument("--gradient-checkpointing", action="store_true")
+    parser.add_argument("--task", default="shapes/colour", help="synthetic task (easytrain.data.synthetic)")
+    parser.add_argument("--difficulty", type=int, default=0)
+    parser.add_argument("--min-pixels", type=int, default=0)
+    parser.add_argument("--max-pixels", type=int, default=0)
+    parser.add_argument("--lr", type=float, default=1e-3)
     args = parser.parse_args()
 
     started = time.perf_counter()
@@ -126,8 +139,9 @@ def main() -> None:
     from transformers import TrainerCallback
     from trl import GRPOConfig, GRPOTrainer
 
-    processor = make_processor(args.model, args.family)
-    dataset, data_path = make_dataset(args.family, size=128, seed=args.seed, difficulty=0)
+    processor = make_processor(args.model, args.family, args.min_pixels, args.max_pixels)
+    dataset, data_path = make_dataset(args.family, size=128, seed=args.seed, difficulty=args.difficulty,
+                                      task=args.task)
     out_dir = tempfile.mkdtemp(prefix="easytrain-trl-bench-")
     batch = args.prompts * args.n
     config = GRPOConfig(
@@ -136,10 +150,11 @@ def main() -> None:
         num_generations=args.n, max_completion_length=args.new_tokens,
         temperature=1.0, top_p=1.0, top_k=0,
         beta=args.beta, loss_type="dapo", epsilon=0.2, epsilon_high=0.28, scale_rewards="group",
-        learning_rate=1e-3, weight_decay=0.01, max_grad_norm=1.0, lr_scheduler_type="constant", warmup_steps=0,
+        learning_rate=args.lr, weight_decay=0.01, max_grad_norm=1.0, lr_scheduler_type="constant", warmup_steps=0,
         adam_beta1=0.9, adam_beta2=0.999,
-        bf16=False, fp16=False, gradient_checkpointing=False, use_cpu=True, use_vllm=False,
-        model_init_kwargs={"dtype": torch.float32},
+        bf16=args.bf16, fp16=False, gradient_checkpointing=args.gradient_checkpointing,
+        use_cpu=args.device == "cpu", use_vllm=False,
+        model_init_kwargs={"dtype": torch.bfloat16 if args.bf16 else torch.float32},
         save_strategy="no", report_to="none", disable_tqdm=True, dataloader_num_workers=0, seed=args.seed,
         log_completions=False,
     )
@@ -194,7 +209,10 @@ def main() -> None:
         "settings": {"per_device_train_batch_size": batch, "gradient_accumulation_steps": 1,
                      "num_generations": args.n, "max_completion_length": args.new_tokens, "beta": args.beta,
                      "temperature": 1.0, "loss_type": "dapo", "epsilon": 0.2, "epsilon_high": 0.28,
-                     "learning_rate": 1e-3, "bf16": False, "gradient_checkpointing": False, "use_vllm": False,
+                     "learning_rate": args.lr, "bf16": args.bf16,
+                     "gradient_checkpointing": args.gradient_checkpointing, "use_vllm": False,
+                     "device": args.device, "task": args.task, "difficulty": args.difficulty,
+                     "min_pixels": args.min_pixels, "max_pixels": args.max_pixels,
                      "warmup_steps_discarded": args.warmup, "measured_steps": args.steps,
                      "logging_steps": config.logging_steps},
         "setup_s": round(setup_s, 2), "train_s": round(train_s, 2),
@@ -204,6 +222,7 @@ def main() -> None:
         "median_tokens_per_s": median(r["tokens_per_s"] for r in records),
         "median_generate_tokens_per_s": median(r["generate_tokens_per_s"] for r in records),
         "peak_rss_gb": round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20, 3),
+        "gpu_peak_gb": (round(torch.cuda.max_memory_allocated() / 2**30, 3) if args.device == "cuda" else None),
         "steps": records,
     }
     args.out.write_text(json.dumps(result, indent=2) + "\n")

@@ -20,6 +20,7 @@ import statistics
 import sys
 import tempfile
 from pathlib import Path
+from typing import Any
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
@@ -33,6 +34,41 @@ PHASE_METHODS = {
     "sync": ["sync_weights", "push_weights"],
 }
 """Each phase's worker methods: its work is the slowest process's time inside them."""
+
+
+def measure(config: Any, steps: int, warmup: int) -> tuple[list[dict[str, Any]], dict[str, Any]]:
+    """``warmup + steps`` GRPO steps of the real trainer on ``config`` (Ray already up): per measured step its
+    wall time, phases, each phase's worker busy time, orchestration, generated tokens and the step's metrics;
+    and each role's memory readings at the end."""
+    from easytrain.trainer.rl import RLTrainer
+
+    trainer = RLTrainer(config)
+    groups = trainer.roles.processes()  # each process once: the fused workers, or a group per role
+    prompts = trainer.data.train_batches()
+    records = []
+    try:
+        for step in range(warmup + steps):
+            trainer.step = step + 1
+            for group in groups.values():
+                group.call("busy_times")  # reset
+            metrics = trainer.train_step(prompts)
+            busy = [b for group in groups.values() for b in group.call("busy_times")]
+            work = {phase: max(sum(b.get(method, 0.0) for method in methods) for b in busy)
+                    for phase, methods in PHASE_METHODS.items() if f"time/{phase}" in metrics}  # phases it ran
+            if step < warmup:
+                continue
+            compute = sum(work.values()) + metrics["time/reward"]
+            records.append({"step_s": metrics["time/step"],
+                            "phases_s": {k[5:]: v for k, v in metrics.items()
+                                         if k.startswith("time/") and k != "time/step"},
+                            "worker_busy_s": work, "orchestration_s": metrics["time/step"] - compute,
+                            "generated_tokens": metrics["perf/tokens_per_s"] * metrics["time/generate"],
+                            "tokens_per_s": metrics["perf/tokens_per_s"],
+                            "metrics": {k: v for k, v in metrics.items() if isinstance(v, (int, float))}})
+        memory = {name: group.call("memory") for name, group in groups.items()}
+    finally:
+        trainer.close()
+    return records, memory
 
 
 def main() -> None:
@@ -50,7 +86,6 @@ def main() -> None:
 
     from easytrain.config import load
     from easytrain.distributed.cluster import init_ray
-    from easytrain.trainer.rl import RLTrainer
 
     out_dir = tempfile.mkdtemp(prefix="easytrain-grpo-bench-")
     config = load([f"trainer.output_dir={out_dir}", f"model.tiny_size={args.size}", "data.num_workers=0",
@@ -59,28 +94,7 @@ def main() -> None:
                    "data.synthetic_size=128", f"trainer.max_steps={args.warmup + args.steps}",
                    *args.override])
     init_ray(config.ray)
-    trainer = RLTrainer(config)
-    groups = trainer.roles.processes()  # each process once: the fused workers, or a group per role
-    prompts = trainer.data.train_batches()
-    records = []
-    for step in range(args.warmup + args.steps):
-        trainer.step = step + 1
-        for group in groups.values():
-            group.call("busy_times")  # reset
-        metrics = trainer.train_step(prompts)
-        busy = [b for group in groups.values() for b in group.call("busy_times")]
-        work = {phase: max(sum(b.get(method, 0.0) for method in methods) for b in busy)
-                for phase, methods in PHASE_METHODS.items() if f"time/{phase}" in metrics}  # phases the driver ran
-        if step < args.warmup:
-            continue
-        compute = sum(work.values()) + metrics["time/reward"]
-        records.append({"step_s": metrics["time/step"], "phases_s": {k[5:]: v for k, v in metrics.items()
-                                                                      if k.startswith("time/") and k != "time/step"},
-                        "worker_busy_s": work, "orchestration_s": metrics["time/step"] - compute,
-                        "generated_tokens": metrics["perf/tokens_per_s"] * metrics["time/generate"],
-                        "tokens_per_s": metrics["perf/tokens_per_s"]})
-    memory = {name: group.call("memory") for name, group in groups.items()}
-    trainer.close()
+    records, memory = measure(config, args.steps, args.warmup)
     ray.shutdown()
 
     median = statistics.median

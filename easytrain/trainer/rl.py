@@ -97,6 +97,8 @@ class RLTrainer(Trainer):
         metrics.update(timer.times)
         metrics["time/step"] = time.perf_counter() - start
         metrics["perf/tokens_per_s"] = float(batch["response_mask"].sum()) / max(metrics["time/generate"], 1e-9)
+        # tokens the update's forward and backward passes ran over (prompt and response, every PPO epoch): its MFU
+        metrics["perf/update_tokens"] = float(batch["attention_mask"].sum()) * self.config.worker.actor.ppo_epochs
         metrics.update(self.memory())
         self.spans = timer.spans
         return metrics
