@@ -17,6 +17,10 @@ same distribution after (fewer rows draw). Nothing else shapes the choice:
 ``generation_config`` (a repetition penalty, for instance), which the
 recorded log-probs, taken from the raw logits of each step, never included;
 this loop samples exactly the distribution whose log-probs it records.
+
+On CUDA the engine decodes with :mod:`easytrain.workers.rollout.static_decode` instead (fixed shapes, so each
+step replays as a CUDA graph); it starts from this module's :func:`prefill` and chooses tokens with
+:func:`choose`.
 """
 
 from __future__ import annotations
@@ -56,13 +60,10 @@ def text_positions(mask: torch.Tensor) -> torch.Tensor:
 
 
 @torch.no_grad()
-def decode(model: Any, once: dict[str, torch.Tensor], n: int, params: SamplingParams, stop_ids: list[int],
-           pad_id: int, suppressed: list[int],
-           check: Optional[Callable[[], None]] = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """Sample ``n`` responses for each row of ``once`` (prompt tensors, left-padded); returns responses (B*n, T)
-    with pad after each stop token, and the raw per-token log-probs of the sampling distribution (B*n, T).
-    T is the number of steps run (at most ``params.max_new_tokens``). ``check`` is called before every token
-    (the engine's pressure check: raising there ends the loop)."""
+def prefill(model: Any, once: dict[str, torch.Tensor]) -> tuple[Any, torch.Tensor, torch.Tensor]:
+    """The prompts' forward into a fresh ``DynamicCache``: the cache, each row's next-token logits (float) and
+    the position its first response token takes (Qwen-VL: the text position plus the row's rope offset from its
+    images). Both decode paths start here, so their first tokens come from the same numbers."""
     from transformers import DynamicCache
 
     vision = is_vision_model(model)
@@ -79,7 +80,20 @@ def decode(model: Any, once: dict[str, torch.Tensor], n: int, params: SamplingPa
     offsets = torch.zeros(mask.shape[0], dtype=torch.long, device=mask.device)
     if "image_grid_thw" in once and inner is not None and getattr(inner, "rope_deltas", None) is not None:
         offsets = inner.rope_deltas.reshape(-1).to(mask.device)
-    next_position = mask.long().sum(-1) + offsets  # where each row's first response token sits
+    return cache, logits, mask.long().sum(-1) + offsets
+
+
+@torch.no_grad()
+def decode(model: Any, once: dict[str, torch.Tensor], n: int, params: SamplingParams, stop_ids: list[int],
+           pad_id: int, suppressed: list[int],
+           check: Optional[Callable[[], None]] = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Sample ``n`` responses for each row of ``once`` (prompt tensors, left-padded); returns responses (B*n, T)
+    with pad after each stop token, and the raw per-token log-probs of the sampling distribution (B*n, T).
+    T is the number of steps run (at most ``params.max_new_tokens``). ``check`` is called before every token
+    (the engine's pressure check: raising there ends the loop)."""
+    vision = is_vision_model(model)
+    mask = once["attention_mask"]
+    cache, logits, next_position = prefill(model, once)
     if n > 1:
         cache.batch_repeat_interleave(n)
         logits, mask, next_position = (t.repeat_interleave(n, dim=0) for t in (logits, mask, next_position))

@@ -3,18 +3,26 @@
 In a fused worker the engine sleeps while the other roles compute: level 2 drops its weights (the next sync
 refills them in place; on CPU this frees the engine's host copy for the training phases), level 1 moves them
 to host memory (on a GPU; on CPU they are already there, so level 1 frees nothing and the engine stays awake).
-It holds no KV cache between generations.
+Its dynamic decode loop holds no KV cache between generations; the static one (CUDA) keeps its cache for
+the next generation of the same shape until the engine sleeps.
 
 Its decode loop reads the node's pressure flag (:mod:`easytrain.memory.flag`) at every token: at the hard
 level the generation stops (:class:`MemoryStop`: the step ends unfinished, nothing of it trained); at the soft
 level the prompts still to generate are taken in pieces half the size, each with its own KV cache, the piece
 in flight is begun again, and the engine keeps the smaller piece for the rest of the run.
+
+Three decode paths (``worker.rollout``): on CUDA (``static_cache=auto``) the static-cache loop, whose steps
+replay as CUDA graphs (:mod:`easytrain.workers.rollout.static_decode`); otherwise easytrain's loop in which
+finished rows leave the batch (``drop_finished``, :mod:`easytrain.workers.rollout.decode`); or transformers
+``generate``. The static path, when chosen, wins over ``drop_finished`` (its rows stay by design); both go
+through the same pieces and pressure checks.
 """
 
 from __future__ import annotations
 
 import gc
 import logging
+from functools import partial
 from typing import Any, Iterable, Optional, Sequence
 
 import torch
@@ -26,6 +34,7 @@ from easytrain.memory.flag import MemoryStop, PressureFlag
 from easytrain.models.image_dedup import dedupe_images
 from easytrain.workers.rollout.decode import decode, text_positions
 from easytrain.workers.rollout.engine import EngineSpec, RolloutEngine, SamplingParams, response_mask
+from easytrain.workers.rollout.static_decode import StaticDecoder, unsupported, wants_static
 
 logger = logging.getLogger(__name__)
 
@@ -38,12 +47,21 @@ class _Shrink(Exception):
 
 class HFEngine(RolloutEngine):
     def __init__(self, model: Any, stop_ids: list[int], pad_id: int, device: torch.device,
-                 share_prefill: bool = True, drop_finished: bool = True, sleep_level: int = 0) -> None:
+                 share_prefill: bool = True, drop_finished: bool = True, sleep_level: int = 0,
+                 static_cache: str = "auto") -> None:
         self.model, self.eos_ids, self.pad_id, self.device = model.eval(), stop_ids, pad_id, device
         self.share_prefill = share_prefill
         """Prefill each prompt once for its n samples (worker.rollout.share_prefill)."""
         self.drop_finished = drop_finished
         """Decode with easytrain's loop, finished rows leaving the batch (worker.rollout.drop_finished)."""
+        self.static: Optional[StaticDecoder] = None
+        """The static-cache loop (worker.rollout.static_cache), compiled on CUDA; None = the paths above."""
+        if wants_static(static_cache, device):
+            reason = unsupported(model)
+            if reason is None or static_cache == "on":  # "on" with an unsupported model raises here
+                self.static = StaticDecoder.for_device(model, device)
+            else:
+                logger.info("worker.rollout.static_cache=auto: no static KV cache, %s", reason)
         self.suppressed = suppressed_tokens(model.config)
         self.sleep_level = sleep_level if device.type == "cuda" or sleep_level == 2 else 0
         self.asleep: set[str] = set()
@@ -67,7 +85,7 @@ class HFEngine(RolloutEngine):
             dedupe_images(model)
         rollout = config.worker.rollout
         return cls(model, spec.stop_ids, spec.pad_id, spec.device, rollout.share_prefill, rollout.drop_finished,
-                   rollout.sleep_level if spec.fused else 0)
+                   rollout.sleep_level if spec.fused else 0, rollout.static_cache)
 
     # ------------------------------------------------------------------ sleep
 
@@ -89,6 +107,8 @@ class HFEngine(RolloutEngine):
                 param.data = torch.empty(0, dtype=param.dtype, device=self.device)
             else:
                 param.data = param.data.to("cpu")
+        if self.static is not None:
+            self.static.release()
         if self.device.type == "cuda":
             torch.cuda.empty_cache()
         self.asleep = {"weights", "kv_cache"}
@@ -111,7 +131,7 @@ class HFEngine(RolloutEngine):
         if self.stale:
             raise RuntimeError("the HF engine dropped its weights when it went to sleep (level 2); sync weights "
                                "before generating")
-        if self.drop_finished:
+        if self.static is not None or self.drop_finished:
             return self._decode(prompts, params)
         expanded = prompts.repeat_interleave(params.n)
         inputs = {k: expanded[k].to(self.device) for k in GENERATE_INPUTS if k in expanded}
@@ -139,6 +159,7 @@ class HFEngine(RolloutEngine):
         did. Soft pressure while a piece decodes halves the piece size and begins it again, once per spell of
         pressure (until the flag reads below soft at the start of a generation)."""
         share = self.share_prefill and params.n > 1
+        run = self.static.decode if self.static is not None else partial(decode, self.model)
         outputs: list[tuple[torch.Tensor, torch.Tensor]] = []
         start = 0
         if self.pressure is not None and self.pressure.read()[0] not in ("soft", "hard"):
@@ -152,15 +173,29 @@ class HFEngine(RolloutEngine):
                                     params.seed + start * params.n)
             check = self._watch(can_shrink=size > 1 and not self.shrunk)
             try:
-                outputs.append(decode(self.model, once, params.n if share else 1, seeded, self.eos_ids, self.pad_id,
-                                      self.suppressed, check))
+                outputs.append(run(once, params.n if share else 1, seeded, self.eos_ids, self.pad_id, self.suppressed,
+                                   check))
             except _Shrink as soft:
                 self.shrunk, self.piece = True, (size + 1) // 2
+                if self.static is not None:
+                    self.static.release()
                 del once, source, piece
                 gc.collect()  # the abandoned piece's KV cache goes now, before the smaller pieces decode
                 logger.warning("memory: %s during generation; generating %d prompt(s) at a time from here on "
                                "(was %d)", soft, self.piece, size)
                 continue
+            except MemoryStop:
+                raise
+            except Exception as err:  # noqa: BLE001 - the compiled path is new on each GPU/torch pairing
+                if self.static is None or self.device.type != "cuda":
+                    raise
+                logger.warning("worker.rollout.static_cache: the compiled static-cache decode failed (%s: %s); this "
+                               "engine decodes with the dynamic loop from here on (set worker.rollout.static_cache="
+                               "off to start that way)", type(err).__name__, str(err).splitlines()[0] if str(err)
+                               else "")
+                self.static.release()
+                self.static, run = None, partial(decode, self.model)
+                continue  # the same piece again, on the dynamic loop
             start += size
         width = max(r.shape[1] for r, _ in outputs)
         responses = torch.cat([torch.nn.functional.pad(r, (0, width - r.shape[1]), value=self.pad_id)
