@@ -119,15 +119,22 @@ def test_static_sampled_log_probs_match_a_forward_after_rows_stop(family: str, t
         assert (tokens[length:] == pad).all()
 
 
-def test_raw_outputs_are_the_dynamic_loops(tmp_path: Path) -> None:
-    """The loops' own outputs, before the engine masks them: pad after each row's stop token and log-prob 0
-    there, in both."""
+def greedy_case(tmp_path: Path) -> tuple[Any, dict[str, torch.Tensor], tuple[Any, ...]]:
+    """A tiny Qwen2.5-VL, its prompt tensors and decode's other arguments: 3 greedy samples per prompt, 10 tokens,
+    stop tokens chosen so that rows stop at different steps."""
     model, prompts, tokenizer, stops = dynamic_tests.setup(tmp_path, "qwen2_5_vl")
     pad = tokenizer.pad_token_id
     params = SamplingParams(n=3, temperature=0.0, top_p=1.0, top_k=0, max_new_tokens=10, seed=5)
     stops = dynamic_tests.early_stop_tokens(model, prompts, stops, pad, params)
     once = {k: prompts[k] for k in GENERATE_INPUTS if k in prompts}
-    args = (3, params, stops, pad, suppressed_tokens(model.config))
+    return model, once, (3, params, stops, pad, suppressed_tokens(model.config))
+
+
+def test_raw_outputs_are_the_dynamic_loops(tmp_path: Path) -> None:
+    """The loops' own outputs, before the engine masks them: pad after each row's stop token and log-prob 0
+    there, in both."""
+    model, once, args = greedy_case(tmp_path)
+    _, _, stops, pad, _ = args
     tokens, log_probs = StaticDecoder(model).decode(once, *args)
     want_tokens, want_log_probs = decode(model, once, *args)
     assert torch.equal(tokens, want_tokens)
@@ -193,12 +200,7 @@ def test_inductor_compiles_the_step_with_the_cuda_options(tmp_path: Path) -> Non
     fuses and reorders the float32 sums (observed ~1e-5 on this model)."""
     from torch._dynamo.utils import counters
 
-    model, prompts, tokenizer, stops = dynamic_tests.setup(tmp_path, "qwen2_5_vl")
-    pad = tokenizer.pad_token_id
-    params = SamplingParams(n=3, temperature=0.0, top_p=1.0, top_k=0, max_new_tokens=10, seed=5)
-    stops = dynamic_tests.early_stop_tokens(model, prompts, stops, pad, params)
-    once = {k: prompts[k] for k in GENERATE_INPUTS if k in prompts}
-    args = (3, params, stops, pad, suppressed_tokens(model.config))
+    model, once, args = greedy_case(tmp_path)
     want_tokens, want_log_probs = decode(model, once, *args)
     torch._dynamo.reset()
     counters.clear()

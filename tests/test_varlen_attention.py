@@ -27,24 +27,12 @@ from easytrain.workers.packed import flatten, text_positions
 from easytrain.workers.shared_prompt import prompt_groups, shared_inputs
 
 from rl_batches import grads, rl_config, rollout_batch
+from test_segments import allowed_by
 
 SHARED = [[Block((0, 6), ((6, 9), (9, 10), (10, 14))), Block((14, 16))],
           [Block((0, 4), ((4, 6), (6, 8))), Block((8, 16))]]
 """Row 0: a prompt of 6 with responses of 3, 1 and 4, then a padding run; row 1: a prompt of 4, responses 2 and 2."""
 PACKED_LENGTHS = (7, 2, 5, 2)
-
-
-def allowed_by(layout: list[list[Block]], length: int) -> torch.Tensor:
-    """The (rows, L, L) boolean mask a layout stands for."""
-    out = torch.zeros(len(layout), length, length, dtype=torch.bool)
-    for row, blocks in enumerate(layout):
-        for block in blocks:
-            a, e = block.prefix
-            out[row, a:e, a:e] = torch.ones(e - a, e - a, dtype=torch.bool).tril()
-            for c, d in block.parts:
-                out[row, c:d, a:e] = True
-                out[row, c:d, c:d] = torch.ones(d - c, d - c, dtype=torch.bool).tril()
-    return out
 
 
 def allowed_by_plan(layout: list[list[Block]], length: int) -> torch.Tensor:
