@@ -42,7 +42,7 @@ from easytrain.data.packing import fixed_micro_batches, plan_micro_batches, plan
 from easytrain.distributed.batch import Batch  # noqa: E402
 from easytrain.models.tiny import SPECIAL_TOKENS, VOCAB_SIZE  # noqa: E402
 from easytrain.trainer.data import RLData  # noqa: E402
-from easytrain.trainer.dynamic import token_lengths, update_plan  # noqa: E402
+from easytrain.trainer.micro_batches import Forward, token_lengths, update_shares  # noqa: E402
 from easytrain.workers.actor import ActorWorker  # noqa: E402
 from easytrain.workers.sequences import assemble  # noqa: E402
 
@@ -99,16 +99,14 @@ def main() -> None:
         for budget in args.budget:
             configs[f"dynamic-{budget}"] = load([*common, "worker.actor.padding_free=true",
                                                  f"worker.actor.max_token_len_per_device={budget}"])
-            plans[f"dynamic-{budget}"] = update_plan(batch, len(batch), 1, budget)
         workers = {}
         for name, cfg in configs.items():
             workers[name] = ActorWorker(cfg, role="actor", rank=0, world_size=1)
-            workers[name].setup(10 * args.repeats)
+            forward = Forward.of(cfg, workers[name].setup(10 * args.repeats))  # the driver's plan, one rank
+            plans[name] = update_shares(batch, len(batch), 1, cfg, forward)
 
         def runner(name: str):  # type: ignore[no-untyped-def]
-            if name == "fixed":
-                return lambda: workers[name].update(batch, 0.0)
-            return lambda: workers[name].update_planned(plans[name][0][0], 0.0)
+            return lambda: workers[name].update(plans[name][0][0], 0.0)
 
         runs = {name: runner(name) for name in configs}
         for run in runs.values():  # warm-up (allocator, first-call overheads)

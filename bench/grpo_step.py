@@ -51,7 +51,7 @@ def measure(config: Any, steps: int, warmup: int) -> tuple[list[dict[str, Any]],
             trainer.step = step + 1
             for group in groups.values():
                 group.call("busy_times")  # reset
-            metrics = trainer.train_step(prompts)
+            metrics = trainer.train_step(prompts).metrics
             busy = [b for group in groups.values() for b in group.call("busy_times")]
             work = {phase: max(sum(b.get(method, 0.0) for method in methods) for b in busy)
                     for phase, methods in PHASE_METHODS.items() if f"time/{phase}" in metrics}  # phases it ran
@@ -62,8 +62,8 @@ def measure(config: Any, steps: int, warmup: int) -> tuple[list[dict[str, Any]],
                             "phases_s": {k[5:]: v for k, v in metrics.items()
                                          if k.startswith("time/") and k != "time/step"},
                             "worker_busy_s": work, "orchestration_s": metrics["time/step"] - compute,
-                            "generated_tokens": metrics["perf/tokens_per_s"] * metrics["time/generate"],
-                            "tokens_per_s": metrics["perf/tokens_per_s"],
+                            "generated_tokens": metrics["perf/generate_tokens_per_s"] * metrics["time/generate"],
+                            "tokens_per_s": metrics["perf/generate_tokens_per_s"],
                             "metrics": {k: v for k, v in metrics.items() if isinstance(v, (int, float))}})
         memory = {name: group.call("memory") for name, group in groups.items()}
     finally:

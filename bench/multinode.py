@@ -77,7 +77,7 @@ def measure(nodes: int, steps: int, warmup: int) -> dict[str, Any]:
                 trainer.step = step + 1
                 for group in groups.values():
                     group.call("busy_times")
-                metrics = trainer.train_step(prompts)
+                metrics = trainer.train_step(prompts).metrics
                 busy = {name: group.call("busy_times") for name, group in groups.items() if group is not None}
                 work = sum(max(b.get(method, 0.0) for b in busy[role]) for phase in PHASES.values()
                            for role, method in phase if role in busy)

@@ -86,7 +86,7 @@ def bf16_states_difference() -> float:
     """On paper: AMP vs pure-bf16 model states per GPU (EasyR1's BF16 row); easytrain always keeps fp32
     master weights, so this is computed, not planned."""
     from easytrain.memory.params import count_parameters
-    from easytrain.models.shapes import known_hf_configs
+    from easytrain.config.presets import known_hf_configs
 
     params = count_parameters(known_hf_configs()["Qwen/Qwen2.5-VL-7B-Instruct"]).total
     return params * (16 - 8) / 8 / 1e9  # 16 vs 8 bytes/param (bf16 weights, grads, two moments), 8 ranks

@@ -102,7 +102,8 @@ def _submit(args: argparse.Namespace) -> int:
     if args.dry_run or args.cluster:
         sys.stderr.write("easytrain submit: --dry-run and --cluster are KubeRay options; use them with --kuberay\n")
         return 2
-    from easytrain.launch.jobs import InsecureAddress, submit
+    from easytrain.distributed.token import InsecureAddress
+    from easytrain.launch.jobs import submit
 
     try:
         return submit(args.overrides, args.address, args.working_dir, follow=args.follow, wait=args.wait,
@@ -113,13 +114,14 @@ def _submit(args: argparse.Namespace) -> int:
 
 
 def _job(args: argparse.Namespace) -> int:
+    from easytrain.distributed.token import InsecureAddress
     from easytrain.launch import jobs
 
     try:
         if args.command == "logs":
             return jobs.logs(args.job_id, args.address, follow=args.follow, insecure_http=args.insecure_http)
         return int(getattr(jobs, args.command)(args.job_id, args.address, insecure_http=args.insecure_http))
-    except jobs.InsecureAddress as err:
+    except InsecureAddress as err:
         sys.stderr.write(f"easytrain {args.command}: {err}\n")
         return 2
 

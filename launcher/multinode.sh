@@ -34,7 +34,7 @@ gpus=()
 [ -n "${NUM_GPUS:-}" ] && gpus=(--num-gpus "$NUM_GPUS")
 
 export RAY_AUTH_MODE=token
-RAY_memory_usage_threshold="$("$py" -c 'from easytrain.config.validate import ray_kill_threshold as t; print(t())')"
+RAY_memory_usage_threshold="$("$py" -c 'from easytrain.config.derived import ray_kill_threshold as t; print(t())')"
 export RAY_memory_usage_threshold
 
 usage() {

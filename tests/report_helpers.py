@@ -85,7 +85,7 @@ def grpo_records(steps: int = 30, val_every: int = 10) -> list[dict[str, Any]]:
                 "actor/entropy": 2.0 - x, "time/generate": 3.0 + 0.5 * math.sin(step), "time/reward": 0.2,
                 "time/old_log_probs": 0.0, "time/advantages": 0.01, "time/update": 4.0 + 0.3 * math.cos(step),
                 "time/sync": 0.5, "time/step": 7.71 + 0.5 * math.sin(step) + 0.3 * math.cos(step),
-                "perf/tokens_per_s": 300 + 50 * math.sin(step), "memory/node_ram_fraction_max": 0.4 + 0.1 * x})
+                "perf/generate_tokens_per_s": 300 + 50 * math.sin(step), "memory/node_ram_fraction_max": 0.4 + 0.1 * x})
         if step % val_every == 0:
             records.append({"step": step, "val/reward/mean": 0.05 + 0.8 * x, "val/reward/std": 0.3,
                             "val/reward/max": 1.0, "val/reward/min": 0.0, "val/reward/accuracy": 0.75 * x,
@@ -99,7 +99,7 @@ def sft_records(steps: int = 20) -> list[dict[str, Any]]:
     for step in range(1, steps + 1):
         records.append({"step": step, "train/loss": 7.0 * 0.9 ** step, "actor/grad_norm": 5.0 / step,
                         "actor/lr": 1e-3, "time/data": 0.03, "time/forward_backward": 0.2, "time/optimizer": 0.05,
-                        "time/step": 0.29, "perf/tokens_per_s": 1000.0 + step})
+                        "time/step": 0.29, "perf/train_tokens_per_s": 1000.0 + step})
         if step % 5 == 0:
             records.append({"step": step, "val/loss": 7.0 * 0.92 ** step, "val/reward/mean": step / steps,
                             "val/reward/accuracy": step / steps, "val/time": 1.0})

@@ -123,10 +123,10 @@ def final_weights(run_dir: Path) -> dict[str, torch.Tensor]:
     """The actor's weights in the run's latest checkpoint, loaded into a plain model."""
     from easytrain.distributed.checkpoint import load_model_weights
     from easytrain.models.hf import load_model, model_folder
-    from easytrain.trainer.checkpoint import ACTOR, resolve
+    from easytrain.trainer.checkpoint import ACTOR, checkpoint_folder
     from easytrain.trainer.export import checkpoint_config
 
-    folder = resolve(run_dir)
+    folder = checkpoint_folder(run_dir)
     config = checkpoint_config(folder)
     model = load_model(config.model, model_folder(config.model), dtype="float32")
     load_model_weights(folder / ACTOR, model)

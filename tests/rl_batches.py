@@ -7,10 +7,12 @@ from pathlib import Path
 import torch
 
 from easytrain.config import Config, load
-from easytrain.distributed.batch import Batch
+from easytrain.distributed.batch import Batch, MicroBatch
 from easytrain.models.tiny import SPECIAL_TOKENS, VOCAB_SIZE
 from easytrain.trainer.data import RLData
+from easytrain.trainer.micro_batches import Forward, micro_batch
 from easytrain.workers.sequences import assemble
+from easytrain.workers.shared_prompt import supports_shared_prompt, text_config
 
 RESPONSE_LENGTHS = [1, 12, 2, 12, 3, 9, 1, 12]  # skewed: a few long responses among short ones
 
@@ -53,3 +55,10 @@ def assert_same_pass(got: tuple[torch.Tensor, torch.Tensor, dict[str, torch.Tens
     assert g.keys() == want_g.keys()
     for name, value in want_g.items():
         torch.testing.assert_close(g[name], value, rtol=1e-4, atol=1e-6, msg=name)
+
+
+def planned(batch: Batch, model: torch.nn.Module, packed: bool = False, share_prompt: bool = False) -> MicroBatch:
+    """``batch`` as one micro batch laid out the way the driver's plan would (prompts shared where the model
+    allows it and it pays off: :func:`easytrain.trainer.micro_batches.micro_batch`)."""
+    forward = Forward(packed, 0, share_prompt and supports_shared_prompt(model), text_config(model).hidden_size)
+    return micro_batch(batch, list(range(len(batch))), forward)

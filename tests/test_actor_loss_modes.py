@@ -22,6 +22,7 @@ import torch
 from easytrain.config import Config
 from easytrain.config.schema import CHOICES, ActorConfig
 from easytrain.distributed.batch import Batch
+from easytrain.trainer.micro_batches import Forward, update_shares
 from easytrain.workers.actor import ActorWorker
 from easytrain.workers.forward import suppressed_tokens
 
@@ -83,7 +84,10 @@ def with_mode(config: Config, mode: str) -> Config:
 
 
 def update_gradients(worker: ActorWorker, batch: Batch) -> dict[str, torch.Tensor]:
-    """The gradients the actor's optimizer steps with, from its real ``update`` (one optimizer step)."""
+    """The gradients the actor's optimizer steps with, from its real ``update`` (one optimizer step) over the
+    micro batches the driver plans."""
+    forward = Forward.of(worker.config, worker.setup_answer)  # type: ignore[attr-defined]
+    steps, _ = update_shares(batch, len(batch), 1, worker.config, forward)
     seen: list[dict[str, torch.Tensor]] = []
     model = worker.model
     optimizer = worker.strategy.optimizer  # type: ignore[union-attr]
@@ -91,7 +95,7 @@ def update_gradients(worker: ActorWorker, batch: Batch) -> dict[str, torch.Tenso
         lambda opt, args, kwargs: seen.append({n: p.grad.clone() for n, p in model.named_parameters()
                                                if p.grad is not None}))
     try:
-        worker.update(batch, KL_COEF)
+        worker.update(steps[0], KL_COEF)
     finally:
         handle.remove()
     assert len(seen) == 1
@@ -110,7 +114,7 @@ def actor(tmp_path_factory: pytest.TempPathFactory) -> ActorWorker:
                        "worker.rollout.n=2", "algorithm.kl_penalty=low_var_kl", "worker.actor.optim.max_grad_norm=0",
                        f"worker.rollout.temperature={TEMPERATURE}")
     worker = ActorWorker(config, role="actor", rank=0, world_size=1)
-    worker.setup(10)
+    worker.setup_answer = worker.setup(10)  # type: ignore[attr-defined]
     return worker
 
 

@@ -17,7 +17,7 @@ import torch
 from easytrain.config import load
 from easytrain.distributed.checkpoint import rng_state, set_rng_state
 from easytrain.trainer.checkpoint import (LATEST, STATE_FILE, CheckpointError, CheckpointWriter, check_compatible,
-                                          check_resume, latest, model_signature, resolve, resume_from)
+                                          check_resume, latest, model_signature, checkpoint_folder, resume_from)
 from easytrain.trainer.metrics import truncate_jsonl
 
 
@@ -58,12 +58,12 @@ def test_latest_ignores_partial_folders_and_survives_a_lost_pointer(tmp_path: Pa
     assert latest(writer.root).name == "global_step_2"
     (writer.root / LATEST).unlink()
     assert latest(writer.root).name == "global_step_2"
-    assert resolve(tmp_path) == writer.root / "global_step_2"  # a run folder means its latest
-    assert resolve(writer.root / "global_step_1") == writer.root / "global_step_1"
+    assert checkpoint_folder(tmp_path) == writer.root / "global_step_2"  # a run folder means its latest
+    assert checkpoint_folder(writer.root / "global_step_1") == writer.root / "global_step_1"
     with pytest.raises(CheckpointError, match="incomplete checkpoint"):
-        resolve(writer.root / "global_step_3")
+        checkpoint_folder(writer.root / "global_step_3")
     with pytest.raises(CheckpointError, match="no complete checkpoint"):
-        resolve(tmp_path / "elsewhere")
+        checkpoint_folder(tmp_path / "elsewhere")
 
 
 def test_resume_modes(tmp_path: Path) -> None:

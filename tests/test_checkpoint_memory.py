@@ -23,7 +23,8 @@ import torch
 
 from easytrain.config import load
 from easytrain.config import ConfigError
-from easytrain.distributed.checkpoint import BUFFER_RANGE, _boxes, host_buffer_bytes
+from easytrain.distributed.checkpoint import _boxes
+from easytrain.memory.host import BUFFER_RANGE, host_buffer_bytes
 from easytrain.distributed.group import WorkerError
 from easytrain.trainer.checkpoint import LATEST, CheckpointWriter, latest
 from easytrain.trainer.base import RunFailed

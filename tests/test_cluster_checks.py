@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from easytrain.config import load
-from easytrain.config.validate import ConfigError
+from easytrain.config import ConfigError
 from easytrain.distributed.cluster import check_cluster_fits, check_local_gpus, places
 
 

@@ -17,7 +17,8 @@ import pytest
 import torch
 
 from easytrain.config import Config
-from easytrain.trainer.dynamic import shares_prompts, token_lengths, update_plan
+from easytrain.memory.rl_shape import shares_prompts
+from easytrain.trainer.micro_batches import Forward, token_lengths, update_shares
 from easytrain.workers.actor import ActorWorker
 from easytrain.workers.forward import response_log_probs, suppressed_tokens
 from easytrain.workers.packed import packed_response_log_probs
@@ -27,7 +28,7 @@ from rl_batches import assert_same_pass, grads, rl_config, rollout_batch
 
 def actor(config: Config) -> ActorWorker:
     worker = ActorWorker(config, role="actor", rank=0, world_size=1)
-    worker.setup(10)
+    worker.setup_answer = worker.setup(10)  # type: ignore[attr-defined]
     return worker
 
 
@@ -78,7 +79,12 @@ def test_dynamic_update_equals_fixed_micro_batches(by_prompt: bool, tmp_path: Pa
     batch = rollout_batch(fixed_cfg)
     lengths = token_lengths(batch)
     per_step = fixed_cfg.worker.actor.global_batch_size * fixed_cfg.worker.rollout.n
-    steps, plans = update_plan(batch, per_step, 1, budget, by_prompt)
+    fixed, dynamic = actor(fixed_cfg), actor(dynamic_cfg)
+    forward = Forward.of(dynamic_cfg, dynamic.setup_answer)
+    assert forward.packed and forward.share_prompt == by_prompt
+    steps, plans = update_shares(batch, per_step, 1, dynamic_cfg, forward)
+    fixed_steps, _ = update_shares(batch, per_step, 1, fixed_cfg, Forward.of(fixed_cfg, fixed.setup_answer))
+    assert [len(m) for m in fixed_steps[0][0]] == [2] * 4  # the padded plan: micro batches of 2 samples
     micro_sizes = sorted(len(m) for m in plans[0][0])
     assert micro_sizes != [2] * 4, micro_sizes  # token-budget micro batches, not the fixed count of 2
     if by_prompt:  # whole prompts, each prompt's tokens counted once
@@ -96,9 +102,8 @@ def test_dynamic_update_equals_fixed_micro_batches(by_prompt: bool, tmp_path: Pa
     else:
         assert all(sum(lengths[i] for i in m) <= budget for m in plans[0][0])
 
-    fixed, dynamic = actor(fixed_cfg), actor(dynamic_cfg)
-    a = fixed.update(batch, 0.0)
-    b = dynamic.update_planned(steps[0], 0.0)
+    a = fixed.update(fixed_steps[0], 0.0)
+    b = dynamic.update(steps[0], 0.0)
     for key in ("actor/pg_loss_sum", "actor/entropy_sum", "actor/tokens", "actor/grad_norm_sum",
                 "actor/clipfrac_sum"):
         assert b[key] == pytest.approx(a[key], rel=1e-4, abs=1e-6), key
@@ -120,12 +125,12 @@ def test_prompt_plan_falls_back_to_samples_when_whole_prompts_cannot_fill_every_
     """3 prompts x 2 samples over 2 members: whole prompts (70 tokens each, a budget of 110) would leave one member
     a micro batch short; the plan takes samples instead of failing."""
     from easytrain.distributed.batch import Batch
-    from easytrain.trainer.dynamic import plan
+    from easytrain.trainer.micro_batches import packed_indices
 
     mask = torch.ones(6, 60, dtype=torch.long)
     batch = Batch({"attention_mask": mask, "responses": torch.zeros(6, 10, dtype=torch.long)},
                   {"uids": ["a", "a", "b", "b", "c", "c"]})
-    result = plan(batch, 2, 110, by_prompt=True)
+    result = packed_indices(batch, 2, 110, by_prompt=True)
     assert sorted(i for member in result for micro in member for i in micro) == list(range(6))
     assert len({len(member) for member in result}) == 1  # the same number of micro batches on both members
     assert all(60 * len(micro) <= 110 for member in result for micro in member)

@@ -14,7 +14,7 @@ import torch
 
 from easytrain.distributed.checkpoint import IncompatibleCheckpoint, load_model_weights
 from easytrain.models.hf import load_model, load_tokenizer, model_folder
-from easytrain.trainer.checkpoint import CheckpointError, check_resume, resolve
+from easytrain.trainer.checkpoint import CheckpointError, check_resume, checkpoint_folder
 from easytrain.trainer.rl import RLTrainer
 
 from grpo_helpers import make_config
@@ -107,4 +107,4 @@ def test_lora_export_as_adapter_and_merged(ray_local: None, tmp_path: Path) -> N
 
     plain = load_model(cfg.model, dtype="float32")  # the LoRA checkpoint does not fit a model without LoRA
     with pytest.raises(IncompatibleCheckpoint, match="no tensor"):
-        load_model_weights(resolve(run) / "actor", plain)
+        load_model_weights(checkpoint_folder(run) / "actor", plain)

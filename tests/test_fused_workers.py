@@ -32,7 +32,7 @@ def test_phase_order_with_a_sleeping_engine(ray_local: None, tmp_path: Path) -> 
         roles.fused.call("phase_log")  # forget setup and the step-0 validation
         steps = []
         for _ in range(2):
-            metrics = trainer.train_step()
+            metrics = trainer.train_step().metrics
             trainer.step += 1
             steps.append([[name for name, _ in log] for log in roles.fused.call("phase_log")])
             assert metrics["memory/worker_sleep_freed_gb_max"] > 0  # the sleep dropped real weights
@@ -56,7 +56,7 @@ def test_sync_refills_dropped_weights(ray_local: None, tmp_path: Path, lora: boo
                          "algorithm.kl_coef=0.01", *adapters)
     trainer = RLTrainer(config)
     try:
-        synced = trainer.train_step()
+        synced = trainer.train_step().metrics
         assert synced["sync/shared_staging"] == 1.0 and (synced["sync/in_place"] > 0) != lora
         actor = trainer.roles.actor.call("full_state_dict")  # HF names, LoRA merged
         engines = trainer.roles.rollout.call("engine_weights")
@@ -76,7 +76,7 @@ def test_one_process_syncs_the_whole_model_in_place_without_a_collective(ray_loc
                          "algorithm.kl_coef=0.01")
     trainer = RLTrainer(config)
     try:
-        synced = trainer.train_step()
+        synced = trainer.train_step().metrics
         assert synced["sync/buckets"] == 1.0 and synced["sync/shared_staging"] == 0.0
         assert synced["sync/in_place"] == synced["sync/tensors"] > 0  # every weight overwritten where it lies
         actor = trainer.roles.actor.call("full_state_dict")  # HF names

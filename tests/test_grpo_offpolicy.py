@@ -153,7 +153,7 @@ def test_offpolicy_multi_epoch_update_equals_the_formulas(ray_local: None, tmp_p
     try:
         initial = trainer.roles.actor.call("full_state_dict")
         trainer.step = 1
-        metrics = trainer.train_step()
+        metrics = trainer.train_step().metrics
         got = combined(trainer.roles.actor.call("update_steps"))
         final = trainer.roles.actor.call("full_state_dict")
     finally:

@@ -21,7 +21,7 @@ import pytest
 import yaml
 
 from easytrain.config import ConfigError, load
-from easytrain.config.validate import ray_kill_threshold
+from easytrain.config.derived import ray_kill_threshold
 from easytrain.launch.kuberay import (RAY_GID, RAY_UID, SECURITY_CONTEXT, file_text, render, secret_required,
                                      submit_kuberay, to_yaml)
 

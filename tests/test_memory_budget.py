@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from easytrain.config import load
 from easytrain.memory.budget import engine_budget, image_tokens, kv_bytes_per_token, logits_peak, sequence_shape
-from easytrain.models.shapes import known_hf_configs
+from easytrain.config.presets import known_hf_configs
 from easytrain.models.tiny import tiny_hf_config
 
 QWEN25VL_7B = "Qwen/Qwen2.5-VL-7B-Instruct"

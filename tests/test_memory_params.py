@@ -37,7 +37,7 @@ def test_known_model_shapes_count_their_published_sizes() -> None:
     """conf/model/ holds the shape settings of the public configs; built on the meta device they have
     the published parameter counts (to the published precision), so the settings are the real ones."""
     from easytrain.memory.params import count_parameters
-    from easytrain.models.shapes import known_hf_configs
+    from easytrain.config.presets import known_hf_configs
 
     known = known_hf_configs()
     assert set(known) == set(PUBLISHED_BILLIONS)

@@ -11,13 +11,14 @@ from typing import Any
 import pytest
 
 from easytrain.config import compose, to_config, with_default_preset
-from easytrain.memory.activations import MicroBatch, activation_bytes, layer_saved, logits_bytes, model_dims
+from easytrain.memory.activations import MicroShape, activation_bytes, layer_saved, logits_bytes, model_dims
 from easytrain.memory.capacity import GB
 from easytrain.memory.host import GPU_WORKER_BYTES, PHASE_WORKING_SET, WORKER_BYTES
 from easytrain.memory.capacity import CUDA_WORKSPACE_BYTES
 from easytrain.memory.planner import CUDA_CONTEXT_BYTES, plan
 from easytrain.memory.suggest import fit, override_value, suggestions
-from easytrain.models.shapes import hf_config_for, known_hf_configs
+from easytrain.config.presets import known_hf_configs
+from easytrain.models.shapes import hf_config_for
 from easytrain.memory.phases import STEP
 
 QWEN25_7B = known_hf_configs()["Qwen/Qwen2.5-7B-Instruct"]
@@ -31,7 +32,7 @@ def test_decoder_layer_activations_by_hand() -> None:
     d = model_dims(QWEN25_7B)  # h 3584, q 28x128, kv 4x128, i 18944, 28 layers
     # 4h + 3q + 2kv + 4i = 14336 + 10752 + 1024 + 75776
     assert layer_saved(d) == 101_888
-    one = MicroBatch(sequences=1, tokens=4096, response=1024, images=0, image_tokens=0)
+    one = MicroShape(sequences=1, tokens=4096, response=1024, images=0, image_tokens=0)
     # 4096 tokens x (28 layers x 101888 + 4h + 2i for embeddings, final norm, backward grads) x 2 bytes (bf16)
     assert activation_bytes(d, one, 2, grad=True, checkpointing=False, vision_grad=False) == 23_798_480_896
     # checkpointing: 4096 x (28 x h layer inputs + one recomputed layer 101888 + 4h + 2i) x 2
@@ -228,7 +229,7 @@ def test_optimizer_step_peak_by_hand() -> None:
     config = load(["+exp=qwen25vl_7b", "worker.actor.offload.params=false", "worker.actor.offload.optimizer=false"])
     hf = hf_config_for(config.model)
     assert largest_trainable(hf, config.model) == 544_997_376  # the 152064 x 3584 embedding
-    one = MicroBatch(sequences=1, tokens=80, response=16, images=0, image_tokens=0)
+    one = MicroShape(sequences=1, tokens=80, response=16, images=0, image_tokens=0)
     grads = 8_292_166_656 * 4 // 8  # every fp32 gradient shard on one of 8 ranks
     update = update_transient(config, shape_of(config, hf), hf, one, False, grads, False)
     # one short sequence: the optimizer step is the peak: the gradients plus AdamW's sqrt and denominator
@@ -246,7 +247,7 @@ def test_padding_free_rl_prices_the_token_budget_not_the_micro_batch_sizes() -> 
     p, d = plan(config, hf), model_dims(hf)
     # one flattened sequence of 8192 tokens: two full-length samples with their two images, logits at their
     # 2 x 2048 response positions only
-    packed = MicroBatch(sequences=1, tokens=8192, response=4096, images=2, image_tokens=2048)
+    packed = MicroShape(sequences=1, tokens=8192, response=4096, images=2, image_tokens=2048)
     update = p.row("update").parts
     assert update["activations"] == activation_bytes(d, packed, 2, grad=True, checkpointing=True, vision_grad=True)
     assert update["logits"] == logits_bytes(1, 4096, d.vocab, 2, grad=True)
@@ -315,17 +316,17 @@ def test_share_prompt_prices_each_prompt_once_with_its_responses(monkeypatch: py
     assert shared_rows(4, n, 80) == (2, 4)  # straddles two prompts: a row each, the longest 4 responses
     width = prompt + n * response
     assert shared_pays_off(1, width, 5, prompt + response, d.hidden)
-    update = MicroBatch(sequences=1, tokens=width, response=n * response, images=1, image_tokens=2048)
+    update = MicroShape(sequences=1, tokens=width, response=n * response, images=1, image_tokens=2048)
     assert p.row("update").parts["activations"] == activation_bytes(d, update, 2, grad=True, checkpointing=True,
                                                                     vision_grad=True)
     assert p.row("update").parts["logits"] == logits_bytes(1, n * response + 1, d.vocab, 2, grad=True)
-    logs = MicroBatch(sequences=2, tokens=width, response=n * response, images=1, image_tokens=2048)
+    logs = MicroShape(sequences=2, tokens=width, response=n * response, images=1, image_tokens=2048)
     for phase in ("old_log_probs", "ref_log_probs"):
         assert p.row(phase).parts["activations"] == activation_bytes(d, logs, 2, grad=False, checkpointing=True,
                                                                      vision_grad=True)
         # the prompt (and its image) once instead of n times: less than the plain rows
         assert p.row(phase).parts["activations"] < plain.row(phase).parts["activations"]
-    plain_update = MicroBatch(sequences=5, tokens=prompt + response, response=response, images=1, image_tokens=2048)
+    plain_update = MicroShape(sequences=5, tokens=prompt + response, response=response, images=1, image_tokens=2048)
     assert plain.row("update").parts["activations"] == activation_bytes(d, plain_update, 2, grad=True,
                                                                         checkpointing=True, vision_grad=True)
     # flash attention takes no such mask: plain rows (planned for GPU nodes that have flash-attn; this one has not)
@@ -344,18 +345,18 @@ def test_share_prompt_padding_free_packs_whole_prompts_into_the_budget() -> None
     p = plan(config, hf)
     group = 2048 + 5 * 2048  # a prompt once (its 2048-token image inside) and its 5 responses
     units = 16384 // group
-    shared = MicroBatch(sequences=1, tokens=16384, response=units * 5 * 2048, images=units, image_tokens=2048)
+    shared = MicroShape(sequences=1, tokens=16384, response=units * 5 * 2048, images=units, image_tokens=2048)
     assert p.row("update").parts["logits"] == logits_bytes(1, shared.response, d.vocab, 2, grad=True)
     assert p.row("update").parts["activations"] == activation_bytes(d, shared, 2, grad=True, checkpointing=True,
                                                                     vision_grad=True)
     # a prompt's group over the budget: the driver plans samples, priced as full-length ones
     small = plan(load(args[:-1] + ["worker.actor.max_token_len_per_device=8192"]), hf)
-    samples = MicroBatch(sequences=1, tokens=8192, response=2 * 2048, images=2, image_tokens=2048)
+    samples = MicroShape(sequences=1, tokens=8192, response=2 * 2048, images=2, image_tokens=2048)
     assert small.row("update").parts["activations"] == activation_bytes(d, samples, 2, grad=True,
                                                                         checkpointing=True, vision_grad=True)
     # sequence parallelism: no shared layout, full-length samples split over the 2 ranks
     ulysses = plan(load(args + ["worker.actor.ulysses_size=2"]), hf)
-    split = MicroBatch(sequences=1, tokens=16384, response=4 * 2048, images=4, image_tokens=2048)
+    split = MicroShape(sequences=1, tokens=16384, response=4 * 2048, images=4, image_tokens=2048)
     assert ulysses.row("update").parts["activations"] == activation_bytes(d, split, 2, grad=True, checkpointing=True,
                                                                           vision_grad=True, ulysses=2)
 

@@ -13,11 +13,12 @@ from PIL import Image
 
 from easytrain.config import ConfigError, compose, load, to_config, with_default_preset
 from easytrain.config.schema import ModelConfig
+from easytrain.config import presets
 from easytrain.models import shapes
 from easytrain.models.hf import load_image_processor, load_model, load_tokenizer, model_folder
 from easytrain.models.random_init import MARKER, is_random_folder
 from easytrain.models.tiny import SPECIAL_TOKENS, VOCAB_SIZE, model_class_for, tiny_hf_config
-NAMES = sorted(path.stem for path in shapes.MODEL_CONF_DIR.glob("*.yaml"))
+NAMES = sorted(path.stem for path in presets.MODEL_CONF_DIR.glob("*.yaml"))
 PUBLISHED = {  # exact parameter counts the Hub publishes for each checkpoint (its safetensors total)
     "Qwen/Qwen2.5-VL-3B-Instruct": 3_754_622_976, "Qwen/Qwen2.5-VL-7B-Instruct": 8_292_166_656,
     "Qwen/Qwen2.5-VL-32B-Instruct": 33_452_718_336, "Qwen/Qwen2.5-VL-72B-Instruct": 73_410_777_344,
@@ -40,7 +41,7 @@ def small_vl_preset(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> str:
     shape["text_config"] = {k: v for k, v in shape["text_config"].items() if not k.endswith("_token_id")}
     shape["text_config"]["vocab_size"] = 2048  # larger than the tokenizer's, as Qwen's is
     (tmp_path / "small_vl.yaml").write_text(yaml.safe_dump({"hub_id": "test/small-vl", "hf_config": shape}))
-    monkeypatch.setattr(shapes, "MODEL_CONF_DIR", tmp_path)
+    monkeypatch.setattr(presets, "MODEL_CONF_DIR", tmp_path)
     return "random:small_vl"
 
 
@@ -57,7 +58,7 @@ def test_every_preset_has_its_published_parameter_count(name: str, cache: str) -
     folder = model_folder(config)
     assert is_random_folder(folder) and not list(Path(folder).glob("*.safetensors"))
     model = meta_model(config, folder)
-    hub_id = yaml.safe_load((shapes.MODEL_CONF_DIR / f"{name}.yaml").read_text())["hub_id"]
+    hub_id = yaml.safe_load((presets.MODEL_CONF_DIR / f"{name}.yaml").read_text())["hub_id"]
     published = PUBLISHED[hub_id]
     assert abs(sum(p.numel() for p in model.parameters()) - published) <= 1e-3 * published
     text = model.config.get_text_config()
@@ -72,7 +73,8 @@ def test_every_preset_has_its_published_parameter_count(name: str, cache: str) -
 
 def test_shape_and_planner_config_are_the_named_models() -> None:
     for name in NAMES:
-        random_cfg, named = ModelConfig(path=f"random:{name}"), ModelConfig(path=shapes.model_presets()[name]["hub_id"])
+        hub_id = presets.model_presets()[name]["hub_id"]
+        random_cfg, named = ModelConfig(path=f"random:{name}"), ModelConfig(path=hub_id)
         assert shapes.hf_config_for(random_cfg) == shapes.hf_config_for(named)
         assert shapes.resolve_shape(random_cfg) == shapes.resolve_shape(named)
 

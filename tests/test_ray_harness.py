@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from easytrain.config.validate import ConfigError
+from easytrain.config import ConfigError
 from easytrain.distributed.batch import Batch
 from easytrain.distributed.group import Dispatch, WorkerGroup, dispatch
 from easytrain.distributed.resources import ResourcePool

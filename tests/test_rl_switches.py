@@ -216,7 +216,7 @@ def test_adaptive_kl_coefficient_follows_the_rollouts_kl_over_real_steps(trainer
     logged = []
     for _ in range(3):
         trainer.step += 1
-        metrics = trainer.train_step(Counted([prompts.batch("SSSS")]))
+        metrics = trainer.train_step(Counted([prompts.batch("SSSS")])).metrics
         assert metrics["sampling/rounds"] == 1.0
         coef = adaptive_step(coef, metrics["actor/reward_kl"], N * TARGET_GROUPS)
         assert metrics["actor/kl_coef"] == pytest.approx(coef, rel=1e-9)
@@ -284,10 +284,21 @@ def test_without_dynamic_sampling_the_first_round_is_the_batch(trainer: RLTraine
 # ----------------------------------------------------------------------------- the watchdog on live workers
 
 
-def micro_batch_on_workers(trainer: RLTrainer) -> list[int]:
-    """The update micro batch each actor rank uses (set_micro_batch answers the one it replaces)."""
-    current = trainer.config.worker.actor.micro_batch_size_per_device_for_update
-    return trainer.roles.actor.call("set_micro_batch", "update", current)
+def planned_update_micro_batches(trainer: RLTrainer) -> list[int]:
+    """The sizes of the micro batches the driver now plans for one update over a rollout batch's samples (padded
+    micro batches: their sizes do not depend on whether prompts are shared, which needs real token ids)."""
+    from dataclasses import replace
+
+    from easytrain.trainer.micro_batches import update_shares
+
+    c = trainer.config
+    per_step = c.worker.actor.global_batch_size * c.worker.rollout.n
+    rows = c.data.rollout_batch_size * c.worker.rollout.n
+    batch = Batch({"attention_mask": torch.ones(rows, 4, dtype=torch.long)})
+    assert not trainer.forward.packed
+    steps, _ = update_shares(batch, per_step, trainer.roles.actor.members, c,
+                             replace(trainer.forward, share_prompt=False))
+    return sorted({len(micro) for member in steps for step in member for micro in step})
 
 
 @pytest.fixture
@@ -295,21 +306,20 @@ def restore_micro_batch(trainer: RLTrainer) -> Iterator[None]:
     size = trainer.config.worker.actor.micro_batch_size_per_device_for_update
     yield
     trainer.config.worker.actor.micro_batch_size_per_device_for_update = size
-    trainer.roles.actor.call("set_micro_batch", "update", size)
 
 
 @pytest.mark.slow
 def test_halve_micro_batch_halves_the_actors_setting_down_to_one(trainer: RLTrainer,
                                                                  restore_micro_batch: None) -> None:
     guard = trainer.guard
-    assert guard is not None and micro_batch_on_workers(trainer) == [2]
+    assert guard is not None and planned_update_micro_batches(trainer) == [2]
     relief = guard.halve_micro_batch({"ram"})
     assert relief.applied and relief.freed == 0 and relief.planned > 0
-    assert micro_batch_on_workers(trainer) == [1]
+    assert planned_update_micro_batches(trainer) == [1]
     assert trainer.config.worker.actor.micro_batch_size_per_device_for_update == 1  # the planner's view too
     again = guard.halve_micro_batch({"ram"})
     assert not again.applied and "already 1" in again.detail
-    assert micro_batch_on_workers(trainer) == [1]
+    assert planned_update_micro_batches(trainer) == [1]
 
 
 @pytest.mark.slow
@@ -335,7 +345,7 @@ def test_sleep_rollout_frees_the_engines_host_copy_and_offload_ref_claims_nothin
     held = sum(t.numel() * t.element_size() for t in trainer.roles.rollout.call("engine_weights")[0].values())
     relief = guard.sleep_rollout({"ram"})
     assert relief.applied and 0 < relief.freed <= held and "refills" in relief.detail
-    assert trainer.train_step()["actor/grad_norm"] > 0  # generation refilled the weights first
+    assert trainer.train_step().metrics["actor/grad_norm"] > 0  # generation refilled the weights first
     for pressure in ({"vram"}, {"ram"}):
         relief = guard.offload_ref(pressure)
         assert not relief.applied and relief.freed == 0
@@ -386,7 +396,7 @@ def test_ram_thresholds_judge_live_readings_at_the_step_boundary(trainer: RLTrai
     assert reliefs == (ACTIONS if wanted == "soft" else [])
     assert ("memory/relief_freed_gb" in metrics) == (wanted == "soft")
     if wanted == "soft":
-        assert micro_batch_on_workers(trainer) == [1]  # halve_micro_batch ran on the workers
+        assert planned_update_micro_batches(trainer) == [1]  # halve_micro_batch: the driver plans halved ones
     assert (stop is not None) == (wanted == "hard")
     if stop is not None:
         assert "RAM at" in stop and "hard threshold" in stop and "RSS since start" in stop

@@ -19,7 +19,7 @@ from easytrain.models.segments import (ATTENTION, Block, attend, mask_outside_la
 from easytrain.workers.forward import log_probs_of
 from easytrain.workers.shared_prompt import prompt_groups, shared_inputs
 
-from rl_batches import assert_same_pass, grads, rl_config, rollout_batch
+from rl_batches import assert_same_pass, grads, planned, rl_config, rollout_batch
 from test_shared_prompt import actor_model
 
 CPU = torch.device("cpu")
@@ -102,7 +102,7 @@ def test_a_model_on_segments_gives_the_plain_passes(packed: bool, share: bool, t
     mask = batch["response_mask"].bool()
 
     def run() -> tuple[torch.Tensor, torch.Tensor, dict[str, torch.Tensor]]:
-        lp, entropy = log_probs_of(model, batch, 1.0, CPU, packed, with_entropy=True, share_prompt=share)
+        lp, entropy = log_probs_of(model, planned(batch, model, packed, share), 1.0, CPU, with_entropy=True)
         (lp[mask] * torch.linspace(-1, 1, int(mask.sum()))).sum().backward()
         return lp.masked_fill(~mask, 0), entropy, grads(model)  # the padded pass leaves values off the mask
 

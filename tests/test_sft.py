@@ -12,7 +12,7 @@ import torch
 from easytrain.config import Config, load
 from easytrain.data.images import BadSample
 from easytrain.data.sft import IGNORE, SFTDataset, conversation_turns, render_conversation
-from easytrain.distributed.batch import Batch
+from easytrain.distributed.batch import Batch, MicroBatch
 from easytrain.trainer.data import SFTData, sft_batch
 from easytrain.workers.packed import flatten
 from easytrain.workers.sft import SFTWorker, accumulate_gradients, padded
@@ -171,7 +171,7 @@ def changed_parameters(w: SFTWorker, data: SFTData) -> tuple[set[str], set[str]]
     before = {n: p.detach().clone() for n, p in w.model.named_parameters()}
     trainable = {n for n, p in w.model.named_parameters() if p.requires_grad}
     batch = uneven_batch(data, [0, 1, 2, 3])
-    w.sft_update([batch], int((batch["targets"] != IGNORE).sum()))
+    w.sft_update([MicroBatch(batch, packed=w.cfg.padding_free)], int((batch["targets"] != IGNORE).sum()))
     changed = {n for n, p in w.model.named_parameters() if not torch.equal(p.detach(), before[n])}
     return trainable, changed
 
@@ -207,8 +207,9 @@ def test_text_only_rows_pack_apart_on_a_vision_model(tmp_path: Path) -> None:
     assert "pixel_values" not in batch and batch["position_ids"].dim() == 2
     padded_loss, _ = accumulate_gradients(w.model, torch.Tensor.backward, [padded(batch)], 1.0, w.device)
     padded_grads = grads(w.model)
-    packed_loss, _ = accumulate_gradients(w.model, torch.Tensor.backward, [w._inputs(batch)], 1.0, w.device)
-    assert w._inputs(batch)["position_ids"].shape[0] == 4
+    packed = w._inputs(MicroBatch(batch, packed=True))
+    packed_loss, _ = accumulate_gradients(w.model, torch.Tensor.backward, [packed], 1.0, w.device)
+    assert packed["position_ids"].shape[0] == 4
     assert packed_loss == pytest.approx(padded_loss, rel=1e-5)
     for name, g in grads(w.model).items():
         torch.testing.assert_close(g, padded_grads[name], rtol=1e-4, atol=1e-6, msg=name)

@@ -21,7 +21,7 @@ from easytrain.workers.forward import log_probs_of, response_log_probs
 from easytrain.workers.shared_prompt import (prompt_and_response_tokens, prompt_groups, rows_pay_off, shared_inputs,
                                              text_config)
 
-from rl_batches import assert_same_pass, grads, rl_config, rollout_batch
+from rl_batches import assert_same_pass, grads, planned, rl_config, rollout_batch
 
 CPU = torch.device("cpu")
 
@@ -66,7 +66,8 @@ def test_shared_prompt_equals_plain(family: str, packed: bool, tmp_path: Path,
     plain_grads = grads(model)
     recorded_attention.clear()
     patches.clear()
-    shared_lp, shared_entropy = log_probs_of(model, batch, 1.0, CPU, packed, with_entropy=True, share_prompt=True)
+    shared_lp, shared_entropy = log_probs_of(model, planned(batch, model, packed, True), 1.0, CPU,
+                                             with_entropy=True)
     (shared_lp[mask] * torch.linspace(-1, 1, int(mask.sum()))).sum().backward()
     shared_grads = grads(model)
 
@@ -95,13 +96,13 @@ def test_responses_of_one_prompt_do_not_see_each_other(tmp_path: Path) -> None:
     batch = rollout_batch(config)
     model = actor_model(config).eval()
     with torch.no_grad():
-        before, _ = log_probs_of(model, batch, 1.0, CPU, False, share_prompt=True)
+        before, _ = log_probs_of(model, planned(batch, model, False, True), 1.0, CPU)
         responses = batch["responses"].clone()
         responses[0, :3] = (responses[0, :3] + 7) % 200 + 20
         ids = batch["input_ids"].clone()
         ids[0, -responses.shape[1]:] = responses[0] * batch["response_mask"][0]
         changed = Batch({**batch.tensors, "responses": responses, "input_ids": ids}, batch.meta, batch.image_counts)
-        after, _ = log_probs_of(model, changed, 1.0, CPU, False, share_prompt=True)
+        after, _ = log_probs_of(model, planned(changed, model, False, True), 1.0, CPU)
     mask = batch["response_mask"].bool()
     assert not torch.equal(before[0][mask[0]], after[0][mask[0]])  # the changed response itself moved
     torch.testing.assert_close(after[1:][mask[1:]], before[1:][mask[1:]], rtol=0, atol=0)
@@ -123,11 +124,11 @@ def test_eager_attention_and_switch_off(tmp_path: Path) -> None:
     mask = batch["response_mask"].bool()
     with torch.no_grad():
         plain, _ = response_log_probs(model, batch, 1.0, CPU)
-        shared, _ = log_probs_of(model, batch, 1.0, CPU, False, share_prompt=True)
+        shared, _ = log_probs_of(model, planned(batch, model, False, True), 1.0, CPU)
         calls: list[int] = []
         handle = model.register_forward_pre_hook(lambda m, a, kw: calls.append(kw["input_ids"].shape[0]),
                                                  with_kwargs=True)
-        off, _ = log_probs_of(model, batch, 1.0, CPU, False, share_prompt=False)
+        off, _ = log_probs_of(model, planned(batch, model, False, False), 1.0, CPU)
         handle.remove()
     torch.testing.assert_close(shared[mask], plain[mask], rtol=1e-5, atol=1e-5)
     assert torch.equal(off, plain) and calls == [len(batch)]
@@ -142,7 +143,7 @@ def test_no_repeats_runs_the_plain_pass(tmp_path: Path) -> None:
     model = actor_model(config).eval()
     with torch.no_grad():
         plain, _ = response_log_probs(model, batch, 1.0, CPU)
-        shared, _ = log_probs_of(model, batch, 1.0, CPU, False, share_prompt=True)
+        shared, _ = log_probs_of(model, planned(batch, model, False, True), 1.0, CPU)
     assert torch.equal(plain, shared)
 
 
@@ -155,7 +156,7 @@ def test_shared_prompt_under_gradient_checkpointing(tmp_path: Path) -> None:
     weights = torch.linspace(-1, 1, int(mask.sum()))
     passes = []
     for share in (False, True):
-        lp, entropy = log_probs_of(model, batch, 1.0, CPU, False, with_entropy=True, share_prompt=share)
+        lp, entropy = log_probs_of(model, planned(batch, model, False, share), 1.0, CPU, with_entropy=True)
         (lp[mask] * weights).sum().backward()
         passes.append((lp.detach(), entropy.detach(), grads(model)))  # type: ignore[union-attr]
     assert_same_pass(passes[1], passes[0], mask)

@@ -16,6 +16,7 @@ from typing import Any
 import pytest
 
 from easytrain.config import ConfigError
+from easytrain.distributed.token import INSECURE_ENV, InsecureAddress
 from easytrain.launch import jobs
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -39,7 +40,7 @@ def token(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> str:
 
     monkeypatch.setenv("HOME", str(tmp_path))
     monkeypatch.setenv("RAY_AUTH_TOKEN", "tok-123")
-    for name in ("RAY_ADDRESS", "RAY_AUTH_TOKEN_PATH", jobs.INSECURE_ENV, "RAY_USE_TLS"):
+    for name in ("RAY_ADDRESS", "RAY_AUTH_TOKEN_PATH", INSECURE_ENV, "RAY_USE_TLS"):
         monkeypatch.delenv(name, raising=False)
     monkeypatch.setattr(ray.job_submission, "JobSubmissionClient", FakeClient)
     FakeClient.made = []
@@ -49,7 +50,7 @@ def token(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> str:
 @pytest.mark.parametrize("address", ["http://10.0.0.5:8265", "http://head.example.com:8265", "10.0.0.5:8265",
                                      "http://[fd00::1]:8265", "http://128.0.0.1:8265", "http://localhost.evil.com"])
 def test_the_token_is_not_sent_in_the_clear_to_another_host(token: str, address: str) -> None:
-    with pytest.raises(jobs.InsecureAddress) as err:
+    with pytest.raises(InsecureAddress) as err:
         jobs.client(address)
     message = str(err.value)
     assert "\n" not in message and f"to {address} (from --address)" in message
@@ -67,14 +68,14 @@ def test_loopback_and_https_get_the_token(token: str, address: str) -> None:
 
 def test_a_stray_ray_address_is_named(token: str, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("RAY_ADDRESS", "http://10.9.8.7:8265")
-    with pytest.raises(jobs.InsecureAddress, match=r"to http://10.9.8.7:8265 \(from RAY_ADDRESS\)"):
+    with pytest.raises(InsecureAddress, match=r"to http://10.9.8.7:8265 \(from RAY_ADDRESS\)"):
         jobs.client(None)
     assert FakeClient.made == []
 
 
 def test_the_user_may_say_the_network_is_trusted(token: str, monkeypatch: pytest.MonkeyPatch) -> None:
     jobs.client("http://10.0.0.5:8265", insecure_http=True)
-    monkeypatch.setenv(jobs.INSECURE_ENV, "1")
+    monkeypatch.setenv(INSECURE_ENV, "1")
     jobs.client("http://10.0.0.6:8265")
     assert [a for a, _ in FakeClient.made] == ["http://10.0.0.5:8265", "http://10.0.0.6:8265"]
 

@@ -23,10 +23,10 @@ from easytrain.models.segments import Block, attend, packed_blocks, segments
 from easytrain.models.varlen import (FLASH_ATTN, REFERENCE, SDPA_BLOCKS, TORCH_VARLEN, choose_kernel, cu_seqlens,
                                      flash_attn_function, kernel_for, plan_layout, torch_varlen_function, varlen_call)
 from easytrain.trainer.mfu import (attended_pairs, attention_flops, causal_pairs, peak_bf16_flops, update_mfu)
-from easytrain.workers.packed import flatten, text_positions
+from easytrain.workers.packed import flatten, sample_positions
 from easytrain.workers.shared_prompt import prompt_groups, shared_inputs
 
-from rl_batches import grads, rl_config, rollout_batch
+from rl_batches import grads, planned, rl_config, rollout_batch
 from test_segments import allowed_by
 
 SHARED = [[Block((0, 6), ((6, 9), (9, 10), (10, 14))), Block((14, 16))],
@@ -64,7 +64,7 @@ def padded_batch(lengths: list[int], width: int) -> Batch:
 def test_cu_seqlens_of_a_packed_micro_batch_are_its_rows_and_ulysses_samples() -> None:
     lengths = [5, 1, 9, 3]
     inputs = flatten(padded_batch(lengths, 10), rope_rows=False)
-    positions = text_positions(inputs)
+    positions = sample_positions(inputs)
     plan = plan_layout(packed_blocks(positions), positions.shape[-1])
     rows = inputs["input_ids"].shape[1]
     assert torch.equal(plan.cu_seq_q, torch.tensor([0, 5, 6, 15, 18], dtype=torch.int32))
@@ -83,7 +83,7 @@ def test_cu_seqlens_of_the_vision_rows_follow_the_text_position() -> None:
     rope = torch.stack([batch["position_ids"], batch["position_ids"] // 2, batch["position_ids"] * 0])
     inputs = flatten(Batch({**batch.tensors, "position_ids": rope}))
     assert inputs["position_ids"].shape == (4, 1, 10)
-    plan = plan_layout(packed_blocks(text_positions(inputs)), 10)
+    plan = plan_layout(packed_blocks(sample_positions(inputs)), 10)
     assert plan.cu_seq_q.tolist() == [0, 4, 10]
 
 
@@ -263,8 +263,8 @@ def test_a_model_on_the_varlen_path_gives_the_plain_passes(packed: bool, share: 
     mask = batch["response_mask"].bool()
 
     def run() -> tuple[torch.Tensor, torch.Tensor, dict[str, torch.Tensor]]:
-        lp, entropy = log_probs_of(model, batch, 1.0, torch.device("cpu"), packed, with_entropy=True,
-                                   share_prompt=share)
+        lp, entropy = log_probs_of(model, planned(batch, model, packed, share), 1.0, torch.device("cpu"),
+                                   with_entropy=True)
         (lp[mask] * torch.linspace(-1, 1, int(mask.sum()))).sum().backward()
         return lp.masked_fill(~mask, 0), entropy, grads(model)
 
@@ -308,7 +308,7 @@ def test_checkpointed_layers_recompute_with_the_forward_layout(share: bool, tmp_
     weights = torch.linspace(-1, 1, int(mask.sum()))
 
     def step() -> dict[str, torch.Tensor]:
-        lp, _ = log_probs_of(model, batch, 1.0, torch.device("cpu"), True, share_prompt=share)
+        lp, _ = log_probs_of(model, planned(batch, model, True, share), 1.0, torch.device("cpu"))
         (lp[mask] * weights).sum().backward()
         return grads(model)
 

@@ -58,7 +58,7 @@ def test_grpo_with_vllm_syncs_every_step(ray_local: None, tmp_path: Path) -> Non
         records = []
         for step in range(1, STEPS + 1):
             trainer.step = step
-            metrics = trainer.train_step(prompts)
+            metrics = trainer.train_step(prompts).metrics
             records.append(metrics)
             assert metrics["actor/grad_norm"] > 0  # the update did something
             assert metrics["rollout/log_prob_diff_max"] < SYNCED, (step, metrics["rollout/log_prob_diff_max"])
@@ -76,7 +76,7 @@ def test_grpo_with_vllm_syncs_every_step(ray_local: None, tmp_path: Path) -> Non
         trainer.step += 1
         trainer.train_step(prompts)
         trainer.step += 1
-        stale = trainer.train_step(prompts)  # ...so the next rollout samples from the old weights
+        stale = trainer.train_step(prompts).metrics  # ...so the next rollout samples from the old weights
         assert stale["rollout/log_prob_diff_max"] > 100 * SYNCED, stale["rollout/log_prob_diff_max"]
     finally:
         trainer.close()

@@ -14,7 +14,7 @@ import psutil
 import pytest
 
 from easytrain.config.loader import load
-from easytrain.config.validate import ConfigError, validate
+from easytrain.config import ConfigError, validate
 from easytrain.memory.detect import MB, LeakDetector, RankMemory, imbalance, level, theil_sen_slope, worst
 from easytrain.memory.readings import cgroup_memory, gpu_readings, node_ram, release_process_memory
 

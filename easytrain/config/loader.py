@@ -23,8 +23,9 @@ from omegaconf.errors import (
     OmegaConfBaseException,
 )
 
+from easytrain.config.errors import NO_VALUE, ConfigError
 from easytrain.config.schema import Config
-from easytrain.config.validate import NO_VALUE, ConfigError, ModelShape, validate
+from easytrain.config.validate import ModelShape, validate
 
 CONF_DIR = Path(__file__).resolve().parents[2] / "conf"
 """The YAML tree (``conf/`` at the repository root)."""

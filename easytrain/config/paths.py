@@ -13,19 +13,22 @@ from __future__ import annotations
 import json
 import os
 
+from easytrain.config.data_spec import classify_data, parse_task, split_files
+from easytrain.config.errors import ConfigError
+from easytrain.config.presets import RANDOM_PREFIX
 from easytrain.config.schema import Config
-from easytrain.config.validate import ConfigError, split_files
 
 FAMILIES = ("qwen2_5_vl", "qwen2_vl", "qwen2")
 """HF ``model_type`` values easytrain builds models for (models/tiny.py's ``model_class_for``)."""
-DATA_SUFFIXES = (".jsonl", ".json", ".parquet")
-"""File types a data entry may be (a folder is an HF dataset)."""
+BUILT_PREFIXES = ("tiny:", RANDOM_PREFIX)
+"""A ``model.path`` starting so is built here, neither read from a folder nor downloaded."""
 
 
-def looks_local(path: str) -> bool:
+def looks_local(path: str, on_disk: bool = True) -> bool:
     """Whether ``path`` names a place on disk rather than a hub id (``name`` or ``owner/name``): absolute,
-    ``~``/``.``-relative, more than one ``/``, or something that exists here."""
-    if path.startswith(("/", "~", ".")) or os.path.exists(os.path.expanduser(path)):
+    ``~``/``.``-relative, more than one ``/``, or (``on_disk``) something that exists here. ``on_disk=False``
+    judges the text alone, for a path read on another machine (a pod's)."""
+    if path.startswith(("/", "~", ".")) or (on_disk and os.path.exists(os.path.expanduser(path))):
         return True
     return path.count("/") > 1 or (os.sep != "/" and os.sep in path)
 
@@ -57,7 +60,7 @@ def check_local_paths(cfg: Config) -> None:
 
 
 def _check_model_folder(key: str, path: str, needs_config: bool) -> None:
-    if path.startswith(("tiny:", "random:")) or not looks_local(path):
+    if path.startswith(BUILT_PREFIXES) or not looks_local(path):
         return  # built here, or a hub id (checked when it downloads)
     folder = os.path.expanduser(path)
     if not os.path.exists(folder):
@@ -85,26 +88,17 @@ def _check_model_folder(key: str, path: str, needs_config: bool) -> None:
 
 
 def _check_data_entry(key: str, spec: str) -> None:
-    if spec.startswith("synthetic:"):
-        from easytrain.data.synthetic import parse_task
-
+    entry = classify_data(spec)
+    if entry.kind == "synthetic":
         try:
-            parse_task(spec[len("synthetic:"):])
+            parse_task(entry.target)
         except ValueError as err:
             raise ConfigError(key, spec, str(err).split(";")[0], str(err).split("; ", 1)[-1]) from None
-        return
-    path = os.path.expanduser(spec)
-    if os.path.isdir(path):
-        return
-    if os.path.isfile(path):
-        suffix = os.path.splitext(path)[1].lower()
-        if suffix not in DATA_SUFFIXES:
-            raise ConfigError(key, spec, f"unsupported file type {suffix or '(none)'!r}",
-                              "use .jsonl, .parquet or a saved dataset folder")
-        return
-    if "@" in spec and not spec.startswith(("/", "~", ".")):
-        return  # a hub dataset, repo@split (checked when it downloads)
-    raise ConfigError(key, spec, "no such file or folder",
-                      "check the path (relative paths are read from the directory the run starts in); a hub "
-                      "dataset is written repo@split")
-
+    elif entry.kind == "unsupported":
+        raise ConfigError(key, spec, f"unsupported file type {entry.suffix or '(none)'!r}",
+                          "use .jsonl, .parquet or a saved dataset folder")
+    elif entry.kind == "missing":
+        raise ConfigError(key, spec, "no such file or folder",
+                          "check the path (relative paths are read from the directory the run starts in); a hub "
+                          "dataset is written repo@split")
+    # a folder or a .jsonl/.parquet file is read when the run starts; a hub dataset is checked when it downloads

@@ -222,8 +222,9 @@ class ActorConfig(RoleConfig):
     """How the actor is distributed: fsdp (FSDP2, default) or deepspeed (ZeRO, worker.actor.deepspeed; SFT only)."""
     deepspeed: DeepSpeedConfig = field(default_factory=DeepSpeedConfig)
     padding_free: bool = False
-    """SFT: pack each micro batch's samples into one flattened sequence with no padding (samples do not attend
-    to each other), micro batches filled up to max_token_len_per_device tokens instead of a fixed count."""
+    """SFT and RL passes: pack each micro batch's samples into one flattened sequence with no padding (samples
+    do not attend to each other), micro batches filled up to max_token_len_per_device tokens instead of a fixed
+    count."""
     max_token_len_per_device: int = bounded(4096, low=1)
     """Token budget of one packed micro batch (padding_free); a longer sample is refused by validation."""
     share_prompt: bool = True

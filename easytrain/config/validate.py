@@ -5,20 +5,26 @@ dotted key, its value, what is wrong and how to fix it. Per-field rules come
 from the schema's field metadata (:func:`check_fields`); rules that span
 fields are in :func:`validate`. Rules that need the model's shape (attention
 heads for sequence parallelism, text-only models) run when a
-:class:`ModelShape` is given.
+:class:`ModelShape` is given. This module only validates: the error is
+:mod:`easytrain.config.errors`'s, and what validation shares with the runtime
+lives beside it (:mod:`~easytrain.config.derived`, :mod:`~easytrain.config.data_spec`,
+:mod:`~easytrain.config.presets`, :mod:`~easytrain.config.k8s_names`).
 """
 
 from __future__ import annotations
 
-import importlib.util
-
 import dataclasses
+import importlib.util
 import logging
 import os
-import re
 from dataclasses import dataclass
-from typing import Any, Optional, Sequence
+from typing import Any, Optional
 
+from easytrain.config.derived import ray_kill_threshold, world_size
+from easytrain.config.errors import NO_VALUE, ConfigError
+from easytrain.config.k8s_names import (DNS_LABEL, DNS_SUBDOMAIN, ENV_NAME, RAYJOB_NAME_MAX, SECRET_KEY,
+                                        looks_secret)
+from easytrain.config.presets import RANDOM_PREFIX, random_hf_config
 from easytrain.config.schema import CHOICES, HIGH, LOW, LOW_OPEN, Config
 
 logger = logging.getLogger(__name__)
@@ -27,38 +33,6 @@ LOGGERS = ("console", "jsonl", "tensorboard", "wandb", "mlflow")
 LOGGER_PACKAGES = {"tensorboard": "tensorboard", "wandb": "wandb", "mlflow": "mlflow"}
 """Loggers that need a package beyond easytrain's own: logger -> module (also the pip name)."""
 ESTIMATORS_NEEDING_GROUPS = ("grpo", "rloo")
-
-
-class ConfigError(ValueError):
-    """A config value that cannot work; ``str(err)`` is one line for the user."""
-
-    def __init__(self, key: str, value: Any, problem: str, fix: str = "") -> None:
-        self.key, self.value, self.problem, self.fix = key, value, problem, fix
-        shown = _show(value)
-        message = f"{key}={shown}: {problem}" if shown is not None else f"{key}: {problem}"
-        super().__init__(f"{message}; {fix}" if fix else message)
-
-    def __reduce__(self) -> tuple[Any, ...]:  # raised in a Ray worker, it reaches the driver as itself
-        return _rebuild, (str(self), self.key, self.problem, self.fix)
-
-
-def _rebuild(message: str, key: str, problem: str, fix: str) -> ConfigError:
-    err = ConfigError.__new__(ConfigError)
-    ValueError.__init__(err, message)
-    err.key, err.value, err.problem, err.fix = key, NO_VALUE, problem, fix
-    return err
-
-
-def _show(value: Any) -> Optional[str]:
-    if value is NO_VALUE:
-        return None
-    if isinstance(value, str):
-        return repr(value)
-    return str(value).replace("\n", " ")
-
-
-NO_VALUE: Any = object()
-"""Pass as a ConfigError's value when the key has no single value to show."""
 
 
 @dataclass(frozen=True)
@@ -172,16 +146,6 @@ def _check_data(cfg: Config) -> None:
                           "set data.limit_images>=1, or data.image_key=null for text-only data")
     if d.val_batch_size == 0:
         raise ConfigError("data.val_batch_size", 0, "must be >= 1, or -1 for the whole validation set")
-
-
-def needs_reference(config: Config) -> bool:
-    """A reference group is needed for a KL term, unless LoRA lets the actor serve it (adapters off)."""
-    return config.algorithm.kl_coef > 0 and config.model.lora.rank == 0
-
-
-def world_size(cfg: Config) -> int:
-    """Worker processes of the run: nodes x workers per node."""
-    return cfg.trainer.nnodes * cfg.trainer.workers_per_node
 
 
 def _check_batches(cfg: Config) -> None:
@@ -354,9 +318,7 @@ def _check_model(cfg: Config) -> None:
     if m.path.startswith("tiny:") and m.path[5:] not in ("qwen2_5_vl", "qwen2_vl", "qwen2"):
         raise ConfigError("model.path", m.path, "unknown tiny model family",
                           "use tiny:qwen2_5_vl, tiny:qwen2_vl or tiny:qwen2")
-    if m.path.startswith("random:"):
-        from easytrain.models.shapes import random_hf_config
-
+    if m.path.startswith(RANDOM_PREFIX):
         random_hf_config(m.path)  # an unknown name raises the error, listing conf/model/'s names
     betas = cfg.worker.actor.optim.betas
     if len(betas) != 2 or not all(0.0 <= b < 1.0 for b in betas):
@@ -393,14 +355,6 @@ def _check_trainer(cfg: Config) -> None:
 RELIEF_ACTIONS = ("free_caches", "sleep_rollout", "offload_ref", "halve_micro_batch")
 
 
-def ray_kill_threshold() -> float:
-    """Ray's memory monitor kills workers above this node RAM fraction (``RAY_memory_usage_threshold``)."""
-    try:
-        return float(os.environ.get("RAY_memory_usage_threshold", "0.95"))
-    except ValueError:
-        return 0.95
-
-
 def _check_watchdog(cfg: Config) -> None:
     w = cfg.watchdog
     for kind in ("ram", "vram"):
@@ -424,23 +378,6 @@ def _check_watchdog(cfg: Config) -> None:
         if action not in RELIEF_ACTIONS:
             raise ConfigError("watchdog.actions", action, "not a relief action",
                               f"use any of {', '.join(RELIEF_ACTIONS)}")
-
-
-DNS_LABEL = re.compile(r"[a-z]([-a-z0-9]*[a-z0-9])?")
-"""A Kubernetes DNS-1035 label (names of RayJobs and RayClusters; KubeRay refuses other names)."""
-DNS_SUBDOMAIN = re.compile(r"[a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*")
-"""A Kubernetes DNS-1123 subdomain (names of Secrets and PersistentVolumeClaims)."""
-ENV_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
-SECRET_KEY = re.compile(r"[-._a-zA-Z0-9]+")
-RAYJOB_NAME_MAX = 47
-"""KubeRay appends '-xxxxx' to a RayJob's name for its cluster and '-serve-svc' style suffixes to that."""
-SECRET_WORDS = ("TOKEN", "SECRET", "PASSWORD", "PASSWD", "CREDENTIALS")
-
-
-def looks_secret(name: str) -> bool:
-    """Whether an environment variable name looks like it holds a credential (HF_TOKEN, WANDB_API_KEY, ...)."""
-    words = name.upper().split("_")
-    return any(w in SECRET_WORDS for w in words) or words[-1] == "KEY"
 
 
 def _check_launch(cfg: Config) -> None:
@@ -530,10 +467,3 @@ def _check_against_shape(cfg: Config, shape: ModelShape) -> None:
                           f"prompt + response = {total} tokens exceeds the model's "
                           f"{shape.max_position_embeddings} positions",
                           "lower data.max_prompt_length or data.max_response_length")
-
-
-def split_files(value: Any) -> Sequence[str]:
-    """The list form of ``data.train_files`` / ``data.val_files`` (a string is one file)."""
-    if value is None:
-        return []
-    return [value] if isinstance(value, str) else list(value)

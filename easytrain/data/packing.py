@@ -21,11 +21,11 @@ import heapq
 from dataclasses import dataclass, field
 from typing import Sequence
 
-Plan = list[list[list[int]]]
+MicroPlan = list[list[list[int]]]
 """Per rank, its micro batches; each micro batch a list of sample indices."""
 
 
-def plan_micro_batches(lengths: Sequence[int], ranks: int, budget: int) -> Plan:
+def plan_micro_batches(lengths: Sequence[int], ranks: int, budget: int) -> MicroPlan:
     """Per rank, a list of ``k`` micro batches (sample indices into ``lengths``), each within ``budget`` tokens.
 
     1. Longest-processing-time first: samples, longest first, go to the rank
@@ -65,7 +65,7 @@ def plan_micro_batches(lengths: Sequence[int], ranks: int, budget: int) -> Plan:
             for rank in bins]
 
 
-def fixed_micro_batches(count: int, ranks: int, micro_size: int) -> Plan:
+def fixed_micro_batches(count: int, ranks: int, micro_size: int) -> MicroPlan:
     """The padded layout: contiguous equal shares per rank, cut into micro batches of ``micro_size`` samples.
 
     The last micro batch of a share is smaller when ``micro_size`` does not
@@ -108,7 +108,7 @@ class PlanStats:
     """Most processed tokens in one micro batch: what sets the activation memory peak."""
 
 
-def plan_stats(lengths: Sequence[int], plan: Plan, padded: bool) -> PlanStats:
+def plan_stats(lengths: Sequence[int], plan: MicroPlan, padded: bool) -> PlanStats:
     """The cost of ``plan`` over samples of ``lengths``; ``padded`` prices micro batches as padded to their longest
     sample (True) or flattened without padding (False)."""
     def cost(micro: list[int]) -> int:

@@ -23,6 +23,7 @@ from collections import OrderedDict
 from pathlib import Path
 from typing import Any, Optional, Protocol, Sequence, Union
 
+from easytrain.config.data_spec import classify_data
 from easytrain.data.images import BadSample
 
 logger = logging.getLogger(__name__)
@@ -243,24 +244,24 @@ def hf_caches() -> tuple[str, ...]:
 
 def open_source(spec: str, cache_dir: Optional[str] = None, seed: int = 0, split: str = "train",
                 text_only: bool = False, synthetic_size: int = 512, difficulty: int = 1) -> RowSource:
-    """Open one entry of ``data.train_files`` / ``data.val_files``."""
-    if spec.startswith("synthetic:"):
+    """Open one entry of ``data.train_files`` / ``data.val_files`` (classified by
+    :func:`easytrain.config.data_spec.classify_data`, as the driver's path checks do)."""
+    entry = classify_data(spec)
+    if entry.kind == "synthetic":
         from easytrain.data.synthetic import ensure_synthetic
 
-        path = ensure_synthetic(spec[len("synthetic:"):], split, synthetic_size, seed, difficulty,
+        path = ensure_synthetic(entry.target, split, synthetic_size, seed, difficulty,
                                 text_only=text_only, cache_dir=cache_dir)
         return ParquetSource(str(path))
-    path = Path(os.path.expanduser(spec))
-    if path.is_dir():
-        return _hf_folder(path)
-    if path.is_file():
-        suffix = path.suffix.lower()
-        if suffix in (".jsonl", ".json"):
-            return JsonlSource(str(path))
-        if suffix == ".parquet":
-            return ParquetSource(str(path))
-        raise DataError(f"{spec}: unsupported file type {suffix!r}; use .jsonl, .parquet or a dataset folder")
-    if "@" in spec:
+    if entry.kind == "folder":
+        return _hf_folder(Path(entry.target))
+    if entry.kind == "jsonl":
+        return JsonlSource(entry.target)
+    if entry.kind == "parquet":
+        return ParquetSource(entry.target)
+    if entry.kind == "unsupported":
+        raise DataError(f"{spec}: unsupported file type {entry.suffix!r}; use .jsonl, .parquet or a dataset folder")
+    if entry.kind == "hub":
         return _hub(spec)
     raise DataError(f"{spec}: no such file or folder (a hub dataset is written repo@split)")
 

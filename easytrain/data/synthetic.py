@@ -2,7 +2,7 @@
 
 Three question types, equally frequent, each with exactly balanced answers
 (so the best constant answer scores 1/K within a type); ``synthetic:shapes/colour``
-(or ``shapes/count+largest``) keeps a subset:
+(or ``shapes/count+largest``) keeps a subset (the grammar: :func:`easytrain.config.data_spec.parse_task`):
 
 - count:   "How many red circles are there?"          answer 1..4
 - largest: "Which shape is the largest?"               circle | square | triangle
@@ -30,9 +30,10 @@ from typing import Any, Optional
 
 from PIL import Image, ImageDraw
 
+from easytrain.config.data_spec import QUESTION_TYPES, parse_task
+
 SHAPES = ("circle", "square", "triangle")
 COLOURS = {"red": (220, 40, 40), "green": (40, 170, 60), "blue": (40, 80, 220), "yellow": (230, 200, 30)}
-QUESTION_TYPES = ("count", "largest", "colour")
 COUNTS = ("1", "2", "3", "4")
 INSTRUCTION = " Put the final answer in \\boxed{}."
 VERSION = 2
@@ -146,16 +147,6 @@ def write_parquet(rows: list[dict[str, Any]], path: Path) -> None:
     tmp = path.with_name(f".{path.name}.{uuid.uuid4().hex[:8]}")
     pq.write_table(table, tmp)
     os.replace(tmp, path)
-
-
-def parse_task(task: str) -> tuple[str, ...]:
-    """``shapes`` (every question type) or ``shapes/colour`` / ``shapes/count+largest`` (a subset)."""
-    name, _, wanted = task.partition("/")
-    types = tuple(wanted.split("+")) if wanted else QUESTION_TYPES
-    if name != "shapes" or not set(types) <= set(QUESTION_TYPES):
-        raise ValueError(f"unknown synthetic task {task!r}; use shapes, or shapes/<types> with types from "
-                         f"{', '.join(QUESTION_TYPES)} joined by +")
-    return types
 
 
 def ensure_synthetic(task: str, split: str, size: int, seed: int, difficulty: int = 1,

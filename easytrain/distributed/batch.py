@@ -5,7 +5,8 @@ holds the patch rows of every image back to back and ``image_grid_thw`` one
 row per image, so splitting or selecting samples must carry the right image
 and patch ranges along; :class:`Batch` does that, so dispatch code and
 workers never re-derive it. Python lists (uids, answers, PIL images for
-vLLM) ride in ``meta``, one entry per sample.
+vLLM) ride in ``meta``, one entry per sample. A :class:`MicroBatch` is one
+forward's samples as the driver planned them, with how to run them.
 """
 
 from __future__ import annotations
@@ -205,3 +206,19 @@ def _pad_last(values: list[torch.Tensor], fill: int = 0) -> list[torch.Tensor]:
     longest = max(v.shape[-1] for v in values)
     return [torch.nn.functional.pad(v, (0, longest - v.shape[-1]), value=fill) if v.shape[-1] < longest else v
             for v in values]
+
+
+@dataclass
+class MicroBatch:
+    """One forward pass's samples and how the worker runs them, both decided by the driver's plan
+    (:mod:`easytrain.trainer.micro_batches`); the worker follows it."""
+
+    batch: Batch
+    packed: bool = False
+    """Padding-free: the samples run as one flattened sequence of exactly their tokens; else padded rows."""
+    prompt_groups: Optional[list[list[int]]] = None
+    """Samples that share a prompt, run prompt-once (:mod:`easytrain.workers.shared_prompt`); None: every
+    sample runs on its own."""
+
+    def __len__(self) -> int:
+        return len(self.batch)

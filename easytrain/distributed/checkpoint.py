@@ -65,6 +65,8 @@ from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model
                                                      set_model_state_dict, set_state_dict)
 from torch.futures import Future
 
+from easytrain.memory.host import MIN_PIECE
+
 logger = logging.getLogger(__name__)
 
 
@@ -196,23 +198,8 @@ def _tuples_to_lists(x: Any) -> Any:
 
 DEFAULT_BUFFER_BYTES = 2**30
 """The host buffer of a save when no config gives one (tests, tools)."""
-NODE_FRACTION = 1 / 64
-"""trainer.checkpoint_host_buffer_gb=-1: this fraction of the node's RAM, shared by its worker processes ... (the
-memory plan's rule too: easytrain.memory.host.buffer_bytes)"""
-BUFFER_RANGE = (2**28, 2**31)
-"""... clamped to 0.25-2 GiB per process: enough for fast sequential writes, little beside a step's memory."""
-MIN_PIECE = 2**20
-"""The smallest piece, whatever the buffer: below it the fsyncs cost more than the memory they save."""
-
-
-def host_buffer_bytes(buffer_gb: float, node_ram_bytes: int, processes_per_node: int) -> int:
-    """``trainer.checkpoint_host_buffer_gb`` in bytes; -1 = NODE_FRACTION of the node's RAM divided by the worker
-    processes on it, clamped to BUFFER_RANGE (e.g. 8 processes on a 2 TB node get 2 GiB, on a 1 TB one 1.8 GiB,
-    on a 256 GB one 0.47 GiB)."""
-    if buffer_gb > 0:
-        return int(buffer_gb * 2**30)
-    share = NODE_FRACTION * node_ram_bytes / max(1, processes_per_node)
-    return int(min(max(share, BUFFER_RANGE[0]), BUFFER_RANGE[1]))
+# the buffer's size (trainer.checkpoint_host_buffer_gb, or the node's share: easytrain.memory.host.host_buffer_bytes)
+# and the smallest piece (MIN_PIECE) are the memory plan's rule, kept with the plan
 
 
 def agreed_piece_bytes(buffer_bytes: int) -> int:

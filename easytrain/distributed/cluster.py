@@ -12,8 +12,10 @@ import os
 import time
 from typing import Any
 
+from easytrain.config.derived import needs_reference
+from easytrain.config.errors import ConfigError
 from easytrain.config.schema import Config, RayConfig
-from easytrain.config.validate import ConfigError
+from easytrain.distributed.token import InsecureAddress, check_token_transport
 
 logger = logging.getLogger(__name__)
 
@@ -41,8 +43,6 @@ def check_local_gpus(config: Config) -> None:
 
 def pools_per_node(config: Config) -> int:
     """Worker pools the run places on each node: one when colocated (or SFT), else actor, rollout and reference."""
-    from easytrain.config.validate import needs_reference
-
     if config.trainer.task == "sft" or config.trainer.colocate:
         return 1
     return 3 if needs_reference(config) else 2
@@ -95,8 +95,6 @@ def check_client_address(address: str, source: str) -> None:
     RAY_ADDRESS set to the head's node IP)."""
     if not address.startswith("ray://"):
         return
-    from easytrain.launch.jobs import InsecureAddress, check_token_transport
-
     tls = os.environ.get("RAY_USE_TLS", "0").lower() in ("1", "true")
     try:
         check_token_transport(address, source, encrypted=tls,

@@ -39,7 +39,7 @@ from typing import Any, Callable, Optional, TypeVar
 
 import ray
 
-from easytrain.config.validate import ConfigError
+from easytrain.config.errors import ConfigError
 from easytrain.distributed.batch import Batch
 from easytrain.distributed.resources import ResourcePool
 from easytrain.memory import peaks

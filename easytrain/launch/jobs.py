@@ -19,7 +19,9 @@ every request carries the cluster token from ``RAY_AUTH_TOKEN``,
 bearer credential: it goes only to ``https://`` or to this machine (loopback:
 ``localhost``, ``127.0.0.0/8``, ``::1``, e.g. an SSH tunnel), else the
 command stops before anything is sent, unless ``--insecure-http`` (or
-``EASYTRAIN_INSECURE_HTTP=1``) says the network is trusted.
+``EASYTRAIN_INSECURE_HTTP=1``) says the network is trusted
+(:mod:`easytrain.distributed.token`, which the driver's join of a Ray Client
+address follows too).
 
 The upload leaves out :data:`EXCLUDES`, the same list as the repository's
 ``.dockerignore`` (tests/test_upload_excludes.py checks both, and what Ray's
@@ -29,15 +31,14 @@ own packer leaves out).
 from __future__ import annotations
 
 import asyncio
-import ipaddress
 import logging
 import os
 import shlex
 import sys
 import time
-from pathlib import Path
 from typing import Any, Optional, Sequence, TextIO
-from urllib.parse import urlsplit
+
+from easytrain.distributed.token import auth_token, check_token_transport
 
 logger = logging.getLogger(__name__)
 
@@ -56,15 +57,9 @@ EXCLUDES = [
 ``/`` (``.env``, ``runs``) matches at any depth, which leaves out more than Docker does, never less."""
 UPLOAD_ONLY_EXCLUDES = [".gpu", ".probe"]
 """Left out of the upload only: scratch folders of local tools that the Docker build never sees."""
-INSECURE_ENV = "EASYTRAIN_INSECURE_HTTP"
-"""Set to 1 to send the token over plain http to a host that is not this machine (as ``--insecure-http``)."""
 TERMINAL = ("SUCCEEDED", "FAILED", "STOPPED")
 AGENT_WAIT_S = 120.0
 """How long ``submit`` waits for a just-started head's job agent (the dashboard answers first)."""
-
-
-class InsecureAddress(ValueError):
-    """The Ray token would travel unencrypted to another machine; one line naming the address and its source."""
 
 
 def address_of(address: Optional[str]) -> str:
@@ -78,42 +73,10 @@ def address_source(address: Optional[str]) -> str:
     return "RAY_ADDRESS" if os.environ.get("RAY_ADDRESS") else "the default"
 
 
-def is_loopback(host: str) -> bool:
-    """``localhost``, ``127.0.0.0/8``, ``::1`` (also IPv4-mapped): traffic that never leaves this machine."""
-    host = host.strip("[]").lower()
-    if host == "localhost" or host.endswith(".localhost"):
-        return True
-    try:
-        ip = ipaddress.ip_address(host)
-    except ValueError:
-        return False
-    mapped = getattr(ip, "ipv4_mapped", None)
-    return bool(ip.is_loopback or (mapped is not None and mapped.is_loopback))
-
-
-def check_token_transport(address: str, source: str, *, insecure_http: bool = False, encrypted: bool = False,
-                          opt_in: str = f"pass --insecure-http (or set {INSECURE_ENV}=1)") -> None:
-    """Refuse, before anything is sent, to send the Ray token unencrypted (not ``https://``, and not
-    ``encrypted`` by other means) to a host that is not this machine, unless ``insecure_http`` or
-    ``EASYTRAIN_INSECURE_HTTP=1`` says the network is trusted (``opt_in`` tells the user how). No token found:
-    nothing to protect."""
-    if insecure_http or encrypted or os.environ.get(INSECURE_ENV, "").lower() in ("1", "true", "yes"):
-        return
-    parsed = urlsplit(address if "://" in address else f"http://{address}")
-    host, port = parsed.hostname or "", parsed.port or (10001 if parsed.scheme == "ray" else 8265)
-    if parsed.scheme == "https" or address in ("auto", "local") or is_loopback(host) or not auth_token():
-        return
-    local = f"{parsed.scheme}://127.0.0.1:{port}"
-    raise InsecureAddress(
-        f"refusing to send the Ray auth token in the clear to {address} (from {source}): {host} is not this "
-        f"machine and {parsed.scheme}:// is unencrypted, so anyone on the path could take the token and run code "
-        f"on the cluster; use {'' if parsed.scheme == 'ray' else 'an https:// address, or '}an SSH tunnel "
-        f"(ssh -N -L {port}:localhost:{port} {host}, then {local}), or {opt_in} if you trust the network")
-
-
 def client(address: Optional[str], *, insecure_http: bool = False) -> Any:
     """A Job Submission client for ``address`` (see the module docstring for the order of sources); an
-    :class:`InsecureAddress` before any request when the token would go unencrypted to another machine."""
+    :class:`~easytrain.distributed.token.InsecureAddress` before any request when the token would go unencrypted
+    to another machine."""
     where = address_of(address)
     check_token_transport(where, address_source(address), insecure_http=insecure_http)
     from ray.job_submission import JobSubmissionClient
@@ -126,21 +89,6 @@ def client(address: Optional[str], *, insecure_http: bool = False) -> Any:
         raise SystemExit(f"easytrain: cannot reach the Ray dashboard at {where}: {err}. Start a head with "
                          "`ray start --head` (or see launcher/README.md), or pass --address http://HEAD:8265 / "
                          "set RAY_ADDRESS") from err
-
-
-def auth_token() -> Optional[str]:
-    """The cluster token, from where Ray's own tools read it: ``RAY_AUTH_TOKEN``, the file
-    ``RAY_AUTH_TOKEN_PATH`` names, or ``~/.ray/auth_token`` (``ray start`` and ``ray get-auth-token --generate``
-    write it there). The SDK sends it only in a process started with ``RAY_AUTH_MODE=token``; easytrain sends it
-    whenever it is found (a cluster without authentication ignores the header)."""
-    if os.environ.get("RAY_AUTH_TOKEN"):
-        return os.environ["RAY_AUTH_TOKEN"].strip()
-    path = Path(os.environ.get("RAY_AUTH_TOKEN_PATH") or Path.home() / ".ray" / "auth_token")
-    if path.is_file():
-        return path.read_text().strip() or None
-    if os.environ.get("RAY_AUTH_TOKEN_PATH"):
-        raise SystemExit(f"easytrain: RAY_AUTH_TOKEN_PATH={path} is not a readable file")
-    return None
 
 
 def dashboard_url(address: str, job_id: str) -> str:

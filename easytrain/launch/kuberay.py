@@ -13,7 +13,7 @@ Both manifests (``ray.io/v1``) come from the composed, validated config:
 - ``/dev/shm`` a memory-backed emptyDir sized for Ray's object store (``object-store-memory``, same number)
   plus ``launch.shm_headroom_gb``: Ray puts its object store there only when it fits;
 - Ray's memory monitor: ``RAY_memory_usage_threshold`` is the kill line the watchdog's config was checked
-  against (:func:`easytrain.config.validate.ray_kill_threshold`: this environment's value, else Ray's 0.95),
+  against (:func:`easytrain.config.derived.ray_kill_threshold`: this environment's value, else Ray's 0.95),
   so ``watchdog.ram_hard`` is below it in the pods too; ``RAY_memory_monitor_refresh_ms`` pinned to Ray's 250
   (0 would turn the monitor off and leave OOMs to the kernel);
 - Ray's token authentication on through the CRD's ``authOptions`` (``mode: token``; the token in the Secret
@@ -44,7 +44,10 @@ from pathlib import Path
 from typing import Any, Optional, Sequence, TextIO
 
 from easytrain.config import Config, ConfigError, with_default_preset
-from easytrain.config.validate import RAYJOB_NAME_MAX, ray_kill_threshold
+from easytrain.config.derived import ray_kill_threshold
+from easytrain.config.k8s_names import RAYJOB_NAME_MAX
+from easytrain.config.paths import BUILT_PREFIXES, looks_local
+from easytrain.config.presets import known_hf_configs
 
 logger = logging.getLogger(__name__)
 
@@ -75,9 +78,6 @@ SECURITY_CONTEXT: dict[str, Any] = {
 }
 """Every Ray container's: Ray, the trainer and the preStop hook need no root, capability or setuid binary (GPUs
 come through the device plugin, /dev/shm is an emptyDir)."""
-LOCAL_MODEL_PREFIXES = ("/", ".", "~", "tiny:", "random:")
-"""A model.path / tokenizer_path starting so (or with more than one ``/``: a hub id is ``name`` or
-``owner/name``) is read from a folder or built, not downloaded from the Hub."""
 
 
 class KubeError(RuntimeError):
@@ -196,11 +196,10 @@ def secret_required(name: str, config: Config) -> bool:
     Every other entry is one the user added, so the run needs it."""
     env = {str(k): str(v).lower() for k, v in config.launch.env_vars.items()}
     if name == "HF_TOKEN":
-        from easytrain.models.shapes import known_hf_configs
-
         public = set(known_hf_configs())  # the presets' checkpoints: public, downloaded without a token
         sources = [config.model.path, config.model.tokenizer_path or ""]
-        from_hub = any(s and not s.startswith(LOCAL_MODEL_PREFIXES) and s.count("/") <= 1 and s not in public
+        # a folder or a built model is not downloaded; judged by the text alone: the pods' disks are not this one
+        from_hub = any(s and not s.startswith(BUILT_PREFIXES) and not looks_local(s, on_disk=False) and s not in public
                        for s in sources)
         return from_hub and env.get("HF_HUB_OFFLINE", "0") not in ("1", "true")
     if name == "WANDB_API_KEY":

@@ -102,7 +102,9 @@ def vision_block_saved(d: ModelDims) -> int:
 
 
 @dataclass(frozen=True)
-class MicroBatch:
+class MicroShape:
+    """The shape of one planned micro batch, as the planner prices it."""
+
     sequences: int
     tokens: int
     """Positions per sequence (prompt incl. image tokens + response)."""
@@ -113,15 +115,15 @@ class MicroBatch:
     """Language-model tokens per image (after the 2x2 merge)."""
 
 
-def packed_micro(budget: int, sample_tokens: int, response: int, images: int, image_tokens: int) -> MicroBatch:
+def packed_micro(budget: int, sample_tokens: int, response: int, images: int, image_tokens: int) -> MicroShape:
     """A padding-free micro batch: one flattened sequence of ``budget`` tokens (batch dimension 1) holding as
     many full-length samples of ``sample_tokens`` as fit (at least one): their images and their ``response``
-    positions each (``MicroBatch.response`` is then the whole sequence's response positions)."""
+    positions each (``MicroShape.response`` is then the whole sequence's response positions)."""
     samples = max(1, budget // sample_tokens)
-    return MicroBatch(1, budget, samples * response, samples * images, image_tokens)
+    return MicroShape(1, budget, samples * response, samples * images, image_tokens)
 
 
-def activation_bytes(d: ModelDims, mb: MicroBatch, dtype_bytes: int, *, grad: bool, checkpointing: bool,
+def activation_bytes(d: ModelDims, mb: MicroShape, dtype_bytes: int, *, grad: bool, checkpointing: bool,
                      vision_grad: bool, eager: bool = False, ulysses: int = 1) -> int:
     """Peak activation bytes of one forward (and, with ``grad``, what it keeps for backward) of a micro
     batch, excluding the logits. ``ulysses`` ranks split every sequence, dividing the per-token terms."""

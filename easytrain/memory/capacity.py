@@ -8,11 +8,11 @@ process adds ``CUDA_CONTEXT_BYTES`` of device memory (assumed, typical of CUDA
 from __future__ import annotations
 
 import json
-import os
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Optional
 
+from easytrain.config.derived import ray_kill_threshold
 from easytrain.config.schema import Config
 
 GB = 10**9
@@ -31,7 +31,6 @@ def gpu_process_device(phase: str) -> dict[str, int]:
     if phase not in ("load", "setup"):
         parts["cuda library workspaces"] = CUDA_WORKSPACE_BYTES
     return parts
-RAY_DEFAULT_THRESHOLD = 0.95
 
 
 @dataclass(frozen=True)
@@ -93,7 +92,7 @@ def capacity_of(config: Config) -> Capacity:
     import psutil
 
     t = config.trainer
-    threshold = float(os.environ.get("RAY_memory_usage_threshold", RAY_DEFAULT_THRESHOLD))
+    threshold = ray_kill_threshold()
     sources = []
     gpu: Optional[int] = None
     if t.device == "cuda":

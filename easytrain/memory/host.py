@@ -143,11 +143,28 @@ def malloc_threshold_bytes(config: Config) -> int:
     return kb * 1024
 
 
+NODE_FRACTION = 1 / 64
+"""trainer.checkpoint_host_buffer_gb=-1: this fraction of the node's RAM, shared by its worker processes ..."""
+BUFFER_RANGE = (2**28, 2**31)
+"""... clamped to 0.25-2 GiB per process: enough for fast sequential writes, little beside a step's memory."""
+MIN_PIECE = 2**20
+"""The smallest piece a save cuts a tensor into, whatever the buffer: below it the fsyncs cost more than the
+memory they save (:mod:`easytrain.distributed.checkpoint` cuts at half the buffer, at least this)."""
+
+
+def host_buffer_bytes(buffer_gb: float, node_ram_bytes: int, processes_per_node: int) -> int:
+    """``trainer.checkpoint_host_buffer_gb`` in bytes; -1 = NODE_FRACTION of the node's RAM divided by the worker
+    processes on it, clamped to BUFFER_RANGE (e.g. 8 processes on a 2 TB node get 2 GiB, on a 1 TB one 1.8 GiB,
+    on a 256 GB one 0.47 GiB). The rule the saving workers size their buffer by, and the plan prices."""
+    if buffer_gb > 0:
+        return int(buffer_gb * 2**30)
+    share = NODE_FRACTION * node_ram_bytes / max(1, processes_per_node)
+    return int(min(max(share, BUFFER_RANGE[0]), BUFFER_RANGE[1]))
+
+
 def buffer_bytes(config: Config, node_ram: int, processes_per_node: int) -> int:
     """The host buffer one process's checkpoint save may use: ``trainer.checkpoint_host_buffer_gb``, or with -1
-    the saving code's own rule (:func:`easytrain.distributed.checkpoint.host_buffer_bytes`)."""
-    from easytrain.distributed.checkpoint import host_buffer_bytes
-
+    the node's share (:func:`host_buffer_bytes`)."""
     return host_buffer_bytes(config.trainer.checkpoint_host_buffer_gb, node_ram, processes_per_node)
 
 
@@ -157,8 +174,6 @@ def save_staging(config: Config, state: int, node_ram: int, processes_per_node: 
     the buffer. On CPU a piece is copied into the buffer only out of a tensor larger than a piece (half the
     buffer; :mod:`easytrain.distributed.checkpoint`): with every shard (``largest_shard`` bytes at most)
     smaller, nothing is staged."""
-    from easytrain.distributed.checkpoint import MIN_PIECE
-
     if config.trainer.checkpoint_async:
         return {"checkpoint staging (async: the whole state)": state}
     buffer = buffer_bytes(config, node_ram, processes_per_node)

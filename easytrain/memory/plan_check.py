@@ -25,9 +25,8 @@ MISS_FRACTION = 0.10
 """A phase's measured peak above its plan by more than this is a plan miss."""
 METHOD_PHASE = {
     "setup": "load", "load_checkpoint": "resume_load", "save_checkpoint": "checkpoint_save",
-    "generate": "generation", "compute_ref_log_probs": "ref_log_probs", "compute_ref_log_probs_planned": "ref_log_probs",
-    "compute_log_probs": "old_log_probs", "compute_log_probs_planned": "old_log_probs", "update": "update",
-    "update_planned": "update", "sync_weights": "weight_sync", "finish_weight_update": "weight_sync",
+    "generate": "generation", "compute_ref_log_probs": "ref_log_probs", "compute_log_probs": "old_log_probs",
+    "update": "update", "sync_weights": "weight_sync", "finish_weight_update": "weight_sync",
     "push_weights": "weight_sync",
     # SFT's phases (easytrain.memory.sft)
     "sft_update": "sft_update", "sft_eval": "validation",

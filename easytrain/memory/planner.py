@@ -53,7 +53,7 @@ from dataclasses import dataclass
 from typing import Any, Optional
 
 from easytrain.config.schema import Config
-from easytrain.memory.activations import PATCH_VALUES, MicroBatch, activation_bytes, logits_bytes, model_dims
+from easytrain.memory.activations import PATCH_VALUES, MicroShape, activation_bytes, logits_bytes, model_dims
 from easytrain.memory.budget import engine_budget, kv_bytes_per_token
 from easytrain.memory.capacity import (CUDA_CONTEXT_BYTES, GB, Capacity, Plan, Row, capacity_of, gpu_process_device,
                                        sum_parts)
@@ -63,7 +63,7 @@ from easytrain.memory.layout import (engine_held, engine_weights, fused, layout_
 from easytrain.memory.sft import plan_sft, sft_worker_parts, validation_prompts
 from easytrain.memory.states import FP32, role_states, shard_degree
 from easytrain.memory.phases import Phase
-from easytrain.models.shapes import RANDOM_PREFIX
+from easytrain.config.presets import RANDOM_PREFIX
 from easytrain.memory.rl_shape import Shape, experience_micro, gathered_units, packed_group, per_rank, shape_of, update_micro
 
 __all__ = ["CUDA_CONTEXT_BYTES", "GB", "Capacity", "Plan", "Row", "capacity_of", "plan", "worker_bytes",
@@ -92,7 +92,7 @@ def _vision_grad(s: Shape) -> bool:
     return s.trainable.get("vision_tower", 0) > 0
 
 
-def forward_peak(config: Config, s: Shape, hf_config: dict[str, Any], *, grad: bool, micro: MicroBatch,
+def forward_peak(config: Config, s: Shape, hf_config: dict[str, Any], *, grad: bool, micro: MicroShape,
                  role: str) -> dict[str, int]:
     """Transient bytes of one forward (+ backward) pass of ``micro`` on one device. Padded sequences keep the
     logits of their last ``response + 1`` positions; a padding-free one only those predicting its response
@@ -131,7 +131,7 @@ def rollout_phase(config: Config, s: Shape, hf_config: dict[str, Any], capacity:
         logits = 4 * rows * s.response * dims.vocab * s.dtype_bytes
     # worker.rollout.share_prefill: each prompt's prefill runs once for its n samples
     prefill_rows = -(-prompts // (s.world // tp)) if r.share_prefill and n > 1 else rows
-    prefill = activation_bytes(dims, MicroBatch(prefill_rows, s.seq_tokens - s.response, 0, s.images,
+    prefill = activation_bytes(dims, MicroShape(prefill_rows, s.seq_tokens - s.response, 0, s.images,
                                                 s.image_tokens), s.dtype_bytes, grad=False, checkpointing=False,
                                vision_grad=False)
     return {"weights": weights, "kv cache": kv, "logits": logits, "prefill": prefill}
@@ -208,7 +208,7 @@ def plan(config: Config, hf_config: Optional[dict[str, Any]] = None, capacity: O
     return Plan(rows, capacity, s.on_gpu, notes, once=[_load_row(step), *_run_rows(step, capacity)])
 
 
-def update_transient(config: Config, s: Shape, hf_config: dict[str, Any], micro: MicroBatch, accumulates: bool,
+def update_transient(config: Config, s: Shape, hf_config: dict[str, Any], micro: MicroShape, accumulates: bool,
                      grads: int, offloaded: bool) -> dict[str, int]:
     """The update's peak above the states: the end of a micro batch's forward (activations and logits;
     gradients too when accumulating) or the optimizer step (every gradient plus AdamW's two temporaries
@@ -359,7 +359,7 @@ def batch_bytes(config: Config, s: Shape) -> int:
     return sequences * (per_sequence + pixels)
 
 
-def micro_note(config: Config, s: Shape, micro: MicroBatch) -> str:
+def micro_note(config: Config, s: Shape, micro: MicroShape) -> str:
     """The actor's and reference's micro batch shape, in words."""
     a = config.worker.actor
     images = f", {micro.images} image(s) of {micro.image_tokens} tokens" if micro.images else ""

@@ -8,7 +8,7 @@ from dataclasses import dataclass
 from typing import Any, Optional
 
 from easytrain.config.schema import MASKED_ATTENTION, Config
-from easytrain.memory.activations import MicroBatch, model_dims, packed_micro, shard_units
+from easytrain.memory.activations import MicroShape, model_dims, packed_micro, shard_units
 from easytrain.memory.budget import sequence_shape
 from easytrain.memory.params import count_parameters, largest_module, largest_trainable, trainable_by_component
 from easytrain.memory.states import DTYPE_BYTES, FP32, gathered_bytes, shard_degree
@@ -68,17 +68,14 @@ def per_rank(config: Config, s: Shape, role: str, prompts: int) -> int:
 # ----------------------------------------------------------------------------- micro batches
 
 
-def shares_prompt(config: Config, role: str) -> bool:
-    """Whether ``role``'s passes run each prompt once with its responses (``worker.actor.share_prompt``, an
-    attention that takes a mask, no sequence parallelism: :func:`easytrain.workers.forward.log_probs_of`)."""
-    return (config.worker.actor.share_prompt and config.model.attn_implementation in MASKED_ATTENTION
-            and getattr(config.worker, role).ulysses_size == 1)
-
-
-def prompt_planned(config: Config) -> bool:
-    """Whether the driver packs whole prompts into padding-free micro batches, counting a prompt's tokens once
-    (:func:`easytrain.trainer.dynamic.shares_prompts`)."""
-    return shares_prompt(config, "actor") and config.worker.ref.ulysses_size == 1
+def shares_prompts(config: Config) -> bool:
+    """Whether the run's log-prob and update passes may run each prompt once with its responses: the one rule
+    the planner and the driver's micro-batch plan (:class:`easytrain.trainer.micro_batches.Forward`, which
+    adds what the loaded model says) both follow. ``worker.actor.share_prompt``, an attention that takes a
+    mask, and no sequence parallelism in the actor or the reference."""
+    w = config.worker
+    return (w.actor.share_prompt and config.model.attn_implementation in MASKED_ATTENTION
+            and w.actor.ulysses_size == 1 and w.ref.ulysses_size == 1)
 
 
 def shared_rows(size: int, n: int, sequences: int) -> tuple[int, int]:
@@ -103,26 +100,26 @@ def shared_pays_off(rows: int, width: int, size: int, plain_width: int, hidden: 
 def packed_group(config: Config, s: Shape, prompts: int, role: str) -> Optional[int]:
     """Tokens of one prompt with its n responses when the driver packs whole prompts (prompt once) into
     ``role``'s padding-free micro batches: it does when it plans by prompt, one prompt's group fits the budget
-    and the batch has a prompt for every member (:func:`easytrain.trainer.dynamic.plan`); None otherwise."""
+    and the batch has a prompt for every member (:func:`easytrain.trainer.micro_batches.plan_indices`); None otherwise."""
     a, n = config.worker.actor, config.worker.rollout.n
     group = s.seq_tokens - s.response + n * s.response
     members = s.world // getattr(config.worker, role).ulysses_size
-    if not prompt_planned(config) or group > a.max_token_len_per_device or prompts < members:
+    if not shares_prompts(config) or group > a.max_token_len_per_device or prompts < members:
         return None
     return group
 
 
-def shared_micro(config: Config, s: Shape, size: int, sequences: int, role: str) -> Optional[MicroBatch]:
+def shared_micro(config: Config, s: Shape, size: int, sequences: int, role: str) -> Optional[MicroShape]:
     """A padded micro batch as a prompt-shared pass lays it out (a row per prompt of its responses:
     :func:`shared_rows`) when that pays off by the workers' rule, or None where the pass runs plain rows."""
-    if not shares_prompt(config, role) or config.worker.actor.padding_free:
+    if not shares_prompts(config) or config.worker.actor.padding_free:
         return None
     size = min(size, sequences)
     rows, k = shared_rows(size, config.worker.rollout.n, sequences)
     width = s.seq_tokens - s.response + k * s.response
     if rows == size or not shared_pays_off(rows, width, size, s.seq_tokens, s.hidden):
         return None
-    return MicroBatch(rows, width, k * s.response, s.images, s.image_tokens)
+    return MicroShape(rows, width, k * s.response, s.images, s.image_tokens)
 
 
 def rank_tokens(config: Config, s: Shape, sequences: int, prompts: int, role: str) -> int:
@@ -133,7 +130,7 @@ def rank_tokens(config: Config, s: Shape, sequences: int, prompts: int, role: st
     return -(-sequences // n) * group if group is not None else sequences * s.seq_tokens
 
 
-def _micro(config: Config, s: Shape, size: int, sequences: int, prompts: int, role: str) -> MicroBatch:
+def _micro(config: Config, s: Shape, size: int, sequences: int, prompts: int, role: str) -> MicroShape:
     """A rank's micro batch among ``sequences`` (of a batch of ``prompts`` prompts): ``size`` padded ones (a row
     per prompt where ``role`` shares prompts and it pays off), or padding-free one flattened sequence of
     ``max_token_len_per_device`` tokens (no more than the rank's sequences hold) holding full-length samples,
@@ -149,10 +146,10 @@ def _micro(config: Config, s: Shape, size: int, sequences: int, prompts: int, ro
     shared = shared_micro(config, s, size, sequences, role)
     if shared is not None:
         return shared
-    return MicroBatch(min(size, sequences), s.seq_tokens, s.response, s.images, s.image_tokens)
+    return MicroShape(min(size, sequences), s.seq_tokens, s.response, s.images, s.image_tokens)
 
 
-def experience_micro(config: Config, s: Shape, role: str) -> MicroBatch:
+def experience_micro(config: Config, s: Shape, role: str) -> MicroShape:
     """One log-prob pass's micro batch on a rank of ``role`` (actor or ref)."""
     prompts = config.data.rollout_batch_size
     sequences = per_rank(config, s, role, prompts)
@@ -160,7 +157,7 @@ def experience_micro(config: Config, s: Shape, role: str) -> MicroBatch:
                   role)
 
 
-def update_micro(config: Config, s: Shape) -> tuple[MicroBatch, bool]:
+def update_micro(config: Config, s: Shape) -> tuple[MicroShape, bool]:
     """The update's micro batch on an actor rank, and whether the rank accumulates gradients over several."""
     a = config.worker.actor
     sequences = per_rank(config, s, "actor", a.global_batch_size)

@@ -35,7 +35,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from easytrain.config.schema import Config
-from easytrain.memory.activations import (PATCH_VALUES, MicroBatch, activation_bytes, model_dims, packed_micro,
+from easytrain.memory.activations import (PATCH_VALUES, MicroShape, activation_bytes, model_dims, packed_micro,
                                           sft_logits_bytes, shard_units)
 from easytrain.memory.budget import kv_bytes_per_token
 from easytrain.memory.capacity import CUDA_WORKSPACE_BYTES, Capacity, Plan, Row, gpu_process_device, sum_parts
@@ -70,7 +70,7 @@ class SFTShape:
     images: int
     """Images per full-length sample."""
     image_tokens: int
-    micro: MicroBatch
+    micro: MicroShape
     accumulates: bool
     """Whether a rank runs more than one micro batch per optimizer step (gradients wait between them)."""
     dtype_bytes: int
@@ -102,7 +102,7 @@ def sft_shape(config: Config, hf_config: dict[str, Any]) -> SFTShape:
         accumulates = per_rank * tokens > a.max_token_len_per_device
     else:
         size = min(a.micro_batch_size_per_device_for_update, per_rank)
-        micro = MicroBatch(size, tokens, d.max_response_length, images, per_image)
+        micro = MicroShape(size, tokens, d.max_response_length, images, per_image)
         accumulates = per_rank > size
     trainable = trainable_by_component(hf_config, config.model)
     return SFTShape(world=world, per_node=t.workers_per_node, total_params=count_parameters(hf_config).total,
@@ -215,7 +215,7 @@ def generation_bytes(config: Config, s: SFTShape, st: ActorStates, hf_config: di
     rows = -(-validation_prompts(config, config.worker.actor.global_batch_size) // s.world)
     dims = model_dims(hf_config)
     response = config.data.max_response_length
-    prompt = MicroBatch(rows, s.sample_tokens, 0, s.images, s.image_tokens)
+    prompt = MicroShape(rows, s.sample_tokens, 0, s.images, s.image_tokens)
     fsdp = config.worker.actor.strategy == "fsdp"
     gathered = s.total_params * s.dtype_bytes if fsdp and st.sharded else _gathered(st, s, hf_config, False)
     return {"kv cache": rows * (s.sample_tokens + response) * kv_bytes_per_token(hf_config, config.model.dtype),

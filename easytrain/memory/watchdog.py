@@ -29,7 +29,7 @@ from typing import Any, Optional
 import ray
 
 from easytrain.config.schema import Config
-from easytrain.config.validate import ray_kill_threshold
+from easytrain.config.derived import ray_kill_threshold
 from easytrain.memory.detect import MB, LeakDetector, RankMemory, gpu_pressure, imbalance, level, worst
 from easytrain.memory.flag import GrowthRate, PressureFlag, hard_threshold
 from easytrain.memory.readings import gpu_readings, node_ram, open_nvml, process_rss

@@ -15,9 +15,9 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, Iterator, Optional
 
+from easytrain.config.errors import ConfigError
+from easytrain.config.presets import RANDOM_PREFIX
 from easytrain.config.schema import ModelConfig
-from easytrain.config.validate import ConfigError
-from easytrain.models.shapes import RANDOM_PREFIX
 from easytrain.models.tiny import build_tiny, image_processor_class, model_class_for
 
 logger = logging.getLogger(__name__)

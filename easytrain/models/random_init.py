@@ -28,7 +28,7 @@ from typing import Any, Union
 
 import torch
 
-from easytrain.models.shapes import RANDOM_PREFIX, random_hf_config
+from easytrain.config.presets import RANDOM_PREFIX, random_hf_config
 from easytrain.models.tiny import build_once, build_tiny, default_cache_dir, model_class_for
 
 logger = logging.getLogger(__name__)

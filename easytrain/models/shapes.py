@@ -6,7 +6,8 @@ tiny-model specs, ``conf/model/`` for ``random:<name>`` (the named file's
 shape: the planner prices it exactly as the checkpoint it copies), a local
 folder's ``config.json``, or ``conf/model/`` by hub id (the shape settings of
 public checkpoints' published ``config.json``, one file each, checked against
-their published parameter counts in the tests).
+their published parameter counts in the tests; :mod:`easytrain.config.presets`
+reads that folder).
 """
 
 from __future__ import annotations
@@ -16,14 +17,14 @@ import logging
 from pathlib import Path
 from typing import Any, Optional
 
+from easytrain.config.presets import RANDOM_PREFIX, known_hf_configs, random_hf_config
 from easytrain.config.schema import ModelConfig
-from easytrain.config.validate import ConfigError, ModelShape
+from easytrain.config.validate import ModelShape
 
 logger = logging.getLogger(__name__)
 
 VISION_FAMILIES = ("qwen2_5_vl", "qwen2_vl")
-RANDOM_PREFIX = "random:"
-"""``model.path=random:<name>``: the shape of ``conf/model/<name>.yaml`` with random weights (models/random_init.py)."""
+
 
 def shape_from_hf_config(hf: dict[str, Any]) -> ModelShape:
     """Read a ModelShape from a ``config.json`` dict (flat or with ``text_config``)."""
@@ -60,33 +61,6 @@ def resolve_shape(model: ModelConfig) -> Optional[ModelShape]:
         return shape_from_hf_config(known)
     logger.warning("model.path=%s: shape unknown offline; head-dependent checks run when the model loads", path)
     return None
-
-
-MODEL_CONF_DIR = Path(__file__).resolve().parents[2] / "conf" / "model"
-"""Full HF configs (shape settings) of public checkpoints, one YAML file each, keyed by ``hub_id``."""
-
-
-def model_presets() -> dict[str, dict[str, Any]]:
-    """``conf/model/`` file stem -> its entry (``hub_id`` and ``hf_config``)."""
-    import yaml
-
-    return {path.stem: yaml.safe_load(path.read_text()) for path in sorted(MODEL_CONF_DIR.glob("*.yaml"))}
-
-
-def known_hf_configs() -> dict[str, dict[str, Any]]:
-    """hub id -> the shape settings of its public ``config.json`` (from ``conf/model/``)."""
-    return {entry["hub_id"]: entry["hf_config"] for entry in model_presets().values()}
-
-
-def random_hf_config(path: str) -> dict[str, Any]:
-    """The shape settings ``model.path=random:<name>`` builds: ``conf/model/<name>.yaml``'s ``hf_config``; an
-    unknown name is a config error naming ``model.path`` and the valid names."""
-    presets = model_presets()
-    name = path[len(RANDOM_PREFIX):]
-    if name not in presets:
-        raise ConfigError("model.path", path, "unknown random: model (the names are conf/model/'s files)",
-                          "use one of " + ", ".join(RANDOM_PREFIX + known for known in presets))
-    return dict(presets[name]["hf_config"])
 
 
 def hf_config_for(model: ModelConfig) -> Optional[dict[str, Any]]:

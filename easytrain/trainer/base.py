@@ -12,6 +12,7 @@ from __future__ import annotations
 import logging
 import time
 from contextlib import contextmanager
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Iterator, Optional
 
@@ -49,6 +50,16 @@ class Stopped(Exception):
         self.reason, self.step, self.checkpoint = reason, step, checkpoint
 
 
+@dataclass
+class StepResult:
+    """What one training step hands the loop: its metrics, when each of its phases ran (the watchdog's
+    timeline) and the workers' own memory readings (for the watchdog's judgement)."""
+
+    metrics: dict[str, float]
+    spans: list[tuple[str, float, float]] = field(default_factory=list)
+    readings: list[dict[str, Any]] = field(default_factory=list)
+
+
 class RunFailed(Exception):
     """Workers died more often than ``trainer.max_failures`` allows; the message says how to resume."""
 
@@ -84,8 +95,6 @@ class Trainer:
         self.step, self.saved_step = 0, -1
         self.pending_save: Optional[PendingCheckpoint] = None
         """A checkpoint being written in the background (trainer.checkpoint_async), published once written."""
-        self.spans: list[tuple[str, float, float]] = []
-        self.worker_readings: list[dict[str, Any]] = []
         self.stop_reason: Optional[str] = None
         self.save_requested = False
         self.guard = MemoryGuard(config, t.output_dir) if config.watchdog.enabled else None
@@ -110,7 +119,7 @@ class Trainer:
     def build_roles(self) -> Roles:
         raise NotImplementedError
 
-    def train_step(self) -> dict[str, float]:
+    def train_step(self) -> StepResult:
         raise NotImplementedError
 
     def validate(self) -> dict[str, float]:
@@ -160,14 +169,15 @@ class Trainer:
             boundary = {"data": self.loader.state_dict(), "rng": rng_state()}  # what the last step ended with
             self.step += 1
             try:
-                metrics = self.train_step()
+                result = self.train_step()
             except MemoryStop as abort:  # nothing of this step is in the weights: the last step is the state
                 reason = self.stop_reason_of(abort, "generate")
                 self.step -= 1
                 raise Stopped(reason, self.step, self.save(boundary=boundary)) from None
             self.record_peaks("step")
+            metrics = result.metrics
             if self.guard is not None:  # pressure is judged at the step boundary, where relief and saving can run
-                watched, stop = self.guard.after_step(self.step, self.spans, self.worker_readings)
+                watched, stop = self.guard.after_step(self.step, result.spans, result.readings)
                 metrics.update(watched)
                 if stop is not None:
                     self.request_stop(stop)
@@ -194,20 +204,21 @@ class Trainer:
                    trust_remote_code=self.config.model.trust_remote_code)
         return final
 
-    def memory(self) -> dict[str, float]:
-        """Each role's largest per-worker reading; all workers are asked at once. Their in-worker readings
-        (RSS, torch allocator) are kept for the memory watchdog."""
+    def memory(self) -> tuple[dict[str, float], list[dict[str, Any]]]:
+        """Each role's largest per-worker reading as metrics, and every worker's in-worker readings (RSS, torch
+        allocator) for the memory watchdog; all workers are asked at once."""
         groups = self.roles.processes()
         pending = {name: group.submit("memory") for name, group in groups.items()}
-        out, self.worker_readings = {}, []
+        out: dict[str, float] = {}
+        watched: list[dict[str, Any]] = []
         for name, calls in pending.items():
             readings = groups[name].collect(calls)
-            self.worker_readings += [r.pop("watch") for r in readings]
+            watched += [r.pop("watch") for r in readings]
             for key in readings[0]:
                 out[f"memory/{name}_{key}_max"] = max(r[key] for r in readings)
         if self.ray_metrics is not None:
-            self.ray_metrics.workers(self.worker_readings)
-        return out
+            self.ray_metrics.workers(watched)
+        return out, watched
 
     def record_peaks(self, context: str) -> None:
         """Every worker's peaks per call since the last drain, against the plan (:mod:`easytrain.memory.plan_check`):

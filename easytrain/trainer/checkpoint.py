@@ -97,7 +97,7 @@ def latest(root: Path) -> Optional[Path]:
     return complete[-1] if complete else None
 
 
-def resolve(path: str | Path) -> Path:
+def checkpoint_folder(path: str | Path) -> Path:
     """A ``global_step_<N>`` folder as given, or a run folder / ``checkpoints`` folder meaning its latest."""
     p = Path(path).expanduser()
     if is_complete(p):
@@ -125,7 +125,7 @@ def resume_from(config: Config) -> Optional[Path]:
         root = checkpoint_root(config.trainer.output_dir)
         return latest(root) if root.is_dir() else None
     try:
-        return resolve(resume)
+        return checkpoint_folder(resume)
     except CheckpointError as err:
         raise CheckpointError(f"trainer.resume={resume}: {err}") from err
 

@@ -7,7 +7,7 @@ import logging
 from typing import Any, Iterator, Optional
 
 from easytrain.config.schema import Config
-from easytrain.config.validate import split_files
+from easytrain.config.data_spec import split_files
 from easytrain.data.collate import PromptCollator
 from easytrain.data.dataset import PromptDataset
 from easytrain.data.loader import PromptLoader

@@ -29,7 +29,7 @@ from omegaconf.errors import OmegaConfBaseException
 
 from easytrain.config.schema import Config
 from easytrain.distributed.checkpoint import IncompatibleCheckpoint, load_model_weights, read_json, write_json
-from easytrain.trainer.checkpoint import ACTOR, CONFIG_FILE, STATE_FILE, resolve
+from easytrain.trainer.checkpoint import ACTOR, CONFIG_FILE, STATE_FILE, checkpoint_folder
 
 logger = logging.getLogger(__name__)
 
@@ -123,7 +123,7 @@ def export(checkpoint: str | Path, out: str | Path, merge: bool = False, dtype: 
     from easytrain.models.hf import load_image_processor, load_model, load_tokenizer, model_folder
     from easytrain.models.parts import apply_lora
 
-    folder = resolve(checkpoint)
+    folder = checkpoint_folder(checkpoint)
     out = check_out(out, folder, force)  # before the model is loaded: a refusal costs nothing
     config = checkpoint_config(folder, trust_remote_code)
     lora = config.model.lora.rank > 0

@@ -34,7 +34,8 @@ from typing import Any, Optional, Protocol
 logger = logging.getLogger("easytrain.metrics")
 
 CONSOLE = ("reward/mean", "reward/accuracy", "response_length/mean", "actor/pg_loss", "actor/kl_loss",
-           "actor/entropy", "train/loss", "val/loss", "actor/grad_norm", "perf/tokens_per_s", "time/step")
+           "actor/entropy", "train/loss", "val/loss", "actor/grad_norm", "perf/generate_tokens_per_s",
+           "perf/train_tokens_per_s", "time/step")
 """What the console line shows; the other sinks get everything."""
 
 RUN_IDS = "logger_runs.json"

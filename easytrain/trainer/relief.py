@@ -209,9 +209,7 @@ class MemoryGuard:
                 return Relief(0, "the update micro batch is already 1")
         before = worker_bytes(self.config, "actor", phase)
         after = worker_bytes(with_overrides(self.config, {key: size // 2}), "actor", phase)
-        if not (sft or actor.padding_free):  # the RL actor cuts fixed micro batches itself; planned ones follow
-            self.roles.actor.call("set_micro_batch", "update", size // 2)
-        setattr(actor, key.rsplit(".", 1)[1], size // 2)
+        setattr(actor, key.rsplit(".", 1)[1], size // 2)  # the driver plans every micro batch: the next follow
         return Relief(0, f"{key} {size} -> {size // 2} from the next update on (until the run restarts)",
                       applied=True, planned=max(0, before - after))
 

@@ -49,8 +49,8 @@ CONFIG_FILES = ("config.yaml", ".hydra/config.yaml")
 """Where the run's config is, first found wins; then the latest checkpoint's ``config.yaml``."""
 
 HEADLINE = ("reward/mean", "reward/accuracy", "val/reward/mean", "val/reward/accuracy", "train/loss", "val/loss",
-            "response_length/mean", "actor/kl_loss", "actor/entropy", "actor/grad_norm", "perf/tokens_per_s",
-            "time/step", "memory/node_ram_fraction_max")
+            "response_length/mean", "actor/kl_loss", "actor/entropy", "actor/grad_norm",
+            "perf/generate_tokens_per_s", "perf/train_tokens_per_s", "time/step", "memory/node_ram_fraction_max")
 """The final-metrics table: each key's last value, in this order."""
 
 REWARD_STATS = ("mean", "std", "max", "min", "error_rate")
@@ -113,14 +113,14 @@ def plots(series: Series) -> list[Plot]:
         Plot("loss", "Loss", (Panel("loss", "loss", ("train/loss", "val/loss")),)),
         Plot("response_length", "Response length", (
             Panel("response length", "tokens",
-                  ("response_length/mean", "response_length/max", "response_length/min", "val/response_length/mean")),
+                  ("response_length/mean", "response_length/max", "response_length/min")),
             Panel("clipped at max_response_length", "share of responses", ("response_length/clip_ratio",)))),
         Plot("kl", "KL", (
             Panel("KL to the reference / old policy", "KL", ("actor/kl_loss", "actor/ppo_kl")),
             Panel("KL coefficient", "coefficient", ("actor/kl_coef",)))),
         Plot("time", "Step time by phase", (
             Panel("phases (stacked)", "seconds", ("time/step",), stack_prefix="time/"),
-            Panel("throughput", "tokens / s", ("perf/tokens_per_s",)))),
+            Panel("throughput", "tokens / s", ("perf/generate_tokens_per_s", "perf/train_tokens_per_s")))),
     ]
 
 

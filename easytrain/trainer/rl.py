@@ -22,11 +22,11 @@ from easytrain.algorithms.kl import KLController, kl_in_reward
 from easytrain.config.schema import Config
 from easytrain.distributed.batch import Batch
 from easytrain.distributed.group import WorkerGroup
-from easytrain.models.shapes import RANDOM_PREFIX
-from easytrain.trainer.base import RunFailed, Stopped, Trainer
+from easytrain.config.presets import RANDOM_PREFIX
+from easytrain.trainer.base import RunFailed, StepResult, Stopped, Trainer
 from easytrain.trainer.checkpoint import check_resume
 from easytrain.trainer.data import RLData
-from easytrain.trainer.dynamic import run_planned_log_probs, shares_prompts, update_plan
+from easytrain.trainer.micro_batches import Forward, in_batch_order, log_prob_shares, update_shares
 from easytrain.trainer.metrics import PhaseTimer
 from easytrain.trainer.roles import Roles, build_roles
 from easytrain.trainer.sampling import informative_count, keep_informative
@@ -55,6 +55,7 @@ class RLTrainer(Trainer):
 
     def build_roles(self) -> Roles:
         roles = build_roles(self.config, self.optimizer_steps)
+        self.forward = Forward.of(self.config, roles.actor_model)  # how log-prob and update passes are laid out
         if self.config.model.path.startswith(RANDOM_PREFIX):  # the engine built its own random weights: the actor's
             roles.transport.sync(roles.actor, roles.rollout)
         return roles
@@ -71,7 +72,7 @@ class RLTrainer(Trainer):
 
     # ------------------------------------------------------------------ one step
 
-    def train_step(self, prompts: Optional[Iterator[Batch]] = None) -> dict[str, float]:
+    def train_step(self, prompts: Optional[Iterator[Batch]] = None) -> StepResult:
         prompts = self.batches if prompts is None else prompts
         timer, start = PhaseTimer(), time.perf_counter()
         batch, scores, sampling = self.rollout(prompts, timer)
@@ -80,7 +81,8 @@ class RLTrainer(Trainer):
         self.check_pressure("ref")
         with timer("old_log_probs"):
             if not (self.on_policy and self.config.worker.actor.reuse_log_probs_on_policy):
-                batch = batch.union(self.log_probs(self.roles.actor, "compute_log_probs", batch))
+                batch = batch.union(Batch({"old_log_probs": self.log_probs(self.roles.actor, "compute_log_probs",
+                                                                           batch)}))
         with timer("advantages"):
             batch, shaping = self.add_advantages(batch, scores)
         self.check_pressure("old_log_probs")
@@ -90,18 +92,16 @@ class RLTrainer(Trainer):
         with timer("sync"):
             synced = self.roles.transport.sync(self.roles.actor, self.roles.rollout)
         metrics = {**reward_metrics(scores), **response_metrics(batch, self.config.data.max_response_length),
-                   **reduce_update_metrics(update), **sampling, **synced, **log_prob_agreement(batch), **shaping}
-        # the KL the coefficient weighs: in the loss (the update's token mean) or in the reward (the rollout's)
-        self.kl.update(metrics.get("actor/kl_loss", metrics.get("actor/reward_kl", 0.0)), len(batch))
+                   **update, **sampling, **synced, **log_prob_agreement(batch), **shaping}
         metrics["actor/kl_coef"] = self.kl.coef
         metrics.update(timer.times)
         metrics["time/step"] = time.perf_counter() - start
-        metrics["perf/tokens_per_s"] = float(batch["response_mask"].sum()) / max(metrics["time/generate"], 1e-9)
+        metrics["perf/generate_tokens_per_s"] = float(batch["response_mask"].sum()) / max(metrics["time/generate"], 1e-9)
         # tokens the update's forward and backward passes ran over (prompt and response, every PPO epoch): its MFU
         metrics["perf/update_tokens"] = float(batch["attention_mask"].sum()) * self.config.worker.actor.ppo_epochs
-        metrics.update(self.memory())
-        self.spans = timer.spans
-        return metrics
+        memory, readings = self.memory()
+        metrics.update(memory)
+        return StepResult(metrics, timer.spans, readings)
 
     # ------------------------------------------------------------------ phases
 
@@ -151,39 +151,40 @@ class RLTrainer(Trainer):
         if reference is None:
             return batch
         with timer("ref"):
-            return batch.union(self.log_probs(reference, "compute_ref_log_probs", batch))
+            return batch.union(Batch({"ref_log_probs": self.log_probs(reference, "compute_ref_log_probs", batch)}))
 
     def add_advantages(self, batch: Batch, scores: dict[str, torch.Tensor]) -> tuple[Batch, dict[str, float]]:
         """Per-token advantages of each response's reward (minus the KL when it is in the reward); with the KL in
-        the reward, its token mean as ``actor/reward_kl``."""
+        the reward, its token mean as ``actor/reward_kl``, which the KL controller steers by."""
         a, n = self.config.algorithm, self.config.worker.rollout.n
         rewards = scores["overall"].to(torch.float32)
         mask = batch["response_mask"]
         metrics: dict[str, float] = {}
         if not a.use_kl_loss and "ref_log_probs" in batch:  # KL in the reward, of the actor's log-probs
             policy = batch["old_log_probs"] if "old_log_probs" in batch else batch["rollout_log_probs"]
-            rewards, metrics["actor/reward_kl"] = kl_in_reward(rewards, policy, batch["ref_log_probs"], mask,
-                                                               self.kl.coef, a.kl_penalty)
+            rewards, kl = kl_in_reward(rewards, policy, batch["ref_log_probs"], mask, self.kl.coef, a.kl_penalty)
+            self.kl.update(kl, len(batch))
+            metrics["actor/reward_kl"] = kl
         groups = torch.arange(len(batch)) // n
         advantages = compute_advantages(a.adv_estimator, rewards, groups, a.norm_adv_by_std)
         return batch.union(Batch({"advantages": token_advantages(advantages, mask)})), metrics
 
-    def log_probs(self, group: WorkerGroup, method: str, batch: Batch) -> Batch:
-        """Per-token log-probs from ``group``: fixed padded micro batches, or token-budget padding-free ones."""
-        a = self.config.worker.actor
-        if a.padding_free:
-            return run_planned_log_probs(group, method, batch, a.max_token_len_per_device,
-                                         shares_prompts(self.config))
-        return group.call(method, batch)
+    def log_probs(self, group: WorkerGroup, method: str, batch: Batch) -> torch.Tensor:
+        """Per-token log-probs from ``group`` (compute_log_probs / compute_ref_log_probs) over the planned micro
+        batches, in the order of ``batch``."""
+        plan, shares = log_prob_shares(batch, group.members, self.config, self.forward)
+        return in_batch_order(batch, plan, group.call(method, shares))
 
     def update(self, batch: Batch) -> dict[str, float]:
-        a, actor = self.config.worker.actor, self.roles.actor
-        per_step = a.global_batch_size * self.config.worker.rollout.n
-        if a.padding_free:
-            steps, _ = update_plan(batch, per_step, actor.members, a.max_token_len_per_device,
-                                   shares_prompts(self.config))
-            return actor.call("update_planned", steps, self.kl.coef)
-        return actor.call("update", batch.interleave_for_ranks(per_step, actor.members), self.kl.coef)
+        """The actor's PPO update over the planned micro batches; its metrics. With the KL in the loss, the KL
+        controller steers by the update's token-mean KL."""
+        actor = self.roles.actor
+        per_step = self.config.worker.actor.global_batch_size * self.config.worker.rollout.n
+        steps, _ = update_shares(batch, per_step, actor.members, self.config, self.forward)
+        metrics = reduce_update_metrics(actor.call("update", steps, self.kl.coef))
+        if "actor/kl_loss" in metrics:
+            self.kl.update(metrics["actor/kl_loss"], len(batch))
+        return metrics
 
     def validate(self) -> dict[str, float]:
         if self.data.val is None:  # data.val_files=null: no validation, anywhere (SFT's rule too)

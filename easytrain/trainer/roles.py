@@ -10,11 +10,11 @@ group runs on bundle i (:mod:`easytrain.distributed.resources`).
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Optional
 
 from easytrain.config.schema import Config
-from easytrain.config.validate import needs_reference
+from easytrain.config.derived import needs_reference
 from easytrain.distributed.group import WorkerGroup
 from easytrain.distributed.resources import ResourcePool
 from easytrain.workers.actor import ActorWorker
@@ -45,6 +45,9 @@ class Roles:
     """The engine frees its device memory after each rollout (fused workers whose engine can sleep)."""
     fused: Optional[WorkerGroup] = None
     """The fused workers' own group (one process per device) when the role groups are views of it."""
+    actor_model: dict[str, int] = field(default_factory=dict)
+    """Rank 0's answer to the actor's ``setup``: parameter counts and what the micro-batch plan needs to know
+    of the model (``shares_prompt``, ``hidden_size``)."""
 
     @property
     def reference(self) -> Optional[WorkerGroup]:
@@ -142,4 +145,4 @@ def build_roles(config: Config, total_optimizer_steps: int) -> Roles:
     transport = InProcessTransport(fused, bucket_mb) if fused is not None else BucketedTransport(bucket_mb)
     return Roles(actor, ref, rollout, RewardPool(config.reward), transport, pools,
                  lora_reference=config.model.lora.rank > 0 and config.algorithm.kl_coef > 0,
-                 rollout_sleeps=bool(sizes[1][0]["can_sleep"]), fused=fused)
+                 rollout_sleeps=bool(sizes[1][0]["can_sleep"]), fused=fused, actor_model=sizes[0][0])

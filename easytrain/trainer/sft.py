@@ -22,12 +22,12 @@ from typing import Iterator, Optional
 import torch
 
 from easytrain.config.schema import Config
-from easytrain.config.validate import world_size
+from easytrain.config.derived import world_size
 from easytrain.data.packing import fixed_micro_batches, plan_micro_batches
 from easytrain.data.sft import IGNORE
-from easytrain.distributed.batch import Batch
+from easytrain.distributed.batch import Batch, MicroBatch
 from easytrain.rewards.registry import Reward, load_function
-from easytrain.trainer.base import Trainer
+from easytrain.trainer.base import StepResult, Trainer
 from easytrain.trainer.checkpoint import check_resume
 from easytrain.trainer.data import SFTData
 from easytrain.trainer.metrics import PhaseTimer
@@ -76,8 +76,9 @@ class SFTTrainer(Trainer):
     def new_batches(self) -> Iterator[Batch]:
         return self.data.train_batches()
 
-    def plan(self, batch: Batch, evaluate: bool = False) -> list[list[Batch]]:
-        """Each rank's micro batches: fixed-size ones, or token-budget packs (padding_free). Every rank gets the
+    def micro_batches(self, batch: Batch, evaluate: bool = False) -> list[list[MicroBatch]]:
+        """Each rank's micro batches: fixed-size ones, or token-budget packs (padding_free; validation keeps
+        fixed counts, each still run as one flattened sequence). Every rank gets the
         same number (the sharded model's collectives need it): a validation batch that does not split evenly is
         topped up with copies that train nothing, and in a vision run a micro batch without images gets an
         untrained blank-image sample, so every rank runs the vision tower."""
@@ -89,34 +90,34 @@ class SFTTrainer(Trainer):
             layout = plan_micro_batches(lengths, ranks, a.max_token_len_per_device)
         else:
             layout = fixed_micro_batches(len(batch), ranks, a.micro_batch_size_per_device_for_update)
-        micro_batches = [[batch.select(micro) for micro in rank] for rank in layout]
+        shares = [[batch.select(micro) for micro in rank] for rank in layout]
         if self.data.blank is not None and "pixel_values" in batch:
-            micro_batches = [[m if int(m.image_counts.sum()) else Batch.concat([m, self.data.blank])  # type: ignore[union-attr]
-                              for m in rank] for rank in micro_batches]
-        return micro_batches
+            shares = [[m if int(m.image_counts.sum()) else Batch.concat([m, self.data.blank])  # type: ignore[union-attr]
+                       for m in rank] for rank in shares]
+        return [[MicroBatch(m, packed=a.padding_free) for m in rank] for rank in shares]
 
-    def train_step(self) -> dict[str, float]:
+    def train_step(self) -> StepResult:
         timer, start = PhaseTimer(), time.perf_counter()
         with timer("data"):
             batch = next(self.batches)
-            shares = self.plan(batch)
+            shares = self.micro_batches(batch)
         self.metrics.log_order(self.step, list(batch.meta["uids"]))
         tokens = int((batch["targets"] != IGNORE).sum())
         results = self.roles.actor.call("sft_update", shares, tokens)
         spans = [(phase, min(r[phase][0] for r in results), max(r[phase][1] for r in results))
                  for phase in ("forward_backward", "optimizer")]
-        processed = sum(int(m["attention_mask"].sum()) if self.config.worker.actor.padding_free
-                        else len(m) * int(m["attention_mask"].sum(-1).max()) for share in shares for m in share)
+        processed = sum(int(m.batch["attention_mask"].sum()) if m.packed
+                        else len(m) * int(m.batch["attention_mask"].sum(-1).max()) for share in shares for m in share)
         metrics = {"train/loss": sum(r["loss_sum"] for r in results) / max(1, tokens),
                    "train/trained_tokens": float(tokens), "actor/grad_norm": results[0]["grad_norm"],
                    "actor/lr": results[0]["lr"], "train/micro_batches_per_rank": float(len(shares[0])),
                    "train/padding_waste": 1.0 - float(batch["attention_mask"].sum()) / max(1, processed),
                    **timer.times, **{f"time/{name}": end - begin for name, begin, end in spans}}
         metrics["time/step"] = time.perf_counter() - start
-        metrics["perf/tokens_per_s"] = float(batch["attention_mask"].sum()) / metrics["time/step"]
-        metrics.update(self.memory())
-        self.spans = timer.spans + spans
-        return metrics
+        metrics["perf/train_tokens_per_s"] = float(batch["attention_mask"].sum()) / metrics["time/step"]
+        memory, readings = self.memory()
+        metrics.update(memory)
+        return StepResult(metrics, timer.spans + spans, readings)
 
     def validate(self) -> dict[str, float]:
         if self.data.val is None:
@@ -125,7 +126,7 @@ class SFTTrainer(Trainer):
         with timer("validate"):
             loss_sum, tokens = 0.0, 0
             for batch in self.data.val_sft_batches():
-                results = self.roles.actor.call("sft_eval", self.plan(batch, evaluate=True))
+                results = self.roles.actor.call("sft_eval", self.micro_batches(batch, evaluate=True))
                 loss_sum += sum(r["loss_sum"] for r in results)
                 tokens += int(sum(r["tokens"] for r in results))
             metrics = {"val/loss": loss_sum / max(1, tokens)}

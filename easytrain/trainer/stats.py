@@ -26,6 +26,7 @@ def response_metrics(batch: Batch, max_length: int) -> dict[str, float]:
     lengths = batch["response_mask"].sum(-1)
     width = batch["responses"].shape[1]
     return {"response_length/mean": float(lengths.mean()), "response_length/max": float(lengths.max()),
+            "response_length/min": float(lengths.min()),
             "response_length/clip_ratio": float((lengths >= max_length).float().mean()),
             "prompt_length/mean": float(batch["attention_mask"][:, : -width].sum(-1).float().mean())}
 

@@ -14,13 +14,15 @@ import torch.distributed as dist
 from easytrain.algorithms.kl import kl_penalty
 from easytrain.algorithms.losses import aggregate, masked_sum, policy_loss
 from easytrain.config.schema import Config
-from easytrain.distributed.batch import Batch
-from easytrain.distributed.checkpoint import BackgroundSave, host_buffer_bytes
+from easytrain.distributed.batch import MicroBatch
+from easytrain.distributed.checkpoint import BackgroundSave
+from easytrain.memory.host import host_buffer_bytes
 from easytrain.distributed.deepspeed import parameter_count
 from easytrain.distributed.group import Dispatch, dispatch
 from easytrain.distributed.strategy import TrainStrategy, build_strategy
 from easytrain.workers.base import WorkerBase, build_sharded_model
-from easytrain.workers.forward import batch_log_probs, log_probs_of, micro_batches, planned_log_probs
+from easytrain.workers.forward import log_probs_of, micro_log_probs
+from easytrain.workers.shared_prompt import supports_shared_prompt, text_config
 from easytrain.workers.weight_sync import push_weights, to_hf_names
 
 logger = logging.getLogger(__name__)
@@ -39,64 +41,39 @@ class ActorWorker(WorkerBase):
 
     @dispatch(Dispatch.BROADCAST)
     def setup(self, total_optimizer_steps: int) -> dict[str, int]:
+        """Build the sharded model and its optimizer; parameter counts, and what the driver's micro-batch plan
+        needs to know of the model (whether its attention can run a prompt once for several responses, its
+        hidden size)."""
         model = build_sharded_model(self.config, self.cfg, self.folder, self.device, self.world_size,
                                     trainable=True, shard=self.cfg.strategy == "fsdp", sp=self.sp)
         params = [p for p in model.parameters() if p.requires_grad]
         counts = {"trainable": sum(map(parameter_count, params)),
-                  "total": sum(map(parameter_count, model.parameters()))}
+                  "total": sum(map(parameter_count, model.parameters())),
+                  "shares_prompt": int(supports_shared_prompt(model)), "hidden_size": text_config(model).hidden_size}
         self.strategy = build_strategy(model, self.cfg, total_optimizer_steps, compute_dtype=self.config.model.dtype)
         self.model = self.strategy.model
         return counts
 
-    @dispatch(Dispatch.SCATTER)
-    def compute_log_probs(self, batch: Batch) -> Batch:
-        """Old log-probs under the current weights (no grad)."""
+    @dispatch(Dispatch.EACH)
+    def compute_log_probs(self, micros: list[MicroBatch]) -> list[torch.Tensor]:
+        """Old log-probs under the current weights (no grad) of this rank's planned micro batches, one (B, R)
+        each."""
         self.model.eval()
-        return Batch({"old_log_probs": self._log_probs(batch)})
+        return micro_log_probs(self.model, micros, self.config.worker.rollout.temperature, self.device, self.sp)
 
-    def _log_probs(self, batch: Batch) -> torch.Tensor:  # padded micro batches of a fixed size
-        return batch_log_probs(self.model, batch, self.cfg.micro_batch_size_per_device_for_experience,
-                               self.config.worker.rollout.temperature, self.device, self.cfg.share_prompt)
-
-    @dispatch(Dispatch.SCATTER)
-    def compute_ref_log_probs(self, batch: Batch) -> Batch:
+    @dispatch(Dispatch.EACH)
+    def compute_ref_log_probs(self, micros: list[MicroBatch]) -> list[torch.Tensor]:
         """With LoRA the reference is this model with its adapters disabled: no second copy."""
         if self.config.model.lora.rank == 0:
             raise RuntimeError("the actor serves reference log-probs only with LoRA (model.lora.rank > 0)")
         self.model.eval()
         with self.model.disable_adapter():
-            return Batch({"ref_log_probs": self._log_probs(batch)})
+            return micro_log_probs(self.model, micros, self.config.worker.rollout.temperature, self.device, self.sp)
 
     @dispatch(Dispatch.EACH)
-    def compute_log_probs_planned(self, micro_batches: list[Batch]) -> list[torch.Tensor]:
-        """Old log-probs of this rank's padding-free micro batches (planned by the driver), one (B, R) each."""
-        self.model.eval()
-        return planned_log_probs(self.model, micro_batches, self.config.worker.rollout.temperature, self.device,
-                                 self.sp, self.cfg.share_prompt)
-
-    @dispatch(Dispatch.EACH)
-    def compute_ref_log_probs_planned(self, micro_batches: list[Batch]) -> list[torch.Tensor]:
-        """compute_ref_log_probs (LoRA adapters off) over planned padding-free micro batches."""
-        self.model.eval()
-        with self.model.disable_adapter():
-            return planned_log_probs(self.model, micro_batches, self.config.worker.rollout.temperature,
-                                     self.device, self.sp, self.cfg.share_prompt)
-
-    @dispatch(Dispatch.SCATTER)
-    def update(self, batch: Batch, kl_coef: float) -> dict[str, float]:
-        """PPO epochs over the local share of the rollout batch; returns summed metrics for the driver."""
-        per_step = len(batch) // self.steps_per_rollout()
-        size = self.cfg.micro_batch_size_per_device_for_update
-        steps = [list(micro_batches(batch.select(range(start, start + per_step)), size))
-                 for start in range(0, len(batch), per_step)]
-        return self._update(steps, kl_coef)
-
-    @dispatch(Dispatch.EACH)
-    def update_planned(self, steps: list[list[Batch]], kl_coef: float) -> dict[str, float]:
-        """``update`` over padding-free micro batches the driver planned: per optimizer step, this rank's list."""
-        return self._update(steps, kl_coef)
-
-    def _update(self, steps: list[list[Batch]], kl_coef: float) -> dict[str, float]:
+    def update(self, steps: list[list[MicroBatch]], kl_coef: float) -> dict[str, float]:
+        """PPO epochs over this rank's planned micro batches, a list per optimizer step; returns summed metrics
+        for the driver."""
         self.model.train()
         sums: dict[str, float] = defaultdict(float)
         self.last_update = []
@@ -116,21 +93,10 @@ class ActorWorker(WorkerBase):
         the step's global gradient norm and learning rate: what the driver's step metrics add up."""
         return self.last_update
 
-    @dispatch(Dispatch.BROADCAST)
-    def set_micro_batch(self, phase: str, size: int) -> int:
-        """The watchdog's halve_micro_batch relief: ``update`` or ``experience`` micro batch; returns the old one."""
-        key = f"micro_batch_size_per_device_for_{phase}"
-        old = getattr(self.cfg, key)
-        setattr(self.cfg, key, size)
-        return old
-
-    def steps_per_rollout(self) -> int:
-        return self.config.data.rollout_batch_size // self.cfg.global_batch_size
-
-    def _optimizer_step(self, micros: list[Batch], kl_coef: float) -> dict[str, float]:
+    def _optimizer_step(self, micros: list[MicroBatch], kl_coef: float) -> dict[str, float]:
         algo, temperature = self.config.algorithm, self.config.worker.rollout.temperature
         mode = self.cfg.loss_agg_mode
-        local = sum(float(m["response_mask"].sum()) if mode == "token-mean" else float(len(m)) for m in micros)
+        local = sum(float(m.batch["response_mask"].sum()) if mode == "token-mean" else float(len(m)) for m in micros)
         normaliser = torch.tensor([local], dtype=torch.float64)
         if self.world_size > 1:
             dist.all_reduce(normaliser)
@@ -142,10 +108,11 @@ class ActorWorker(WorkerBase):
         strategy = self.strategy
         assert strategy is not None
         strategy.zero_grad()
-        for micro in micros:
+        for planned in micros:
+            micro = planned.batch
             mask = micro["response_mask"].to(self.device, torch.float32)
-            log_probs, entropy = log_probs_of(self.model, micro, temperature, self.device, self.cfg.padding_free,
-                                              self.sp, with_entropy=True, share_prompt=self.cfg.share_prompt)
+            log_probs, entropy = log_probs_of(self.model, planned, temperature, self.device, self.sp,
+                                              with_entropy=True)
             old = micro["old_log_probs"].to(self.device) if "old_log_probs" in micro else log_probs.detach()
             advantages = micro["advantages"].to(self.device)
             token_loss, info = policy_loss(log_probs, old, advantages, self.cfg.clip_ratio_low,

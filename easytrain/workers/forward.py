@@ -2,17 +2,16 @@
 
 from __future__ import annotations
 
-from typing import Any, Iterator, Optional
+from typing import Any, Optional
 
 import torch
 from torch import nn
 
 from easytrain.algorithms.losses import entropy_from_logits, gather_log_probs, sampling_logits
-from easytrain.distributed.batch import Batch
+from easytrain.distributed.batch import Batch, MicroBatch
 from easytrain.distributed.ulysses import SequenceParallel
 from easytrain.workers.packed import packed_response_log_probs
-from easytrain.workers.shared_prompt import (prompt_groups, rows_pay_off, shared_response_log_probs,
-                                             supports_shared_prompt, text_config, worth_sharing)
+from easytrain.workers.shared_prompt import shared_response_log_probs
 
 MODEL_INPUTS = ("input_ids", "attention_mask", "position_ids", "pixel_values", "image_grid_thw", "mm_token_type_ids")
 
@@ -44,40 +43,28 @@ def response_log_probs(model: nn.Module, batch: Batch, temperature: float, devic
     return log_probs, entropy
 
 
-def log_probs_of(model: nn.Module, micro: Batch, temperature: float, device: torch.device, packed: bool,
-                 sp: Optional[SequenceParallel] = None, with_entropy: bool = False,
-                 share_prompt: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """Response log-probs (and entropy) of a micro batch, (B, R): padded, or padding-free (``packed``, which
-    sequence parallelism needs), or with each repeated prompt run once (``share_prompt``, where the attention
-    takes a mask and there is no sequence parallelism; see :mod:`easytrain.workers.shared_prompt`)."""
-    if share_prompt and sp is None and supports_shared_prompt(model):
-        groups = prompt_groups(micro)
-        # padding-free: one row of exactly the tokens (each prompt once); padded: a row per prompt, if cheaper
-        if worth_sharing(groups) and (packed or rows_pay_off(micro, groups, text_config(model).hidden_size)):
-            return shared_response_log_probs(model, micro, groups, temperature, device,
-                                             suppressed_tokens(model.config), with_entropy, one_row=packed)
-    if not packed:
-        return response_log_probs(model, micro, temperature, device, with_entropy)
-    return packed_response_log_probs(model, micro, temperature, device, suppressed_tokens(model.config), sp,
+def log_probs_of(model: nn.Module, micro: MicroBatch, temperature: float, device: torch.device,
+                 sp: Optional[SequenceParallel] = None,
+                 with_entropy: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Response log-probs (and entropy) of a micro batch, (B, R), laid out as the driver planned it: padded
+    rows, or padding-free (``packed``, which sequence parallelism needs), or each repeated prompt run once
+    (``prompt_groups``: one row per prompt, or all of them in one row when packed; see
+    :mod:`easytrain.workers.shared_prompt`)."""
+    batch = micro.batch
+    if micro.prompt_groups is not None:
+        if sp is not None:
+            raise ValueError("a prompt-shared micro batch cannot be split by sequence parallelism; the plan "
+                             "shares prompts only where worker.actor.ulysses_size and worker.ref.ulysses_size are 1")
+        return shared_response_log_probs(model, batch, micro.prompt_groups, temperature, device,
+                                         suppressed_tokens(model.config), with_entropy, one_row=micro.packed)
+    if not micro.packed:
+        return response_log_probs(model, batch, temperature, device, with_entropy)
+    return packed_response_log_probs(model, batch, temperature, device, suppressed_tokens(model.config), sp,
                                      with_entropy)
 
 
 @torch.no_grad()
-def planned_log_probs(model: nn.Module, micro_batches: list[Batch], temperature: float, device: torch.device,
-                      sp: Optional[SequenceParallel], share_prompt: bool = False) -> list[torch.Tensor]:
-    """Response log-probs of micro batches the driver planned (padding-free), one (B, R) tensor each, on CPU."""
-    return [log_probs_of(model, micro, temperature, device, True, sp, share_prompt=share_prompt)[0].cpu()
-            for micro in micro_batches]
-
-
-@torch.no_grad()
-def batch_log_probs(model: nn.Module, batch: Batch, micro_size: int, temperature: float,
-                    device: torch.device, share_prompt: bool = False) -> torch.Tensor:
-    """Response log-probs of a whole batch, micro batch by micro batch, without gradients (on CPU)."""
-    return torch.cat([log_probs_of(model, micro, temperature, device, False, share_prompt=share_prompt)[0].cpu()
-                      for micro in micro_batches(batch, micro_size)])
-
-
-def micro_batches(batch: Batch, size: int) -> Iterator[Batch]:
-    for start in range(0, len(batch), size):
-        yield batch.select(range(start, min(start + size, len(batch))))
+def micro_log_probs(model: nn.Module, micros: list[MicroBatch], temperature: float, device: torch.device,
+                    sp: Optional[SequenceParallel] = None) -> list[torch.Tensor]:
+    """Response log-probs of this rank's planned micro batches, one (B, R) tensor each, on CPU."""
+    return [log_probs_of(model, micro, temperature, device, sp)[0].cpu() for micro in micros]

@@ -23,7 +23,7 @@ from typing import Any
 import torch
 
 from easytrain.config.schema import Config
-from easytrain.config.validate import needs_reference
+from easytrain.config.derived import needs_reference
 from easytrain.distributed.group import Dispatch, dispatch
 from easytrain.distributed.ulysses import sequence_parallel_group
 from easytrain.memory import peaks
@@ -36,9 +36,8 @@ from easytrain.workers.weight_sync import sync_in_process
 
 logger = logging.getLogger(__name__)
 
-PHASE_OF = {"generate": "generate", "compute_ref_log_probs": "ref", "compute_ref_log_probs_planned": "ref",
-            "compute_log_probs": "old_log_probs", "compute_log_probs_planned": "old_log_probs",
-            "update": "update", "update_planned": "update"}
+PHASE_OF = {"generate": "generate", "compute_ref_log_probs": "ref", "compute_log_probs": "old_log_probs",
+            "update": "update"}
 """The step phase (:data:`easytrain.memory.phases.STEP`) each role method computes in."""
 EVENTS_KEPT = 1024
 """Phase records a worker keeps between reads of :meth:`FusedWorker.phase_log` (about 100 steps)."""

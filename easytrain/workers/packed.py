@@ -80,7 +80,7 @@ def pad_sequence(inputs: dict[str, torch.Tensor], multiple: int) -> dict[str, to
     return out
 
 
-def text_positions(inputs: dict[str, torch.Tensor]) -> torch.Tensor:
+def sample_positions(inputs: dict[str, torch.Tensor]) -> torch.Tensor:
     """The row of position ids that restarts at every sample (the first of Qwen-VL's four)."""
     positions = inputs["position_ids"]
     return positions[0] if positions.dim() == 3 else positions
@@ -96,9 +96,9 @@ def kept_logits(model: nn.Module, inputs: dict[str, torch.Tensor], keep: torch.T
     model_inputs = {k: v.to(device) for k, v in inputs.items() if k != "targets"}
     context: Any = nullcontext()
     if sp is not None:
-        context = sequence(sp, text_positions(inputs))
+        context = sequence(sp, sample_positions(inputs))
     elif "attention_mask" not in inputs and uses_segments(model):  # packed samples, attended one by one
-        context = segments(packed_blocks(text_positions(inputs)))
+        context = segments(packed_blocks(sample_positions(inputs)))
     with context:
         logits = model(**model_inputs, logits_to_keep=local.to(device), use_cache=False).logits
     return logits, local, part

@@ -7,10 +7,10 @@ from typing import Any
 import torch
 
 from easytrain.config.schema import Config
-from easytrain.distributed.batch import Batch
+from easytrain.distributed.batch import MicroBatch
 from easytrain.distributed.group import Dispatch, dispatch
 from easytrain.workers.base import WorkerBase, build_sharded_model
-from easytrain.workers.forward import batch_log_probs, planned_log_probs
+from easytrain.workers.forward import micro_log_probs
 
 
 class ReferenceWorker(WorkerBase):
@@ -24,15 +24,7 @@ class ReferenceWorker(WorkerBase):
                                          self.world_size, trainable=False, sp=self.sp)
         return {"total": sum(p.numel() for p in self.model.parameters())}
 
-    @dispatch(Dispatch.SCATTER)
-    def compute_ref_log_probs(self, batch: Batch) -> Batch:
-        size = self.config.worker.actor.micro_batch_size_per_device_for_experience
-        log_probs = batch_log_probs(self.model, batch, size, self.config.worker.rollout.temperature, self.device,
-                                    self.config.worker.actor.share_prompt)
-        return Batch({"ref_log_probs": log_probs})
-
     @dispatch(Dispatch.EACH)
-    def compute_ref_log_probs_planned(self, micro_batches: list[Batch]) -> list[torch.Tensor]:
-        """Reference log-probs of this rank's padding-free micro batches (planned by the driver)."""
-        return planned_log_probs(self.model, micro_batches, self.config.worker.rollout.temperature, self.device,
-                                 self.sp, self.config.worker.actor.share_prompt)
+    def compute_ref_log_probs(self, micros: list[MicroBatch]) -> list[torch.Tensor]:
+        """Reference log-probs of this rank's planned micro batches, one (B, R) each."""
+        return micro_log_probs(self.model, micros, self.config.worker.rollout.temperature, self.device, self.sp)

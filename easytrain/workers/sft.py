@@ -1,8 +1,9 @@
 """The SFT side of the actor: next-token loss on assistant tokens, padded or padding-free micro batches.
 
 A micro batch arrives as a right-padded :class:`Batch` (``targets`` holds each
-token's next-token label, -100 where nothing is trained). Padded, it goes to
-the model as it is; padding-free (``worker.actor.padding_free``),
+token's next-token label, -100 where nothing is trained) in a planned
+:class:`MicroBatch`. Padded, it goes to the model as it is; packed (the
+driver's plan under ``worker.actor.padding_free``),
 :func:`~easytrain.workers.packed.flatten` turns it into one sequence of
 exactly the summed lengths, which Ulysses sequence parallelism
 (``worker.actor.ulysses_size``) splits over the ranks of a group: each rank's
@@ -24,7 +25,7 @@ import torch.distributed as dist
 from torch import nn
 
 from easytrain.data.sft import IGNORE
-from easytrain.distributed.batch import Batch
+from easytrain.distributed.batch import Batch, MicroBatch
 from easytrain.distributed.fsdp import gathered
 from easytrain.distributed.group import Dispatch, dispatch
 from easytrain.workers.actor import ActorWorker
@@ -67,14 +68,15 @@ def accumulate_gradients(model: nn.Module, backward: Optional[Callable[[torch.Te
 class SFTWorker(ActorWorker):
     """The actor of an SFT run: same model building, strategy and checkpoints as the RL actor."""
 
-    def _inputs(self, micro: Batch) -> dict[str, torch.Tensor]:
-        if not self.cfg.padding_free:
-            return padded(micro)
-        inputs = flatten(micro, rope_rows=is_vision_model(self.model))
+    def _inputs(self, micro: MicroBatch) -> dict[str, torch.Tensor]:
+        """The model inputs of a micro batch as the driver planned it: padded rows, or one flattened sequence."""
+        if not micro.packed:
+            return padded(micro.batch)
+        inputs = flatten(micro.batch, rope_rows=is_vision_model(self.model))
         return pad_sequence(inputs, self.sp.size) if self.sp is not None else inputs
 
     @dispatch(Dispatch.EACH)
-    def sft_update(self, micro_batches: list[Batch], global_tokens: int) -> dict[str, float]:
+    def sft_update(self, micro_batches: list[MicroBatch], global_tokens: int) -> dict[str, float]:
         """One optimizer step over this rank's micro batches; the loss is the token mean over the global batch
         (``global_tokens`` trained tokens on all ranks), so any split into ranks and micro batches gives the
         same gradient."""
@@ -87,13 +89,14 @@ class SFTWorker(ActorWorker):
         loss_sum, tokens = accumulate_gradients(self.model, strategy.backward,
                                                 [self._inputs(m) for m in micro_batches], scale, self.device, self.sp)
         stepped = time.time()
+        lr = strategy.lr  # the rate this step applies (the schedule advances in step()), as the RL actor logs it
         norm = strategy.step()
-        return {"loss_sum": loss_sum, "tokens": float(tokens), "grad_norm": norm, "lr": strategy.lr,
+        return {"loss_sum": loss_sum, "tokens": float(tokens), "grad_norm": norm, "lr": lr,
                 "forward_backward": (started, stepped), "optimizer": (stepped, time.time())}
 
     @dispatch(Dispatch.EACH)
     @torch.no_grad()
-    def sft_eval(self, micro_batches: list[Batch]) -> dict[str, float]:
+    def sft_eval(self, micro_batches: list[MicroBatch]) -> dict[str, float]:
         """Summed loss and trained tokens of this rank's micro batches (validation loss)."""
         self.model.eval()
         loss_sum, tokens = accumulate_gradients(self.model, None, [self._inputs(m) for m in micro_batches], 1.0,

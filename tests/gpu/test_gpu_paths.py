@@ -62,7 +62,7 @@ def test_the_fsdp2_update_runs_over_nccl_and_changes_the_weights(trainer: RLTrai
     info = roles.fused.call("process_info")[0]
     assert "nccl" in str(info["backend"])
     before = roles.actor.call("full_state_dict")
-    metrics = trainer.train_step()
+    metrics = trainer.train_step().metrics
     trainer.step += 1
     after = roles.actor.call("full_state_dict")
     assert math.isfinite(metrics["actor/pg_loss"]) and math.isfinite(metrics["actor/grad_norm"])

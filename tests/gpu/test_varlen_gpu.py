@@ -26,7 +26,7 @@ from easytrain.models.varlen import (FLASH_ATTN, SDPA_BLOCKS, TORCH_VARLEN, devi
                                      kernel_for, torch_varlen_function)
 from easytrain.workers.forward import log_probs_of
 
-from rl_batches import grads, rl_config, rollout_batch
+from rl_batches import grads, planned, rl_config, rollout_batch
 
 pytestmark = [pytest.mark.gpu, pytest.mark.slow]
 
@@ -115,7 +115,7 @@ def test_a_padding_free_tiny_qwen25vl_trains_on_varlen_as_the_padded_one(share: 
         if checkpointing:
             net.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False,
                                                                              "context_fn": checkpoint_contexts})
-        lp, _ = log_probs_of(net, batch, 1.0, CUDA, packed, share_prompt=share and packed)
+        lp, _ = log_probs_of(net, planned(batch, net, packed, share and packed), 1.0, CUDA)
         loss = (lp[mask.to(CUDA)].float() * weights).sum()
         loss.backward()
         return lp[mask.to(CUDA)].float(), float(loss), {n: g.float() for n, g in grads(net).items()}

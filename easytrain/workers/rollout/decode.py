@@ -54,7 +54,7 @@ def choose(logits: torch.Tensor, params: SamplingParams, suppressed: list[int]) 
     return torch.multinomial(nn.functional.softmax(scores, dim=-1), num_samples=1).squeeze(1)
 
 
-def text_positions(mask: torch.Tensor) -> torch.Tensor:
+def generate_positions(mask: torch.Tensor) -> torch.Tensor:
     """Positions that skip left padding (generate's rule; padding gets 1)."""
     return (mask.long().cumsum(-1) - 1).masked_fill(mask == 0, 1)
 
@@ -71,7 +71,7 @@ def prefill(model: Any, once: dict[str, torch.Tensor]) -> tuple[Any, torch.Tenso
     mask = once["attention_mask"]
     inputs = dict(once)
     if "image_grid_thw" not in once:  # text positions (three equal rope rows for a VL model)
-        positions = text_positions(mask)
+        positions = generate_positions(mask)
         inputs["position_ids"] = positions[None].expand(3, -1, -1) if vision else positions
     elif inner is not None:
         inner.rope_deltas = None  # the prefill computes this batch's rope offsets from its images

@@ -32,7 +32,7 @@ from easytrain.workers.forward import suppressed_tokens
 from easytrain.distributed.batch import Batch
 from easytrain.memory.flag import MemoryStop, PressureFlag
 from easytrain.models.image_dedup import dedupe_images
-from easytrain.workers.rollout.decode import decode, text_positions
+from easytrain.workers.rollout.decode import decode, generate_positions
 from easytrain.workers.rollout.engine import EngineSpec, RolloutEngine, SamplingParams, response_mask
 from easytrain.workers.rollout.static_decode import StaticDecoder, unsupported, wants_static
 
@@ -236,7 +236,7 @@ class HFEngine(RolloutEngine):
         head = {k: v[:, :-1] if k in ("input_ids", "attention_mask", "mm_token_type_ids") else v
                 for k, v in once.items()}
         if "mm_token_type_ids" not in head:  # text model: positions that skip the left padding, as generate's
-            head["position_ids"] = text_positions(head["attention_mask"])
+            head["position_ids"] = generate_positions(head["attention_mask"])
         cache = DynamicCache(config=self.model.config)
         inner: Any = getattr(self.model, "model", None)
         if inner is not None and hasattr(inner, "rope_deltas"):

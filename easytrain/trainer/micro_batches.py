@@ -1,0 +1,157 @@
+"""The micro batches of every log-prob and update call of the RL roles, planned by the driver.
+
+Each worker method runs exactly the micro batches it is sent (``Dispatch.EACH``: a list per data-parallel
+member) the way the plan says; no worker re-cuts a batch or decides a layout of its own.
+
+- Padded (the default): each member gets a contiguous share of the samples (the batch is padded to a
+  multiple of the members by repeating leading samples, whose results are dropped), cut into micro batches of
+  ``worker.actor.micro_batch_size_per_device_for_experience`` (log-probs) or ``..._for_update`` samples.
+- Padding-free (``worker.actor.padding_free``): micro batches of at most
+  ``worker.actor.max_token_len_per_device`` tokens, balanced over the members by tokens with the same number
+  each (:func:`easytrain.data.packing.plan_micro_batches`); a worker runs each as one flattened sequence.
+
+Whether prompts are shared is decided here, once per micro batch: where the run may share prompts
+(:class:`Forward`), samples with the same prompt run it once (:mod:`easytrain.workers.shared_prompt`);
+padding-free plans then keep each prompt's samples together and count the prompt's tokens once, padded ones
+share only where a row per prompt costs less than the plain rows.
+
+An update's optimizer step s uses samples ``[s * per_step, (s + 1) * per_step)`` whatever the number of
+members, so 1 rank and k ranks take the same optimizer steps on the same data.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from easytrain.config.schema import Config
+from easytrain.data.packing import MicroPlan, plan_micro_batches
+from easytrain.distributed.batch import Batch, MicroBatch
+from easytrain.memory.rl_shape import shares_prompts
+from easytrain.workers.shared_prompt import prompt_groups, rows_pay_off, worth_sharing
+
+
+@dataclass(frozen=True)
+class Forward:
+    """How the run's log-prob and update passes lay out their micro batches, decided once per run."""
+
+    packed: bool
+    """Padding-free micro batches (``worker.actor.padding_free``)."""
+    budget: int
+    """Tokens per padding-free micro batch (``worker.actor.max_token_len_per_device``)."""
+    share_prompt: bool
+    """Repeated prompts run once: the config allows it (:func:`easytrain.memory.rl_shape.shares_prompts`)
+    and the loaded model's attention can (no sliding window)."""
+    hidden_size: int = 0
+    """The language model's width: what a padded prompt-shared row's cost is weighed with."""
+
+    @classmethod
+    def of(cls, config: Config, model: dict[str, Any]) -> "Forward":
+        """From the config and the actor's answer to ``setup`` (``shares_prompt``, ``hidden_size``)."""
+        a = config.worker.actor
+        return cls(a.padding_free, a.max_token_len_per_device,
+                   shares_prompts(config) and bool(model.get("shares_prompt", False)),
+                   int(model.get("hidden_size", 0)))
+
+
+def token_lengths(batch: Batch) -> list[int]:
+    return [int(n) for n in batch["attention_mask"].sum(-1).tolist()]
+
+
+def prompt_units(batch: Batch) -> list[list[int]]:
+    """Runs of consecutive samples of one prompt (equal uids)."""
+    uids = batch.meta.get("uids") or list(range(len(batch)))
+    units: list[list[int]] = []
+    for i, uid in enumerate(uids):
+        if units and uids[units[-1][0]] == uid:
+            units[-1].append(i)
+        else:
+            units.append([i])
+    return units
+
+
+def packed_indices(batch: Batch, members: int, budget: int, by_prompt: bool) -> MicroPlan:
+    """Token-budget micro batches per member; ``by_prompt``: whole prompts, their tokens counted once."""
+    if by_prompt:
+        units = prompt_units(batch)
+        mask = batch["attention_mask"]
+        prompt_width = mask.shape[1] - batch["responses"].shape[1]
+        prompt, response = mask[:, :prompt_width].sum(-1), mask[:, prompt_width:].sum(-1)
+        lengths = [int(prompt[u[0]] + response[u].sum()) for u in units]
+        if len(units) >= members and max(lengths) <= budget:
+            try:
+                by_unit = plan_micro_batches(lengths, members, budget)
+            except ValueError:  # too few whole prompts to give every member as many micro batches: plan samples
+                pass
+            else:
+                return [[[i for u in micro for i in units[u]] for micro in member] for member in by_unit]
+    return plan_micro_batches(token_lengths(batch), members, budget)
+
+
+def padded_indices(count: int, members: int, micro_size: int) -> MicroPlan:
+    """Contiguous shares per member cut into micro batches of ``micro_size``; ``count`` is padded to a multiple
+    of ``members`` by indices ``>= count`` (their samples repeat the leading ones, their results are dropped),
+    so every member runs as many micro batches (FSDP's collectives need that)."""
+    padded = count + (-count) % members
+    share = padded // members
+    return [[list(range(start, min(start + micro_size, end))) for start in range(begin, end, micro_size)]
+            for begin, end in ((m * share, (m + 1) * share) for m in range(members))]
+
+
+def plan_indices(batch: Batch, members: int, micro_size: int, forward: Forward) -> MicroPlan:
+    """Sample indices of each member's micro batches (padded ones may hold indices past the batch)."""
+    if forward.packed:
+        return packed_indices(batch, members, forward.budget, forward.share_prompt)
+    return padded_indices(len(batch), members, micro_size)
+
+
+def micro_batch(batch: Batch, indices: list[int], forward: Forward) -> MicroBatch:
+    """The samples at ``indices`` (past the end: the leading ones again) as one planned micro batch, prompts
+    shared where the run shares them and it pays off."""
+    samples = batch.select([i % len(batch) for i in indices])
+    groups = None
+    if forward.share_prompt:
+        found = prompt_groups(samples)
+        if worth_sharing(found) and (forward.packed or rows_pay_off(samples, found, forward.hidden_size)):
+            groups = found
+    return MicroBatch(samples, forward.packed, groups)
+
+
+def micro_batches(batch: Batch, plan: MicroPlan, forward: Forward) -> list[list[MicroBatch]]:
+    return [[micro_batch(batch, micro, forward) for micro in member] for member in plan]
+
+
+def log_prob_shares(batch: Batch, members: int, config: Config,
+                    forward: Forward) -> tuple[MicroPlan, list[list[MicroBatch]]]:
+    """The plan of a log-prob pass over ``batch`` and each member's micro batches."""
+    plan = plan_indices(batch, members, config.worker.actor.micro_batch_size_per_device_for_experience, forward)
+    return plan, micro_batches(batch, plan, forward)
+
+
+def in_batch_order(batch: Batch, plan: MicroPlan, results: list[list[torch.Tensor]]) -> torch.Tensor:
+    """The members' per-micro-batch results put back in the order of ``batch`` (padding rows dropped)."""
+    out = torch.zeros(len(batch), batch["responses"].shape[1])
+    for member, values in zip(plan, results):
+        for micro, rows in zip(member, values):
+            real = [k for k, i in enumerate(micro) if i < len(batch)]
+            out[[micro[k] for k in real]] = rows[real]
+    return out
+
+
+def update_shares(batch: Batch, per_step: int, members: int, config: Config,
+                  forward: Forward) -> tuple[list[list[list[MicroBatch]]], list[MicroPlan]]:
+    """Each member's micro batches per optimizer step (consecutive ``per_step`` samples make one step), and
+    the plans behind them (indices within the step)."""
+    micro_size = config.worker.actor.micro_batch_size_per_device_for_update
+    plans, steps = [], []
+    for start in range(0, len(batch), per_step):
+        mini = batch.select(range(start, start + per_step))
+        step_plan = plan_indices(mini, members, micro_size, forward)
+        if any(i >= per_step for member in step_plan for micro in member for i in micro):
+            raise ValueError(f"{per_step} samples per optimizer step do not split evenly over {members} "
+                             f"data-parallel members; use a worker.actor.global_batch_size that does")
+        plans.append(step_plan)
+        steps.append(micro_batches(mini, step_plan, forward))
+    return [[step[m] for step in steps] for m in range(members)], plans

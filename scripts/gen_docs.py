@@ -1,0 +1,50 @@
+"""Write the generated reference pages: docs/config.md (every config key) and docs/metrics.md (every metric name).
+
+    .venv/bin/python scripts/gen_docs.py            # rewrite both pages
+    .venv/bin/python scripts/gen_docs.py --check    # exit 1 naming each page that is stale
+
+The pages come from the code: ``easytrain/config/reference.py`` reads the schema
+(``easytrain/config/schema.py``), ``easytrain/trainer/metric_names.py`` holds the metric catalog.
+``tests/test_docs_generated.py`` fails while a page differs from what this script writes.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+from typing import Callable
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))  # run from a checkout without installing it
+
+from easytrain.config import reference  # noqa: E402
+from easytrain.trainer import metric_names  # noqa: E402
+
+PAGES: dict[str, Callable[[], str]] = {"docs/config.md": reference.markdown, "docs/metrics.md": metric_names.markdown}
+"""Page (relative to the repository root) -> what writes its text."""
+
+
+def stale(root: Path = ROOT) -> list[str]:
+    """The pages whose file differs from what they would be written as now."""
+    return [page for page, render in PAGES.items()
+            if not (root / page).is_file() or (root / page).read_text() != render()]
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--check", action="store_true", help="write nothing; exit 1 if a page is stale")
+    args = parser.parse_args(argv)
+    if args.check:
+        old = stale()
+        for page in old:
+            print(f"{page} is stale: run .venv/bin/python scripts/gen_docs.py", file=sys.stderr)
+        return 1 if old else 0
+    for page, render in PAGES.items():
+        (ROOT / page).write_text(render())
+        print(f"wrote {page}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
