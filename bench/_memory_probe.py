@@ -13,11 +13,11 @@ tokens, no EOS), creates ``ActorWorker(config, role="actor", rank=0, world_size=
 Then it resets the kernel's peak-RSS counter (``echo 5 > /proc/self/clear_refs`` resets VmHWM) and
 runs the phase:
 
-- update: ``worker.update(batch, kl_coef=0.0)`` over 2 optimizer steps (rollout batch = 2 x global
-  batch). The counter is reset again after each optimizer step; the phase peak is the last step's
+- update: ``worker.update(steps, kl_coef=0.0)`` (the driver's plan of the batch for one rank) over 2 optimizer
+  steps (rollout batch = 2 x global batch). The counter is reset again after each optimizer step; the phase peak is the last step's
   (AdamW moments already exist: the steady state). Each step's peak is reported too.
 - old_log_probs: AdamW moments are created first (one optimizer step on zero gradients, gradients
-  then dropped), as every step after the first holds them; then ``worker.compute_log_probs(batch)``.
+  then dropped), as every step after the first holds them; then ``worker.compute_log_probs(micro_batches)``.
 
 The result is one line ``PROBE_RESULT {json}`` on stdout, bytes throughout.
 """
@@ -151,7 +151,7 @@ def build_batch(config: Any) -> Any:
 # ----------------------------------------------------------------------------- the phases
 
 
-def run_update(worker: Any, batch: Any) -> dict[str, Any]:
+def run_update(worker: Any, steps_of_micro_batches: Any) -> dict[str, Any]:
     """The update; the counter is reset after every optimizer step, so each step's peak is its own
     and the phase peak is the last step's (AdamW moments exist from the first step on)."""
     steps: list[dict[str, Any]] = []
@@ -165,7 +165,7 @@ def run_update(worker: Any, batch: Any) -> dict[str, Any]:
         return out
 
     worker._optimizer_step = step  # instance attribute: only this worker, only this probe
-    worker.update(batch, kl_coef=0.0)
+    worker.update(steps_of_micro_batches, kl_coef=0.0)
     assert len(steps) >= 2, f"expected at least 2 optimizer steps, ran {len(steps)}"
     return {"phase_peak": steps[-1]["VmHWM"], "first_step_peak": steps[0]["VmHWM"], "steps": steps}
 
@@ -186,6 +186,7 @@ def measure(overrides: list[str], phase: str) -> dict[str, Any]:
 
     from easytrain.config import compose, with_default_preset
     from easytrain.main import resolve
+    from easytrain.trainer.micro_batches import Forward, log_prob_shares, update_shares
     from easytrain.workers.actor import ActorWorker
 
     times: dict[str, float] = {}
@@ -207,10 +208,13 @@ def measure(overrides: list[str], phase: str) -> dict[str, Any]:
     gc.collect()
     reset_peak()
     t0 = time.perf_counter()
+    # the micro batches as the driver plans them for one data-parallel member
+    forward = Forward.of(config, sizes)
+    per_step = config.worker.actor.global_batch_size * config.worker.rollout.n
     if phase == "update":
-        result = run_update(worker, batch)
+        result = run_update(worker, update_shares(batch, per_step, 1, config, forward)[0][0])
     else:
-        worker.compute_log_probs(batch)
+        worker.compute_log_probs(log_prob_shares(batch, 1, config, forward)[1][0])
         result = {"phase_peak": status()["VmHWM"]}
     times["phase_s"] = time.perf_counter() - t0
     after["phase"] = status()

@@ -3,6 +3,9 @@
 - ``ray_local``: one local Ray for the whole session (8 logical CPUs on this 2-core machine).
 - ``ray_two_nodes``: a 2-node Ray cluster on this machine (``ray.cluster_utils.Cluster``, 2 CPUs each);
   tests using it run last, because only one Ray can be connected at a time.
+- ``eight_gpus`` and ``two_gpu_nodes``: Ray's logical GPUs for the placement tests (one node of 8, two of 4).
+  Every test that needs a Ray other than the shared local one runs after all the others, grouped by the
+  Ray it needs (``CLUSTER_ORDER``), so each of those Rays, and the shared local one, starts once.
 - ``tiny_model``: ``tiny_model(family, size)`` builds a tiny model once per session.
 - ``default_run``: the README's first command, the default run as it ships (``DEFAULT_RUN_STEPS`` steps),
   once per session (its own Ray, in a subprocess); the learning, watchdog, logger and report tests read its
@@ -25,6 +28,9 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 os.environ.setdefault("RAY_DEDUP_LOGS", "0")
 
 TWO_NODE_FIXTURE = "ray_two_nodes"
+CLUSTER_ORDER = ("eight_gpus", "two_gpu_nodes", "ray_head", TWO_NODE_FIXTURE)
+"""Fixtures of a Ray other than the shared local one, in the order their tests run, after every other test
+(``ray_head``: tests/test_submit.py, whose ``ray stop --force`` ends every Ray on the machine)."""
 
 
 class RayClusters:
@@ -44,18 +50,37 @@ class RayClusters:
         ray.init(address="local", num_cpus=8, include_dashboard=False, namespace="easytrain-tests", log_to_driver=False)
         self.kind = "local"
 
+    def eight_gpus(self) -> None:
+        """One local node with 8 logical GPUs (and 32 logical CPUs). ``address="local"``: a new Ray even while
+        another session's cluster runs on this machine."""
+        import ray
+
+        if self.kind == "eight_gpus" and ray.is_initialized():
+            return
+        self.stop()
+        ray.init(address="local", num_cpus=32, num_gpus=8, include_dashboard=False, namespace="easytrain-tests",
+                 log_to_driver=False)
+        self.kind = "eight_gpus"
+
     def two_nodes(self):  # -> ray.cluster_utils.Cluster
+        return self._nodes("two_nodes", {"num_cpus": 2})
+
+    def two_gpu_nodes(self):  # -> ray.cluster_utils.Cluster
+        return self._nodes("two_gpu_nodes", {"num_cpus": 12, "num_gpus": 4})
+
+    def _nodes(self, kind: str, resources: dict[str, int]):  # -> ray.cluster_utils.Cluster
+        """A cluster of two nodes with ``resources`` each on this machine."""
         import ray
         from ray.cluster_utils import Cluster
 
-        if self.kind == "two_nodes" and ray.is_initialized():
+        if self.kind == kind and ray.is_initialized():
             return self.cluster
         self.stop()
-        cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 2, "include_dashboard": False})
-        cluster.add_node(num_cpus=2)
+        cluster = Cluster(initialize_head=True, head_node_args={**resources, "include_dashboard": False})
+        cluster.add_node(**resources)
         cluster.wait_for_nodes()
         ray.init(address=cluster.address, namespace="easytrain-tests", log_to_driver=False)
-        self.cluster, self.kind = cluster, "two_nodes"
+        self.cluster, self.kind = cluster, kind
         return cluster
 
     def stop(self) -> None:
@@ -90,6 +115,18 @@ def ray_two_nodes(ray_clusters: RayClusters):
     return ray_clusters.two_nodes()
 
 
+@pytest.fixture
+def eight_gpus(ray_clusters: RayClusters) -> None:
+    """One local node with 8 logical GPUs (replaces the shared local Ray; a later ``ray_local`` restarts it)."""
+    ray_clusters.eight_gpus()
+
+
+@pytest.fixture
+def two_gpu_nodes(ray_clusters: RayClusters):
+    """Two nodes of 4 logical GPUs (and 12 logical CPUs) each."""
+    return ray_clusters.two_gpu_nodes()
+
+
 @pytest.fixture(scope="session")
 def tiny_model(tmp_path_factory: pytest.TempPathFactory) -> Callable[..., Path]:
     """``tiny_model(family, size="tiny", seed=0)`` -> folder, built once per session."""
@@ -114,8 +151,14 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     for item in items:
         if "gpu" in item.keywords and not has_gpu:
             item.add_marker(skip_gpu)
-    # The 2-node cluster replaces the shared local Ray: run those tests last.
-    items.sort(key=lambda item: TWO_NODE_FIXTURE in getattr(item, "fixturenames", ()))
+    # Another Ray replaces the shared local one: those tests run last, grouped by the Ray they need (a stable
+    # sort: file order otherwise).
+    items.sort(key=cluster_rank)
+
+
+def cluster_rank(item: pytest.Item) -> int:
+    names = getattr(item, "fixturenames", ())
+    return next((i + 1 for i, name in enumerate(CLUSTER_ORDER) if name in names), 0)
 
 
 @pytest.fixture

@@ -20,7 +20,7 @@ from easytrain.trainer.rl import RLTrainer
 from easytrain.workers.actor import ActorWorker
 from easytrain.workers.rollout.worker import RolloutWorker
 
-from grpo_helpers import make_config
+from grpo_helpers import make_config, update
 
 pytestmark = pytest.mark.slow
 
@@ -44,9 +44,7 @@ def test_update_across_two_nodes_equals_one_rank(ray_two_nodes, tmp_path: Path) 
         batch = batch.union(Batch({"advantages": advantages}))
         results = {}
         for name, group in (("one", one), ("two", two)):
-            per_step = config.worker.actor.global_batch_size * config.worker.rollout.n
-            ordered = batch.interleave_for_ranks(per_step, group.world_size)
-            group.call("update", ordered, 0.0)
+            update(group, batch, config, 0.0)
             results[name] = group.call("full_state_dict")
     finally:
         for group in (rollout, two, one):

@@ -18,7 +18,7 @@ from easytrain.trainer.data import RLData
 from easytrain.trainer.roles import Roles, build_roles
 from easytrain.workers.actor import ActorWorker
 
-from grpo_helpers import make_config
+from grpo_helpers import log_probs, make_config, update
 from tolerance import assert_updates_agree
 
 pytestmark = pytest.mark.slow
@@ -50,11 +50,12 @@ def test_rollout_batch_is_grouped_and_masked(setup: dict[str, Any]) -> None:
 def test_on_policy_log_probs_match_the_rollout(setup: dict[str, Any]) -> None:
     """The rollout's sampling log-probs equal the actor's recomputation for the same weights (fp32)."""
     rollout = setup["rollout"]
-    actor = setup["roles"].actor.call("compute_log_probs", rollout)["old_log_probs"]
+    config = setup["config"]
+    actor = log_probs(setup["roles"].actor, "compute_log_probs", rollout, config)
     mask = rollout["response_mask"].bool()
     diff = (actor - rollout["rollout_log_probs"]).abs()[mask]
     assert diff.max() < 2e-4, float(diff.max())
-    ref = setup["roles"].ref.call("compute_ref_log_probs", rollout)["ref_log_probs"]
+    ref = log_probs(setup["roles"].ref, "compute_ref_log_probs", rollout, config)
     assert (ref - actor).abs()[mask].max() < 2e-4  # the reference starts as the same model
 
 
@@ -64,10 +65,8 @@ def test_uneven_batches_are_padded_and_unpadded_by_the_group(setup: dict[str, An
     assert len(out) == 6 and out.meta["uids"] == [u for u in prompts.meta["uids"] for _ in range(2)]
 
 
-def _update(group: WorkerGroup, batch: Batch, reorder_for: int, config: Config) -> dict[str, torch.Tensor]:
-    per_step = config.worker.actor.global_batch_size * config.worker.rollout.n
-    ordered = batch.interleave_for_ranks(per_step, reorder_for)
-    group.call("update", ordered, 0.01)
+def _update(group: WorkerGroup, batch: Batch, config: Config) -> dict[str, torch.Tensor]:
+    update(group, batch, config, 0.01)
     return group.call("full_state_dict")
 
 
@@ -82,7 +81,7 @@ def assert_same_update(after_a: dict[str, torch.Tensor], after_b: dict[str, torc
 
 def _train_batch(setup: dict[str, Any]) -> Batch:
     rollout = setup["rollout"]
-    ref = setup["roles"].ref.call("compute_ref_log_probs", rollout)
+    ref = Batch({"ref_log_probs": log_probs(setup["roles"].ref, "compute_ref_log_probs", rollout, setup["config"])})
     advantages = torch.linspace(-1, 1, len(rollout))[:, None] * rollout["response_mask"]
     return rollout.union(ref).union(Batch({"advantages": advantages}))
 
@@ -102,8 +101,8 @@ def test_update_on_one_rank_equals_two_fsdp_ranks(setup: dict[str, Any]) -> None
     one = _actor_group(config, 1, 1, "one-rank")
     try:
         initial = one.call("full_state_dict")
-        after_one = _update(one, batch, 1, config)
-        after_two = _update(two, batch, 2, config)
+        after_one = _update(one, batch, config)
+        after_two = _update(two, batch, config)
     finally:
         one.shutdown()
         one.pool.release()
@@ -113,13 +112,13 @@ def test_update_on_one_rank_equals_two_fsdp_ranks(setup: dict[str, Any]) -> None
 def test_the_update_changes_the_weights_and_syncs_to_the_rollout(setup: dict[str, Any]) -> None:
     roles: Roles = setup["roles"]
     before = roles.actor.call("full_state_dict")
-    roles.actor.call("update", _train_batch(setup), 0.01)
+    update(roles.actor, _train_batch(setup), setup["config"], 0.01)
     after = roles.actor.call("full_state_dict")
     assert any(not torch.equal(before[k], after[k]) for k in before)
     synced = roles.transport.sync(roles.actor, roles.rollout)
     assert synced["sync/tensors"] == len(after)
     rollout = roles.rollout.call("generate", setup["prompts"], 1)
-    recomputed = roles.actor.call("compute_log_probs", rollout)["old_log_probs"]
+    recomputed = log_probs(roles.actor, "compute_log_probs", rollout, setup["config"])
     mask = rollout["response_mask"].bool()
     assert (recomputed - rollout["rollout_log_probs"]).abs()[mask].max() < 2e-4  # on-policy again after sync
 
@@ -134,8 +133,8 @@ def test_param_offload_gives_the_same_update_and_is_installed(setup: dict[str, A
         assert {p["offload_policies"][0] for p in plain.call("placement")} == {"OffloadPolicy"}
         initial = plain.call("full_state_dict")
         assert all(torch.equal(v, initial[k]) for k, v in offloaded.call("full_state_dict").items())
-        a = _update(plain, batch, 2, config)
-        b = _update(offloaded, batch, 2, offloaded_cfg)
+        a = _update(plain, batch, config)
+        b = _update(offloaded, batch, offloaded_cfg)
         for place in offloaded.call("placement"):  # between phases the shards and states sit in host memory
             assert place["param_devices"] == ["cpu"] and place["optimizer_state_devices"] == ["cpu"]
     finally:
@@ -172,9 +171,9 @@ def test_lora_trains_only_adapters_and_the_reference_is_the_base_model(setup: di
         initial = group.call("full_state_dict")
         batch = rollout.union(Batch({"advantages": torch.linspace(-1, 1, len(rollout))[:, None]
                                      * rollout["response_mask"]}))
-        group.call("update", batch.interleave_for_ranks(len(batch), 2), 0.0)
+        update(group, batch, config, 0.0)
         merged = group.call("full_state_dict")
-        reference = group.call("compute_ref_log_probs", rollout)["ref_log_probs"]
+        reference = log_probs(group, "compute_ref_log_probs", rollout, config)
     finally:
         group.shutdown()
         group.pool.release()
@@ -193,9 +192,9 @@ def test_reusing_log_probs_on_policy_equals_recomputing_them(setup: dict[str, An
     reuse, recompute = _actor_group(config, 1, 1, "reuse"), _actor_group(config, 1, 1, "recompute")
     try:
         initial = reuse.call("full_state_dict")
-        old = recompute.call("compute_log_probs", batch)
-        with_pass = _update(recompute, batch.union(old), 1, config)
-        without = _update(reuse, batch, 1, config)
+        old = Batch({"old_log_probs": log_probs(recompute, "compute_log_probs", batch, config)})
+        with_pass = _update(recompute, batch.union(old), config)
+        without = _update(reuse, batch, config)
     finally:
         for group in (reuse, recompute):
             group.shutdown()
@@ -210,8 +209,8 @@ def test_hybrid_sharding_gives_the_same_update(setup: dict[str, Any]) -> None:
     full, hybrid = _actor_group(config, 1, 2, "full"), _actor_group(hybrid_cfg, 1, 2, "hybrid")
     try:
         initial = full.call("full_state_dict")
-        a = _update(full, batch, 2, config)
-        b = _update(hybrid, batch, 2, hybrid_cfg)
+        a = _update(full, batch, config)
+        b = _update(hybrid, batch, hybrid_cfg)
     finally:
         for group in (full, hybrid):
             group.shutdown()

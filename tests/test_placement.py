@@ -5,7 +5,7 @@ ones: the probe actors ask for ``num_gpus=1`` and only read ``ray.get_gpu_ids()`
 from __future__ import annotations
 
 import sys
-from typing import Any, Iterator
+from typing import Any
 
 import pytest
 
@@ -56,40 +56,6 @@ def no_pool_groups_left() -> bool:
 
     return all(g["state"] == "REMOVED" for g in placement_group_table().values()
                if g["name"].startswith("easytrain-"))
-
-
-@pytest.fixture(scope="module")
-def eight_gpus(ray_clusters) -> Iterator[None]:
-    """One local node with 8 logical GPUs (replaces the shared local Ray; the next ``ray_local`` restarts it).
-    ``address="local"``: a new Ray even while another session's cluster runs on this machine."""
-    import ray
-
-    ray_clusters.stop()
-    ray.init(address="local", num_cpus=4, num_gpus=8, include_dashboard=False, namespace="easytrain-tests",
-             log_to_driver=False)
-    yield
-    ray.shutdown()
-
-
-@pytest.fixture(scope="module")
-def two_gpu_nodes(ray_clusters) -> Iterator[Any]:
-    """Two nodes of 4 logical GPUs each."""
-    import ray
-    from ray.cluster_utils import Cluster
-
-    ray_clusters.stop()
-    if ray.is_initialized():
-        ray.shutdown()
-    cluster = Cluster(initialize_head=True,
-                      head_node_args={"num_cpus": 2, "num_gpus": 4, "include_dashboard": False})
-    cluster.add_node(num_cpus=2, num_gpus=4)
-    cluster.wait_for_nodes()
-    ray.init(address=cluster.address, namespace="easytrain-tests", log_to_driver=False)
-    try:
-        yield cluster
-    finally:
-        ray.shutdown()
-        cluster.shutdown()
 
 
 def test_one_pool_one_gpu_per_rank_on_its_bundle(eight_gpus: None) -> None:

@@ -105,35 +105,6 @@ def check(nnodes: int, per_node: int, separate_per_node: int) -> None:
     assert_distinct_per_node(ranks)
 
 
-@pytest.fixture
-def eight_gpus(ray_clusters: Any) -> Iterator[None]:
-    import ray
-
-    ray_clusters.stop()
-    ray.init(address="local", num_cpus=32, num_gpus=8, include_dashboard=False, namespace="easytrain-tests",
-             log_to_driver=False)
-    yield
-    ray.shutdown()
-
-
-@pytest.fixture
-def two_gpu_nodes(ray_clusters: Any) -> Iterator[None]:
-    import ray
-    from ray.cluster_utils import Cluster
-
-    ray_clusters.stop()
-    cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 12, "num_gpus": 4,
-                                                            "include_dashboard": False})
-    cluster.add_node(num_cpus=12, num_gpus=4)
-    cluster.wait_for_nodes()
-    ray.init(address=cluster.address, namespace="easytrain-tests", log_to_driver=False)
-    try:
-        yield
-    finally:
-        ray.shutdown()
-        cluster.shutdown()
-
-
 def test_roles_on_one_eight_gpu_node(eight_gpus: None) -> None:
     check(1, 8, separate_per_node=2)
 

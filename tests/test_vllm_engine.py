@@ -21,6 +21,7 @@ from easytrain.trainer.roles import build_roles
 from easytrain.workers.rollout.engine import SamplingParams
 from easytrain.workers.rollout.worker import RolloutWorker
 from easytrain.workers.weight_sync import BucketedTransport, InProcessTransport
+from grpo_helpers import log_probs, update
 
 pytest.importorskip("vllm")
 pytestmark = pytest.mark.slow
@@ -123,8 +124,7 @@ def test_vllm_greedy_equals_hf_before_and_after_a_sync_from_fsdp(setup: dict[str
     sampled = roles.rollout.call("generate", prompts, 0)
     advantages = torch.linspace(-1, 1, len(sampled))[:, None] * sampled["response_mask"]
     batch = sampled.union(Batch({"advantages": advantages}))
-    per_step = setup["config"].worker.actor.global_batch_size * setup["config"].worker.rollout.n
-    roles.actor.call("update", batch.interleave_for_ranks(per_step, 2), 0.0)
+    update(roles.actor, batch, setup["config"], 0.0)
     # fused workers: each process gathers the actor's shards and loads its own vLLM engine, in many small buckets
     synced = InProcessTransport(roles.fused, bucket_mb=0.1).sync(roles.actor, roles.rollout)
     assert synced["sync/buckets"] > 3
@@ -134,7 +134,7 @@ def test_vllm_greedy_equals_hf_before_and_after_a_sync_from_fsdp(setup: dict[str
     assert torch.equal(_masked(after), _masked(hf.call("generate", prompts, 1, True)))
     assert not torch.equal(_masked(after), _masked(before))  # the sync took effect
     # and the engine's log-probs are the actor's, for the new weights
-    recomputed = roles.actor.call("compute_log_probs", after)["old_log_probs"]
+    recomputed = log_probs(roles.actor, "compute_log_probs", after, setup["config"])
     mask = after["response_mask"].bool()
     assert (recomputed - after["rollout_log_probs"]).abs()[mask].max() < 1e-4
 
@@ -143,7 +143,7 @@ def test_sampled_log_probs_follow_the_actor_convention_at_temperature(setup: dic
     """vLLM's processed log-probs are of logits / T, as the actor computes them."""
     roles, prompts = setup["roles"], setup["prompts"]
     rollout = roles.rollout.call("generate", prompts, 3)  # temperature 1 from the preset
-    recomputed = roles.actor.call("compute_log_probs", rollout)["old_log_probs"]
+    recomputed = log_probs(roles.actor, "compute_log_probs", rollout, setup["config"])
     mask = rollout["response_mask"].bool()
     assert (recomputed - rollout["rollout_log_probs"]).abs()[mask].max() < 1e-4
 
@@ -237,17 +237,15 @@ def test_a_lora_actor_syncs_merged_weights_into_vllm(setup: dict[str, Any]) -> N
         assert 0 < sizes["trainable"] < sizes["total"]
         sampled = roles.rollout.call("generate", prompts, 5)
         advantages = torch.linspace(-1, 1, len(sampled))[:, None] * sampled["response_mask"]
-        per_step = config.worker.actor.global_batch_size * config.worker.rollout.n
         for _ in range(2):  # LoRA B starts at zero: after two steps the adapters change the model
-            lora.call("update", sampled.union(Batch({"advantages": advantages})).interleave_for_ranks(per_step, 2),
-                      0.0)
+            update(lora, sampled.union(Batch({"advantages": advantages})), config, 0.0)
         synced = BucketedTransport(bucket_mb=0.05).sync(lora, roles.rollout)
         assert synced["sync/buckets"] > 3
         after = roles.rollout.call("generate", prompts, 6)
-        recomputed = lora.call("compute_log_probs", after)["old_log_probs"]
+        recomputed = log_probs(lora, "compute_log_probs", after, config)
         mask = after["response_mask"].bool()
         assert (recomputed - after["rollout_log_probs"]).abs()[mask].max() < 1e-4
-        base = roles.actor.call("compute_log_probs", after)["old_log_probs"]  # the non-LoRA actor differs
+        base = log_probs(roles.actor, "compute_log_probs", after, setup["config"])  # the non-LoRA actor differs
         assert (base - after["rollout_log_probs"]).abs()[mask].max() > 1e-3
     finally:
         lora.shutdown()

@@ -29,6 +29,7 @@ import torch
 from easytrain.config.schema import Config
 from easytrain.data.packing import MicroPlan, plan_micro_batches
 from easytrain.distributed.batch import Batch, MicroBatch
+from easytrain.distributed.group import WorkerGroup
 from easytrain.memory.rl_shape import shares_prompts
 from easytrain.workers.shared_prompt import prompt_groups, rows_pay_off, worth_sharing
 
@@ -155,3 +156,18 @@ def update_shares(batch: Batch, per_step: int, members: int, config: Config,
         plans.append(step_plan)
         steps.append(micro_batches(mini, step_plan, forward))
     return [[step[m] for step in steps] for m in range(members)], plans
+
+
+def run_log_probs(group: WorkerGroup, method: str, batch: Batch, config: Config, forward: Forward) -> torch.Tensor:
+    """``group``'s ``method`` (compute_log_probs / compute_ref_log_probs) over the planned micro batches of
+    ``batch``: per-token log-probs in the order of ``batch``."""
+    plan, shares = log_prob_shares(batch, group.members, config, forward)
+    return in_batch_order(batch, plan, group.call(method, shares))
+
+
+def run_update(group: WorkerGroup, batch: Batch, config: Config, forward: Forward,
+               kl_coef: float) -> list[dict[str, float]]:
+    """The actor group's PPO update over the planned micro batches of ``batch``: each member's summed metrics."""
+    per_step = config.worker.actor.global_batch_size * config.worker.rollout.n
+    steps, _ = update_shares(batch, per_step, group.members, config, forward)
+    return group.call("update", steps, kl_coef)

@@ -26,7 +26,7 @@ from easytrain.config.presets import RANDOM_PREFIX
 from easytrain.trainer.base import RunFailed, StepResult, Stopped, Trainer
 from easytrain.trainer.checkpoint import check_resume
 from easytrain.trainer.data import RLData
-from easytrain.trainer.micro_batches import Forward, in_batch_order, log_prob_shares, update_shares
+from easytrain.trainer.micro_batches import Forward, run_log_probs, run_update
 from easytrain.trainer.metrics import PhaseTimer
 from easytrain.trainer.roles import Roles, build_roles
 from easytrain.trainer.sampling import informative_count, keep_informative
@@ -172,16 +172,12 @@ class RLTrainer(Trainer):
     def log_probs(self, group: WorkerGroup, method: str, batch: Batch) -> torch.Tensor:
         """Per-token log-probs from ``group`` (compute_log_probs / compute_ref_log_probs) over the planned micro
         batches, in the order of ``batch``."""
-        plan, shares = log_prob_shares(batch, group.members, self.config, self.forward)
-        return in_batch_order(batch, plan, group.call(method, shares))
+        return run_log_probs(group, method, batch, self.config, self.forward)
 
     def update(self, batch: Batch) -> dict[str, float]:
         """The actor's PPO update over the planned micro batches; its metrics. With the KL in the loss, the KL
         controller steers by the update's token-mean KL."""
-        actor = self.roles.actor
-        per_step = self.config.worker.actor.global_batch_size * self.config.worker.rollout.n
-        steps, _ = update_shares(batch, per_step, actor.members, self.config, self.forward)
-        metrics = reduce_update_metrics(actor.call("update", steps, self.kl.coef))
+        metrics = reduce_update_metrics(run_update(self.roles.actor, batch, self.config, self.forward, self.kl.coef))
         if "actor/kl_loss" in metrics:
             self.kl.update(metrics["actor/kl_loss"], len(batch))
         return metrics

@@ -89,7 +89,7 @@ def test_after_the_sync_the_engine_holds_the_actor_and_greedy_is_on_policy(train
     assert set(engine) == set(actor)
     for name, tensor in actor.items():
         assert torch.equal(engine[name], tensor.to(engine[name].dtype)), name
-    recomputed = roles.actor.call("compute_log_probs", greedy)["old_log_probs"]
+    recomputed = trainer.log_probs(roles.actor, "compute_log_probs", greedy)
     mask = greedy["response_mask"].bool()
     assert mask.any()
     gap = (recomputed - greedy["rollout_log_probs"]).abs() * mask

@@ -18,6 +18,7 @@ def test_sleep_frees_memory_and_sync_after_wake_restores_the_weights(ray_cluster
     pytest.importorskip("vllm")
     from easytrain.trainer.roles import build_roles
     from easytrain.trainer.data import RLData
+    from grpo_helpers import log_probs
 
     ray_clusters.local()
     config = load([f"trainer.output_dir={tmp_path}", "+exp=tiny_vllm", "trainer.device=cuda",
@@ -35,7 +36,7 @@ def test_sleep_frees_memory_and_sync_after_wake_restores_the_weights(ray_cluster
         roles.transport.sync(roles.actor, roles.rollout)  # wakes the weights, then loads them
         after = roles.rollout.call("generate", prompts, 0, True)  # wakes the KV cache
         assert torch.equal(before["responses"], after["responses"])  # same weights as before the sleep
-        recomputed = roles.actor.call("compute_log_probs", after)["old_log_probs"]
+        recomputed = log_probs(roles.actor, "compute_log_probs", after, config)
         mask = after["response_mask"].bool()
         assert (recomputed - after["rollout_log_probs"]).abs()[mask].max() < 1e-3
     finally:
