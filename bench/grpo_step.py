@@ -62,8 +62,10 @@ def measure(config: Any, steps: int, warmup: int) -> tuple[list[dict[str, Any]],
                             "phases_s": {k[5:]: v for k, v in metrics.items()
                                          if k.startswith("time/") and k != "time/step"},
                             "worker_busy_s": work, "orchestration_s": metrics["time/step"] - compute,
-                            "generated_tokens": metrics["perf/generate_tokens_per_s"] * metrics["time/generate"],
-                            "tokens_per_s": metrics["perf/generate_tokens_per_s"],
+                            # one step off, a batch generates during the step before it: no generate phase
+                            "generated_tokens": (metrics["perf/generate_tokens_per_s"] * metrics["time/generate"]
+                                                 if "time/generate" in metrics else None),
+                            "tokens_per_s": metrics.get("perf/generate_tokens_per_s"),
                             "metrics": {k: v for k, v in metrics.items() if isinstance(v, (int, float))}})
         memory = {name: group.call("memory") for name, group in groups.items()}
     finally:

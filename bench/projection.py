@@ -234,6 +234,22 @@ def project(nnodes: int, args: argparse.Namespace, driver: dict[str, float]) -> 
     }
 
 
+def separate_pools(eight: dict[str, Any]) -> dict[str, Any]:
+    """16 GPUs as a pool of 8 for the rollout and 8 for the actor (``trainer.colocate=false``), from the 8-GPU
+    row's phase times (each pool runs its phases on 8 GPUs as the colocated row does): ``sync`` runs them one
+    after the other; ``one_step_off`` (``trainer.rollout_mode``) generates the next batch beside the actor's
+    passes, so a step takes the longer of the two, then the weight sync and the driver's overhead."""
+    ph = eight["phases_s"]
+    actor = ph["ref"] + ph["old_log_probs"] + ph["update"]
+    tail = ph["sync"] + ph["overhead"]
+    steps = {"sync": ph["generate"] + actor + tail, "one_step_off": max(ph["generate"], actor) + tail}
+    tokens = eight["tokens_per_s_per_gpu"] * eight["step_s"] * eight["gpus"]  # one step's tokens
+    return {"gpus": 16, "pools": {"rollout": 8, "actor": 8}, "generate_s": ph["generate"], "actor_passes_s": actor,
+            "step_s": steps, "tokens_per_s_per_gpu": {mode: tokens / step / 16 for mode, step in steps.items()},
+            "one_step_off_over_sync": steps["one_step_off"] / steps["sync"],
+            "colocated_16_gpu_step_s": None}
+
+
 def driver_costs(files: Sequence[str]) -> dict[str, float]:
     """Per phase call, the median over steps of (phase wall time - the slowest worker's busy time), and the
     rest of the step's orchestration (driver loop, reward wait); the max over the given files."""
@@ -334,6 +350,8 @@ def main(argv: Optional[Sequence[str]] = None) -> dict[str, Any]:
     driver = driver_costs(args.measured)
     rows = [project(n, args, driver) for n in NODES]
     eight = rows[0]
+    pools = separate_pools(eight)
+    pools["colocated_16_gpu_step_s"] = rows[1]["step_s"]
     work = eight["shape"]["sequences"]
     comparison = {"projected_step_s": eight["step_s"], "projected_tokens_per_s_per_gpu": eight["tokens_per_s_per_gpu"],
                   "step_ratio": eight["step_s"] / EASYR1["sec_per_step"],
@@ -345,11 +363,15 @@ def main(argv: Optional[Sequence[str]] = None) -> dict[str, Any]:
                                "was chosen or fitted to them"}
     notes = assumptions(args, rows, driver)
     print(render(rows, notes, comparison))
+    print(f"16 GPUs as 8 rollout + 8 actor: sync {pools['step_s']['sync']:.1f} s/step, one step off "
+          f"{pools['step_s']['one_step_off']:.1f} s/step (x{pools['one_step_off_over_sync']:.2f}); generation "
+          f"{pools['generate_s']:.1f} s against the actor's passes {pools['actor_passes_s']:.1f} s; colocated on 16 "
+          f"GPUs: {pools['colocated_16_gpu_step_s']:.1f} s/step")
     result = {"benchmark": "projection",
               "preset": PRESET, "hardware_and_workload": {k: v for k, v in vars(args).items() if k != "out"},
               "assumptions": notes, "driver_cost_per_call_s": driver,
               "driver_cost_measured_at": input_provenance(args.measured), "rows": rows,
-              "easyr1": EASYR1, "comparison": comparison}
+              "easyr1": EASYR1, "comparison": comparison, "separate_pools_16_gpus": pools}
     # called with argv (tests), the command is the script with those arguments, not the caller's command line
     write_result(Path(args.out), result, command=command_line([__file__, *argv]) if argv is not None else None)
     return result

@@ -401,3 +401,22 @@ def test_plan_describes_the_fused_layout_and_the_phase_order() -> None:
     pools = subprocess.run([sys.executable, "-m", "easytrain.cli", "plan", "+exp=qwen25vl_7b",
                             "trainer.colocate=false"], capture_output=True, text=True, check=True).stdout
     assert "a device pool per role" in pools and "fused workers" not in pools
+
+
+def test_one_step_off_counts_the_generation_beside_the_actors_phases() -> None:
+    """trainer.rollout_mode=one_step_off: while the actor's phases run, the rollout pool generates the next batch,
+    so a node's host row holds the rollout process generating (its KV cache and working set) where the sync
+    mode has it idle; the devices are separate pools, so each device row is unchanged."""
+    base = ["+exp=tiny", "trainer.colocate=false", "algorithm.kl_coef=0"]
+    config = load(base)
+    hf = hf_config_for(config.model)
+    sync, off = plan(config, hf), plan(load([*base, "trainer.rollout_mode=one_step_off"]), hf)
+    generation = sync.row("generation").host_parts
+    for phase in ("update",):
+        assert off.row(phase).device == sync.row(phase).device
+        idle, busy = sync.row(phase).host_parts, off.row(phase).host_parts
+        for part in ("kv cache", "prefill", "generation working set"):  # the generating rollout process's
+            assert part not in idle and busy[part] == generation[part], part
+        assert off.row(phase).host > sync.row(phase).host
+    assert off.row("generation").host == sync.row("generation").host  # the generation itself is the same
+    assert off.row("weight_sync").host == sync.row("weight_sync").host  # after the wait: nothing overlaps the sync

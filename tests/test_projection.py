@@ -78,3 +78,14 @@ def test_decode_follows_hbm_bandwidth(projection: ModuleType, result: dict[str, 
     assert halved["phases_s"]["update"] == pytest.approx(base["phases_s"]["update"])  # compute-bound phases keep
     faster = projection.project(1, projection.parse(["--peak-tflops", "1978"]), driver)
     assert faster["phases_s"]["update"] < 0.75 * base["phases_s"]["update"]
+
+
+def test_separate_pools_one_step_off_hides_the_shorter_side(result: dict[str, Any]) -> None:
+    """8 rollout + 8 actor GPUs: one step off, a step is the longer of generation and the actor's passes (plus the
+    sync and overhead), never more than the sync mode's sum of both."""
+    pools, eight = result["separate_pools_16_gpus"], result["rows"][0]["phases_s"]
+    tail = eight["sync"] + eight["overhead"]
+    assert pools["actor_passes_s"] == pytest.approx(eight["ref"] + eight["old_log_probs"] + eight["update"])
+    assert pools["step_s"]["sync"] == pytest.approx(pools["generate_s"] + pools["actor_passes_s"] + tail)
+    assert pools["step_s"]["one_step_off"] == pytest.approx(max(pools["generate_s"], pools["actor_passes_s"]) + tail)
+    assert pools["step_s"]["one_step_off"] < pools["step_s"]["sync"]

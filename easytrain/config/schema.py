@@ -324,6 +324,10 @@ class AlgorithmConfig:
     """Add a KL(actor || reference) term to the loss (GRPO style) instead of to the reward."""
     kl_penalty: str = choice("low_var_kl", "low_var_kl", "kl", "abs", "mse")
     """KL estimator: kl (k1), abs, mse (k2) or low_var_kl (k3)."""
+    tis_cap: float = bounded(0.0, low=0.0)
+    """trainer.rollout_mode=one_step_off: 0 takes the PPO ratio against the engine's sampling log-probs (the
+    behaviour policy); > 0 takes it against the actor's log-probs at its current weights and weighs each
+    token's loss by min(exp(actor - engine log-prob), tis_cap) (truncated importance sampling)."""
     kl_coef: float = bounded(1e-2, low=0.0)
     """Weight of the KL term (initial value when kl_type=adaptive)."""
     kl_type: str = choice("fixed", "fixed", "adaptive")
@@ -370,6 +374,10 @@ class TrainerConfig:
     colocate: bool = True
     """One process per device hosts actor, reference and rollout (fused workers; the phases take the device in
     turn, in-process weight sync); false gives each role its own pool of processes and devices."""
+    rollout_mode: str = choice("sync", "sync", "one_step_off")
+    """sync: each step generates, then trains on what it generated. one_step_off (separate pools,
+    trainer.colocate=false): while the actor trains on batch t the engine generates batch t+1 with the weights of
+    step t-1; the update's PPO ratio is taken against the engine's sampling log-probs."""
     threads_per_worker: int = bounded(0, low=0)
     """torch threads of each role worker; 0 = its share of the node's CPUs (node CPUs / workers_per_node when
     colocated, also divided by the roles otherwise; Ray nodes started on one machine split its cores). Ray would

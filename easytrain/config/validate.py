@@ -96,6 +96,7 @@ def validate(cfg: Config, shape: Optional[ModelShape] = None) -> None:
     _check_parallelism(cfg)
     if cfg.trainer.task == "rl":
         _check_rollout(cfg)
+    _check_rollout_mode(cfg)
     _check_strategy(cfg)
     _check_model(cfg)
     _check_trainer(cfg)
@@ -240,6 +241,35 @@ def _check_strategy(cfg: Config) -> None:
         raise ConfigError("worker.actor.max_token_len_per_device", a.max_token_len_per_device,
                           f"a sample may hold data.max_prompt_length + data.max_response_length = {longest} "
                           "tokens, more than one packed micro batch", f"set it to at least {longest}")
+
+
+def _check_rollout_mode(cfg: Config) -> None:
+    """trainer.rollout_mode=one_step_off overlaps generation with training: separate pools, one batch at a time,
+    and engine log-probs that are the sampling distribution's."""
+    t, a, r = cfg.trainer, cfg.algorithm, cfg.worker.rollout
+    if t.rollout_mode == "sync":
+        if a.tis_cap > 0:
+            raise ConfigError("algorithm.tis_cap", a.tis_cap, "truncated importance weights correct a one step off "
+                              "rollout, and trainer.rollout_mode=sync trains on the weights that generated",
+                              "set algorithm.tis_cap=0 or trainer.rollout_mode=one_step_off")
+        return
+    if t.task != "rl":
+        raise ConfigError("trainer.rollout_mode", t.rollout_mode, "SFT generates no rollouts",
+                          "set trainer.rollout_mode=sync")
+    if t.colocate:
+        raise ConfigError("trainer.rollout_mode", t.rollout_mode,
+                          "one step off overlaps generation with training on separate devices, and "
+                          "trainer.colocate=true puts every role on the same ones",
+                          "set trainer.colocate=false (a pool per role)")
+    if a.dynamic_sampling:
+        raise ConfigError("algorithm.dynamic_sampling", True, "dynamic sampling refills a batch by generating "
+                          "again, which a batch generated one step ahead cannot wait for",
+                          "set algorithm.dynamic_sampling=false or trainer.rollout_mode=sync")
+    if (r.top_p < 1 or r.top_k > 0) and a.tis_cap == 0:
+        raise ConfigError("trainer.rollout_mode", t.rollout_mode,
+                          "one step off takes the PPO ratio against the engine's log-probs, which with "
+                          "worker.rollout.top_p/top_k are of the truncated distribution",
+                          "set algorithm.tis_cap (the ratio then uses the actor's) or top_p=1 and top_k=0")
 
 
 def _check_rollout(cfg: Config) -> None:

@@ -148,6 +148,10 @@ def engine_resident(config: Config, s: Shape, awake: dict[str, int]) -> dict[str
 # ----------------------------------------------------------------------------- the plan
 
 
+OVERLAPPED = ("ref_log_probs", "old_log_probs", "update")
+"""The actor's phases the rollout pool generates beside with ``trainer.rollout_mode=one_step_off``."""
+
+
 @dataclass(frozen=True)
 class _Step:
     """What every row of the plan reads: the roles' states and what each keeps between phases."""
@@ -269,15 +273,20 @@ def _host(st: _Step, phase: Phase, role: str, active: dict[str, int], device: di
         held = dict(device) if not s.on_gpu else {**_offloaded(st), **engine_host}
         process = worker_process(name, held, s.on_gpu)
         return node_host(config, name, [(n, process)], True, extra), process
+    # one step off, the rollout pool generates the next batch while the actor's phases run: both at once
+    generating = config.trainer.rollout_mode == "one_step_off" and name in OVERLAPPED
     workers, process = [], {}
     for other in role_names(s.with_ref):
         if s.on_gpu:
             held = {k: v for k, v in _offloaded(st).items() if k.startswith(other)}
         elif other == role:
             held = dict(active) if role == "rollout" else {**st.idle[role], **active}
+        elif other == "rollout":
+            held = dict(st.awake if generating else st.resident)
         else:
-            held = dict(st.resident) if other == "rollout" else dict(st.idle[other])
-        one = worker_process(name if other == role else "idle", held, s.on_gpu)
+            held = dict(st.idle[other])
+        busy = other == role or (other == "rollout" and generating)
+        one = worker_process(name if other == role else "generation" if busy else "idle", held, s.on_gpu)
         workers.append((n, one))
         if other == role:
             process = one

@@ -125,11 +125,13 @@ class Trainer:
     def validate(self) -> dict[str, float]:
         raise NotImplementedError
 
-    def driver_state(self) -> dict[str, Any]:
+    def driver_state(self, folder: Path) -> dict[str, Any]:
+        """What a checkpoint keeps of the driver beyond the actor's state: JSON for the trainer state; larger
+        things as files the trainer writes into ``folder`` (the checkpoint being written)."""
         return {}
 
-    def load_driver_state(self, state: dict[str, Any]) -> None:
-        """Driver state of a checkpoint; the actor's weights are already loaded."""
+    def load_driver_state(self, state: dict[str, Any], folder: Path) -> None:
+        """Driver state of the checkpoint in ``folder``; the actor's weights are already loaded."""
 
     def new_batches(self) -> Iterator[Any]:
         raise NotImplementedError
@@ -301,7 +303,7 @@ class Trainer:
         state = {"step": self.step, "task": self.config.trainer.task, "strategy": self.config.worker.actor.strategy,
                  "data": ended["data"], "rng": ended["rng"],
                  "actor_world_size": self.roles.actor.world_size, "model_signature": model_signature(self.config),
-                 **self.driver_state()}
+                 **self.driver_state(tmp)}
         pending = PendingCheckpoint(tmp, self.step, state, OmegaConf.to_yaml(OmegaConf.structured(self.config)),
                                     start, blocked_s=time.perf_counter() - start)
         self.saved_step = self.step
@@ -375,7 +377,7 @@ class Trainer:
             self.step = self.saved_step = int(state["step"])
             self.loader.load_state_dict(state["data"])
             set_rng_state(state["rng"])
-            self.load_driver_state(state)
+            self.load_driver_state(state, folder)
             logger.info("resumed from %s: step %d of %d (saved by %d actor rank(s), now %d)", folder, self.step,
                         self.total_steps, state["actor_world_size"], self.roles.actor.world_size)
         self.metrics.rewind(self.step)

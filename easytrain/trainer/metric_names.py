@@ -84,6 +84,9 @@ METRICS: dict[str, str] = {
     "rollout/log_prob_diff_mean": "Mean absolute difference between the engine's sampling log-probs and the "
                                   "actor's recomputed ones, per response token: near 0 when the sync took effect.",
     "rollout/log_prob_diff_max": "Largest such difference.",
+    "rollout/staleness": "`trainer.rollout_mode=one_step_off`: updates between the weights that generated the "
+                         "step's batch and the actor's before its update (0 on the first step, then 1); with "
+                         "one optimizer step per batch, `actor/ppo_kl` is then the actor's log-prob gap to the engine.",
     # sync
     "sync/seconds": "Seconds of the weight sync (the slowest rank's).",
     "sync/buckets": "Buckets the weights went in (`worker.rollout.sync_bucket_mb`).",
@@ -105,7 +108,10 @@ METRICS: dict[str, str] = {
     "train/padding_waste": "SFT: share of the token slots the forward passes processed that were padding.",
     # time
     "time/step": "The whole step (the driver's `train_step`).",
-    "time/generate": "RL: generation (every round of it with dynamic sampling).",
+    "time/generate": "RL: generation (every round of it with dynamic sampling); one step off, only the first "
+                     "step's (later batches generate during the step before theirs).",
+    "time/generate_wait": "RL, one step off: waiting for the next step's batch after the update (the part of "
+                          "its generation the step did not hide).",
     "time/reward": "RL: waiting for the reward workers' scores.",
     "time/sleep": "RL: the engine's sleep as a call of its own (where no reference pass starts it).",
     "time/ref": "RL: the reference's log-probs (a fused worker puts its engine to sleep as this begins).",
@@ -119,7 +125,8 @@ METRICS: dict[str, str] = {
                              "rank's end.",
     "time/optimizer": "SFT: the optimizer step, likewise.",
     # perf
-    "perf/generate_tokens_per_s": "RL: response tokens generated per second of `time/generate`.",
+    "perf/generate_tokens_per_s": "RL: response tokens generated per second of `time/generate` (steps that "
+                                  "generate their own batch).",
     "perf/train_tokens_per_s": "SFT: tokens (prompt and response) trained per second of `time/step`.",
     "perf/update_tokens": "RL: tokens the update's forward and backward passes ran over (prompts and responses, "
                           "times `worker.actor.ppo_epochs`): with `time/update` and the parameter count, the update's "

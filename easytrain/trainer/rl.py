@@ -4,6 +4,8 @@
     -> advantages -> update -> weight sync
 
 the order of :data:`easytrain.memory.phases.STEP` (fused workers put their engine in each phase's state).
+With ``trainer.rollout_mode=one_step_off`` the step trains on the batch generated during the last step while
+the engine generates the next one (:mod:`easytrain.trainer.ahead`).
 
 The driver holds prompts, token ids, rewards and advantages; models live in
 the worker groups. Run it through ``python -m easytrain.main``.
@@ -13,7 +15,8 @@ from __future__ import annotations
 
 import logging
 import time
-from typing import Any, Iterator, Optional
+from pathlib import Path
+from typing import Any, Callable, Iterator, Optional
 
 import torch
 
@@ -23,6 +26,8 @@ from easytrain.config.schema import Config
 from easytrain.distributed.batch import Batch
 from easytrain.distributed.group import WorkerGroup
 from easytrain.config.presets import RANDOM_PREFIX
+from easytrain.distributed.group import Pending
+from easytrain.trainer.ahead import Generated, importance_weights, load_generated, save_generated
 from easytrain.trainer.base import RunFailed, StepResult, Stopped, Trainer
 from easytrain.trainer.checkpoint import check_resume
 from easytrain.trainer.data import RLData
@@ -49,6 +54,9 @@ class RLTrainer(Trainer):
         steps_per_rollout = config.data.rollout_batch_size // config.worker.actor.global_batch_size
         self.optimizer_steps = self.total_steps * steps_per_rollout * config.worker.actor.ppo_epochs
         self.on_policy = config.worker.actor.ppo_epochs == 1 and steps_per_rollout == 1
+        self.one_step_off = config.trainer.rollout_mode == "one_step_off"
+        self.ready: Optional[Generated] = None
+        """one_step_off: the batch the next step trains on, generated during the last one."""
         if self.data.val is None:
             logger.info("no validation data (data.val_files is unset): this run does not validate")
         self.start(resume)
@@ -63,11 +71,19 @@ class RLTrainer(Trainer):
     def new_batches(self) -> Iterator[Batch]:
         return self.data.train_batches()
 
-    def driver_state(self) -> dict[str, Any]:
-        return {"kl": self.kl.state_dict()}
+    def restore(self, folder: Optional[Path]) -> None:
+        self.ready = None  # a checkpoint that holds a generated next batch brings it back (load_driver_state)
+        super().restore(folder)
 
-    def load_driver_state(self, state: dict[str, Any]) -> None:
+    def driver_state(self, folder: Path) -> dict[str, Any]:
+        state: dict[str, Any] = {"kl": self.kl.state_dict()}
+        if self.ready is not None:  # one_step_off: the batch generated for the next step
+            state["ahead"] = save_generated(self.ready, folder)
+        return state
+
+    def load_driver_state(self, state: dict[str, Any], folder: Path) -> None:
         self.kl.load_state_dict(state["kl"])
+        self.ready = load_generated(state["ahead"], folder) if "ahead" in state else None
         self.roles.transport.sync(self.roles.actor, self.roles.rollout)  # the engine serves the restored weights
 
     # ------------------------------------------------------------------ one step
@@ -76,27 +92,31 @@ class RLTrainer(Trainer):
         prompts = self.batches if prompts is None else prompts
         timer, start = PhaseTimer(), time.perf_counter()
         batch, scores, sampling = self.rollout(prompts, timer)
+        ahead = self.generate_ahead(prompts) if self.one_step_off else None  # the next batch, while this trains
         self.check_pressure("rollout")  # before the update, hard pressure ends the step unfinished: nothing lost
         batch = self.with_reference(batch, timer)
         self.check_pressure("ref")
         with timer("old_log_probs"):
-            if not (self.on_policy and self.config.worker.actor.reuse_log_probs_on_policy):
-                batch = batch.union(Batch({"old_log_probs": self.log_probs(self.roles.actor, "compute_log_probs",
-                                                                           batch)}))
+            batch, agreement = self.with_old_log_probs(batch)
         with timer("advantages"):
             batch, shaping = self.add_advantages(batch, scores)
         self.check_pressure("old_log_probs")
         with timer("update"):
             update = self.update(batch)
         self.check_pressure("update", before_update=False)  # from here on the step finishes and saves
+        next_batch = self.finish_ahead(ahead, timer) if ahead is not None else None
         with timer("sync"):
             synced = self.roles.transport.sync(self.roles.actor, self.roles.rollout)
+        if next_batch is not None:
+            self.ready = next_batch()  # scored while the weights synced
         metrics = {**reward_metrics(scores), **response_metrics(batch, self.config.data.max_response_length),
-                   **update, **sampling, **synced, **log_prob_agreement(batch), **shaping}
+                   **update, **sampling, **synced, **agreement, **shaping}
         metrics["actor/kl_coef"] = self.kl.coef
         metrics.update(timer.times)
         metrics["time/step"] = time.perf_counter() - start
-        metrics["perf/generate_tokens_per_s"] = float(batch["response_mask"].sum()) / max(metrics["time/generate"], 1e-9)
+        if "time/generate" in metrics:  # this step generated its batch (one step off, it trained on one made earlier)
+            tokens = float(batch["response_mask"].sum())
+            metrics["perf/generate_tokens_per_s"] = tokens / max(metrics["time/generate"], 1e-9)
         # tokens the update's forward and backward passes ran over (prompt and response, every PPO epoch): its MFU
         metrics["perf/update_tokens"] = float(batch["attention_mask"].sum()) * self.config.worker.actor.ppo_epochs
         memory, readings = self.memory()
@@ -107,7 +127,12 @@ class RLTrainer(Trainer):
 
     def rollout(self, prompts: Iterator[Batch],
                 timer: PhaseTimer) -> tuple[Batch, dict[str, torch.Tensor], dict[str, float]]:
-        """Generate and score; with dynamic sampling, keep groups with signal and refill (DAPO)."""
+        """Generate and score; with dynamic sampling, keep groups with signal and refill (DAPO). One step off:
+        the batch generated during the last step (the first step generates its own) and its staleness."""
+        if self.one_step_off:
+            ready = self.ready or Generated(*self.generate_and_score(next(prompts), timer), version=self.step - 1)
+            self.metrics.log_order(self.step, list(ready.batch.meta["uids"]))
+            return ready.batch, ready.scores, {"rollout/staleness": float(self.step - 1 - ready.version)}
         first = next(prompts)
         uids = list(first.meta["uids"])
         batch, scores = self.generate_and_score(first, timer)
@@ -130,15 +155,37 @@ class RLTrainer(Trainer):
                            call: int = 0) -> tuple[Batch, dict[str, torch.Tensor]]:
         with timer("generate"):
             batch = self.roles.rollout.call("generate", prompts, self.step, validate, call)
+        return batch, self.score(batch, timer, validate)
+
+    def generate_ahead(self, prompts: Iterator[Batch]) -> Pending:
+        """One step off: the engine starts generating the next step's batch, with the weights it holds now."""
+        return self.roles.rollout.submit("generate", next(prompts), self.step + 1, False, 0)
+
+    def finish_ahead(self, pending: Pending, timer: PhaseTimer) -> Callable[[], Generated]:
+        """Wait for the next step's batch (``time/generate_wait``: what the update did not hide) and send it to
+        be scored; returns the call that collects the scores (after the weight sync)."""
+        with timer("generate_wait"):
+            batch = self.roles.rollout.collect(pending)
         texts = self.data.decode(batch)
-        pending = self.roles.rewards.submit(texts, batch.meta["answers"])
+        scoring = self.roles.rewards.submit(texts, batch.meta["answers"])
+        version = self.step - 1  # the engine held the weights of the last step's sync
+
+        def scored() -> Generated:
+            return Generated(batch, self.score(batch, timer, texts=texts, pending=scoring), version)
+        return scored
+
+    def score(self, batch: Batch, timer: PhaseTimer, validate: bool = False, texts: Optional[list[str]] = None,
+              pending: Any = None) -> dict[str, torch.Tensor]:
+        """The reward table of ``batch`` (``pending``: its scoring, already sent); its texts go in its meta."""
+        texts = texts if texts is not None else self.data.decode(batch)
+        pending = pending or self.roles.rewards.submit(texts, batch.meta["answers"])
         with timer("reward"):  # a reward function that grows under hard pressure is stopped, with the step
             watch = None if validate else self.watch_phase("reward")
             scores, errors = self.roles.rewards.collect(pending, watch, self.config.watchdog.sample_period_s)
         table = {key: torch.tensor([s.get(key, 0.0) for s in scores]) for key in scores[0]}
         table["errors"] = torch.full((len(scores),), float(errors) / max(1, len(scores)))
         batch.meta["texts"] = texts
-        return batch, table
+        return table
 
     def with_reference(self, batch: Batch, timer: PhaseTimer) -> Batch:
         """Hand the device to the training roles (the engine sleeps until the next sync), then add the reference
@@ -152,6 +199,23 @@ class RLTrainer(Trainer):
             return batch
         with timer("ref"):
             return batch.union(Batch({"ref_log_probs": self.log_probs(reference, "compute_ref_log_probs", batch)}))
+
+    def with_old_log_probs(self, batch: Batch) -> tuple[Batch, dict[str, float]]:
+        """The log-probs the update's PPO ratio is taken against: the actor's at its current weights (skipped when
+        the update is exactly on-policy and may reuse its own), or one step off the engine's sampling log-probs
+        (the behaviour policy), with truncated importance weights against the actor's when algorithm.tis_cap > 0.
+        Where the actor's were computed, how far the engine's are from them (``rollout/log_prob_diff_*``)."""
+        a, cap = self.config.worker.actor, self.config.algorithm.tis_cap
+        if self.one_step_off and cap == 0:
+            return batch.union(Batch({"old_log_probs": batch["rollout_log_probs"]})), {}
+        if self.on_policy and a.reuse_log_probs_on_policy and not self.one_step_off:
+            return batch, {}
+        old = self.log_probs(self.roles.actor, "compute_log_probs", batch)
+        batch = batch.union(Batch({"old_log_probs": old}))
+        if self.one_step_off:
+            weights = importance_weights(old, batch["rollout_log_probs"], batch["response_mask"].float(), cap)
+            batch = batch.union(Batch({"is_weights": weights}))
+        return batch, log_prob_agreement(batch)
 
     def add_advantages(self, batch: Batch, scores: dict[str, torch.Tensor]) -> tuple[Batch, dict[str, float]]:
         """Per-token advantages of each response's reward (minus the KL when it is in the reward); with the KL in

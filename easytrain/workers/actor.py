@@ -117,6 +117,8 @@ class ActorWorker(WorkerBase):
             advantages = micro["advantages"].to(self.device)
             token_loss, info = policy_loss(log_probs, old, advantages, self.cfg.clip_ratio_low,
                                            self.cfg.clip_ratio_high, self.cfg.clip_ratio_dual)
+            if "is_weights" in micro:  # one step off with algorithm.tis_cap: truncated importance weights
+                token_loss = token_loss * micro["is_weights"].to(self.device)
             loss = aggregate(token_loss, mask, mode, scale)
             if algo.use_kl_loss and "ref_log_probs" in micro:
                 kl = kl_penalty(log_probs, micro["ref_log_probs"].to(self.device), algo.kl_penalty)
