@@ -17,7 +17,7 @@ from easytrain.models.hf import load_model, load_tokenizer, model_folder
 from easytrain.trainer.checkpoint import CheckpointError, check_resume, checkpoint_folder
 from easytrain.trainer.rl import RLTrainer
 
-from grpo_helpers import make_config
+from grpo_helpers import make_config, trained_weights
 
 pytestmark = pytest.mark.slow
 
@@ -27,16 +27,6 @@ REWARD = Path(__file__).parent / "assets" / "spread_reward.py"
 def config(tmp: Path, *extra: str) -> Any:
     return make_config(str(tmp), f"reward.function={REWARD}:spread", "algorithm.kl_coef=0", "trainer.max_steps=2",
                        "trainer.save_freq=1", *extra)
-
-
-def trained_weights(cfg: Any) -> dict[str, torch.Tensor]:
-    """Run ``cfg`` to its end (or just resume when it is already there) and return the actor's full weights."""
-    trainer = RLTrainer(cfg)
-    try:
-        trainer.fit()
-        return trainer.roles.actor.call("full_state_dict")
-    finally:
-        trainer.close()
 
 
 def logits(model: Any, tokenizer: Any) -> torch.Tensor:

@@ -16,11 +16,10 @@ from easytrain.distributed.batch import Batch
 from easytrain.distributed.group import WorkerGroup
 from easytrain.distributed.resources import ResourcePool
 from easytrain.trainer.data import RLData
-from easytrain.trainer.rl import RLTrainer
 from easytrain.workers.actor import ActorWorker
 from easytrain.workers.rollout.worker import RolloutWorker
 
-from grpo_helpers import make_config, update
+from grpo_helpers import make_config, trained_weights, update
 
 pytestmark = pytest.mark.slow
 
@@ -65,12 +64,7 @@ def test_checkpoints_span_nodes_and_a_lost_node_is_recovered_exactly(ray_two_nod
         config = make_config(str(folder), f"reward.function={reward}:spread", "algorithm.kl_coef=0",
                              "trainer.nnodes=2", "trainer.workers_per_node=1", "trainer.max_steps=4",
                              "trainer.save_freq=1", *extra)
-        trainer = RLTrainer(config)
-        try:
-            trainer.fit()
-            return trainer.roles.actor.call("full_state_dict")
-        finally:
-            trainer.close()
+        return trained_weights(config)
 
     want = run(tmp_path / "whole")
     shards = tmp_path / "whole" / "checkpoints" / "global_step_4" / "actor"

@@ -7,8 +7,11 @@ the batch the uninterrupted run generated during that step, landing on the same 
 
 from __future__ import annotations
 
+import json
+import os
+import subprocess
+import sys
 from pathlib import Path
-from typing import Any
 
 import pytest
 import torch
@@ -19,13 +22,18 @@ from easytrain.models.hf import load_model, model_folder
 from easytrain.trainer.ahead import importance_weights
 from easytrain.trainer.rl import RLTrainer
 from easytrain.workers.forward import response_log_probs
-from grpo_helpers import make_config
+from grpo_helpers import make_config, trained_weights
 
 pytestmark = pytest.mark.slow
 
+SPREAD = Path(__file__).resolve().parent / "assets" / "spread_reward.py"
 OFF = ["trainer.colocate=false", "trainer.rollout_mode=one_step_off", "trainer.workers_per_node=1",
-       "algorithm.kl_coef=0", "trainer.val_freq=-1", "trainer.val_before_train=false", "worker.actor.optim.lr=3e-3"]
-"""Separate pools of one worker each (actor, rollout; no reference), weights that move visibly every step."""
+       "algorithm.kl_coef=0", "trainer.val_freq=-1", "trainer.val_before_train=false", "worker.actor.optim.lr=3e-3",
+       f"reward.function={SPREAD}:spread"]
+"""Separate pools of one worker each (actor, rollout; no reference), and a reward that spreads the scores of a
+prompt's responses, so every step moves the weights visibly."""
+LEARNED = 0.9
+"""Held-out accuracy the one-step-off default task must end at: the sync default's goal (it reached 1.0 here)."""
 
 
 class RecordingTrainer(RLTrainer):
@@ -95,25 +103,34 @@ def test_impossible_combinations_are_config_errors(tmp_path: Path, overrides: li
     assert str(err.value).startswith(key)
 
 
-def final_weights(config: Config, steps: int, resume: Any = None) -> dict[str, torch.Tensor]:
-    trainer = RLTrainer(config)
-    try:
-        trainer.fit()
-        return trainer.roles.actor.call("full_state_dict")
-    finally:
-        trainer.close()
-
-
 def test_a_resumed_run_lands_on_the_uninterrupted_runs_weights(ray_local: None, tmp_path: Path) -> None:
     """4 steps straight, against 2 steps, a stop, and a resume for the last 2: the checkpoint of step 2 carries
     the batch generated during it, so step 3 trains on the same batch and the weights end equal."""
     common = [*OFF, "trainer.save_freq=1", "data.synthetic_size=16", "trainer.total_epochs=1"]
-    straight = final_weights(make_config(str(tmp_path / "straight"), *common, "trainer.max_steps=4"), 4)
-    first = make_config(str(tmp_path / "resumed"), *common, "trainer.max_steps=2")
-    final_weights(first, 2)
+    straight = trained_weights(make_config(str(tmp_path / "straight"), *common, "trainer.max_steps=4"))
+    trained_weights(make_config(str(tmp_path / "resumed"), *common, "trainer.max_steps=2"))
     assert (tmp_path / "resumed" / "checkpoints" / "global_step_2" / "rollout_ahead.safetensors").is_file()
-    resumed = final_weights(make_config(str(tmp_path / "resumed"), *common, "trainer.max_steps=4",
-                                        "trainer.resume=auto"), 4)
+    resumed = trained_weights(make_config(str(tmp_path / "resumed"), *common, "trainer.max_steps=4",
+                                        "trainer.resume=auto"))
     assert straight.keys() == resumed.keys()
     for name, tensor in straight.items():
         torch.testing.assert_close(resumed[name], tensor, rtol=0, atol=0, msg=name)
+
+
+def test_the_default_task_learns_one_step_off(tmp_path: Path) -> None:
+    """``python -m easytrain.main`` (the tiny preset: 192 steps of the colour question) with a pool per role, one
+    step off: held-out accuracy ends far above the best constant answer (1/4), as the sync default's does."""
+    run_dir = tmp_path / "run"
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
+    env.pop("RAY_ADDRESS", None)
+    proc = subprocess.run([sys.executable, "-m", "easytrain.main", "trainer.colocate=false",
+                           "trainer.rollout_mode=one_step_off", "trainer.workers_per_node=1",
+                           "ray.include_dashboard=false", f"hydra.run.dir={run_dir}"],
+                          cwd=Path(__file__).resolve().parents[1], env=env, capture_output=True, text=True,
+                          timeout=1200)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    curve = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    staleness = [r["rollout/staleness"] for r in curve if "rollout/staleness" in r]
+    assert len(staleness) == 192 and staleness[0] == 0 and set(staleness[1:]) == {1.0}
+    val = [r["val/reward/mean"] for r in curve if "val/reward/mean" in r]
+    assert val[0] <= 0.25 and val[-1] >= LEARNED, val
