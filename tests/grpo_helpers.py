@@ -14,4 +14,28 @@ def make_config(tmp: str, *extra: str) -> Config:
                  "worker.actor.optim.lr=1e-3", "data.max_response_length=8", *extra])
 
 
-from grpo_helpers import make_config, trained_weights, update
+def log_probs(group: Any, method: str, batch: Any, config: Config) -> Any:
+    """``group``'s ``method`` (compute_log_probs / compute_ref_log_probs) over ``batch`` as the driver plans it."""
+    from easytrain.trainer.micro_batches import Forward, run_log_probs
+
+    return run_log_probs(group, method, batch, config, Forward.of(config, {}))
+
+
+def update(group: Any, batch: Any, config: Config, kl_coef: float) -> list[dict[str, float]]:
+    """``group``'s PPO update over ``batch`` as the driver plans it: each member's summed metrics."""
+    from easytrain.trainer.micro_batches import Forward, run_update
+
+    return run_update(group, batch, config, Forward.of(config, {}), kl_coef)
+
+
+def trained_weights(config: Config) -> dict[str, Any]:
+    """Run ``config`` to its end (resuming from its run folder's latest checkpoint, if any) and return the actor's
+    full weights."""
+    from easytrain.trainer.rl import RLTrainer
+
+    trainer = RLTrainer(config)
+    try:
+        trainer.fit()
+        return trainer.roles.actor.call("full_state_dict")
+    finally:
+        trainer.close()
