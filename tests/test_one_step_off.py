@@ -118,19 +118,20 @@ def test_a_resumed_run_lands_on_the_uninterrupted_runs_weights(ray_local: None, 
 
 
 def test_the_default_task_learns_one_step_off(tmp_path: Path) -> None:
-    """``python -m easytrain.main`` (the tiny preset: 192 steps of the colour question) with a pool per role, one
-    step off: held-out accuracy ends far above the best constant answer (1/4), as the sync default's does."""
+    """``python -m easytrain.main`` (the tiny preset's colour question) with a pool per role, one step off, for
+    128 of its 192 steps (a constant learning rate: the same first 128 steps): held-out accuracy ends far above
+    the best constant answer (1/4), as the sync default's does (the whole run reached 1.0 from step 128 on)."""
     run_dir = tmp_path / "run"
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
     env.pop("RAY_ADDRESS", None)
     proc = subprocess.run([sys.executable, "-m", "easytrain.main", "trainer.colocate=false",
                            "trainer.rollout_mode=one_step_off", "trainer.workers_per_node=1",
-                           "ray.include_dashboard=false", f"hydra.run.dir={run_dir}"],
+                           "trainer.max_steps=128", "ray.include_dashboard=false", f"hydra.run.dir={run_dir}"],
                           cwd=Path(__file__).resolve().parents[1], env=env, capture_output=True, text=True,
                           timeout=1200)
     assert proc.returncode == 0, proc.stderr[-3000:]
     curve = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     staleness = [r["rollout/staleness"] for r in curve if "rollout/staleness" in r]
-    assert len(staleness) == 192 and staleness[0] == 0 and set(staleness[1:]) == {1.0}
+    assert len(staleness) == 128 and staleness[0] == 0 and set(staleness[1:]) == {1.0}
     val = [r["val/reward/mean"] for r in curve if "val/reward/mean" in r]
     assert val[0] <= 0.25 and val[-1] >= LEARNED, val
