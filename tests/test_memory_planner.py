@@ -393,13 +393,14 @@ def test_plan_describes_the_fused_layout_and_the_phase_order() -> None:
     easytrain.memory.phases' order; with colocate=false, a process per role."""
     from easytrain.memory.phases import ORDER
 
-    out = subprocess.run([sys.executable, "-m", "easytrain.cli", "plan", "+exp=qwen25vl_7b"],
-                         capture_output=True, text=True, check=True).stdout
+    commands = [[sys.executable, "-m", "easytrain.cli", "plan", "+exp=qwen25vl_7b", *extra]
+                for extra in ([], ["trainer.colocate=false"])]
+    procs = [subprocess.Popen(c, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for c in commands]
+    (out, _), (pools, _) = done = [p.communicate() for p in procs]  # both at once: each a process of its own
+    assert all(p.returncode == 0 for p in procs), [err for _, err in done]
     assert "fused workers, one process per GPU hosting the actor, the reference and the rollout engine" in out
     order = out.split("step order: ")[1].split(";")[0].split(" -> ")
     assert order == [p for p in ORDER if p in order] and {"generate", "sleep", "ref", "update", "sync"} <= set(order)
-    pools = subprocess.run([sys.executable, "-m", "easytrain.cli", "plan", "+exp=qwen25vl_7b",
-                            "trainer.colocate=false"], capture_output=True, text=True, check=True).stdout
     assert "a device pool per role" in pools and "fused workers" not in pools
 
 

@@ -6,7 +6,7 @@ GPU; separate pools: no GPU shared between roles; every rank a distinct GPU with
 from __future__ import annotations
 
 import sys
-from typing import Any, Iterator
+from typing import Any
 
 import pytest
 

@@ -95,6 +95,38 @@ def test_cache_is_reused(tmp_path: Path) -> None:
     assert not [p for p in (tmp_path / "tiny").iterdir() if p.name.startswith(".")]
 
 
+def build_on_rank(rank: int, port: int, cache: str) -> None:
+    import torch.distributed as dist
+
+    from easytrain.models.tiny import build_tiny
+
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
+    try:
+        if rank == 1:
+            build_tiny("qwen2", "tiny", cache_dir=cache)
+        dist.barrier()
+    finally:
+        dist.destroy_process_group()
+
+
+def test_a_build_on_a_non_zero_rank_writes_the_weights(tmp_path: Path) -> None:
+    """transformers saves a model only on torch.distributed rank 0; a tiny model built by rank 1 (a Ulysses or
+    DeepSpeed rank resolving ``tiny:``) must still be whole, and a folder without config.json is built again."""
+    import torch.multiprocessing as mp
+
+    from easytrain.distributed.group import free_port
+    from easytrain.models.tiny import build_tiny, tiny_folder_name
+
+    mp.spawn(build_on_rank, args=(free_port(), str(tmp_path)), nprocs=2, join=True)
+    folder = tmp_path / "tiny" / tiny_folder_name("qwen2", "tiny", 0)
+    assert {"config.json", "model.safetensors"} <= {p.name for p in folder.iterdir()}
+    (folder / "config.json").unlink()  # damaged: a folder that was published without its config
+    (folder / "model.safetensors").unlink()
+    assert build_tiny("qwen2", "tiny", cache_dir=tmp_path) == folder
+    assert (folder / "config.json").is_file() and (folder / "model.safetensors").is_file()
+    assert not [p for p in (tmp_path / "tiny").iterdir() if p.name.startswith(".")]
+
+
 def test_tokenizer_has_qwen_specials_and_template(tiny_model: Callable[..., Path]) -> None:
     tokenizer = load_tokenizer(ModelConfig(path=str(tiny_model("qwen2_5_vl"))))
     for token in ("<|im_start|>", "<|im_end|>", "<|image_pad|>", "<|vision_start|>", "<|endoftext|>"):

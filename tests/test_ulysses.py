@@ -1,11 +1,14 @@
-"""Ulysses sequence parallelism, first part: the text decoder on 2 gloo ranks equals the unsplit model."""
+"""Ulysses sequence parallelism, first part: the text decoder on 2 gloo ranks equals the unsplit model.
+
+One spawned 2-rank job runs every case (``CASES``; starting the ranks costs more than a case), checking each in
+the ranks; a case that passed leaves a mark, and each test is its case's mark, or the job's error."""
 
 from __future__ import annotations
 
 import json
 import os
 from pathlib import Path
-from typing import Callable
+from typing import Any, Callable, Optional
 
 import pytest
 import torch
@@ -35,10 +38,9 @@ def token_log_probs(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor
     return torch.log_softmax(logits.float(), -1).gather(-1, targets.clamp(min=0)[..., None])[..., 0]
 
 
-def run_rank(rank: int, folder: str, port: int) -> None:
+def run_rank(rank: int, folder: str) -> None:
     from transformers import AutoModelForCausalLM
 
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
     reference = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32, attn_implementation="sdpa")
     model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32, attn_implementation="sdpa")
     ids, positions, targets = packed_inputs(model.config.vocab_size)
@@ -73,16 +75,6 @@ def run_rank(rank: int, folder: str, port: int) -> None:
         # a few float32 ulps of the largest term apart (4.8e-6 of 8.6 seen in the embedding's gradient)
         atol = 16 * torch.finfo(torch.float32).eps * float(ref.grad.abs().max())
         torch.testing.assert_close(grad, ref.grad, rtol=1e-4, atol=atol, msg=name)
-    dist.destroy_process_group()
-
-
-@pytest.mark.parametrize("size", ["tiny", "small"])  # tiny: 2 heads over 1 KV head (repeated); small: 4 over 2
-def test_ulysses_two_ranks_equal_the_unsplit_qwen2(size: str, tmp_path: Path,
-                                                   tiny_model: Callable[..., Path]) -> None:
-    from easytrain.distributed.group import free_port
-
-    folder = tiny_model("qwen2", size)
-    mp.spawn(run_rank, args=(str(folder), free_port()), nprocs=2, join=True)
 
 
 def multi_image_chats(folder: Path) -> Path:
@@ -103,7 +95,7 @@ def multi_image_chats(folder: Path) -> Path:
     return path
 
 
-def run_vl_rank(rank: int, run_dir: str, port: int, family: str) -> None:
+def run_vl_rank(rank: int, run_dir: str, family: str) -> None:
     """Qwen2.5-VL, packed samples with 1, 2 and 3 images: the vision tower and the 3-D rope positions run on the
     whole sequence, the decoder on chunks."""
     from easytrain.config import load
@@ -113,7 +105,6 @@ def run_vl_rank(rank: int, run_dir: str, port: int, family: str) -> None:
     from easytrain.workers.base import build_sharded_model
     from easytrain.workers.packed import flatten, pad_sequence
 
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
     config = load(["+exp=tiny_sft", f"trainer.output_dir={run_dir}", "data.synthetic_size=16",
                    "data.synthetic_val_size=8", "trainer.workers_per_node=1", "data.limit_images=3",
                    f"model.path=tiny:{family}", f"data.image_dir={run_dir}"])
@@ -163,11 +154,56 @@ def run_vl_rank(rank: int, run_dir: str, port: int, family: str) -> None:
         # a few float32 ulps of the largest term apart (4.8e-6 of 8.6 seen in the embedding's gradient)
         atol = 16 * torch.finfo(torch.float32).eps * float(ref.grad.abs().max())
         torch.testing.assert_close(grad, ref.grad, rtol=1e-4, atol=atol, msg=name)
-    dist.destroy_process_group()
+
+
+CASES = ("qwen2-tiny", "qwen2-small", "qwen2_5_vl", "qwen2_vl")
+"""qwen2 tiny: 2 heads over 1 KV head (repeated); small: 4 over 2; the VL models with images."""
+
+
+def run_cases(rank: int, port: int, folders: dict[str, str], out: str) -> None:
+    """Every case in turn on this rank; after a case both ranks passed, rank 0 marks it done in ``out``."""
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
+    try:
+        for case in CASES:
+            if case.startswith("qwen2-"):
+                run_rank(rank, folders[case])
+            else:
+                run_dir = Path(out) / case
+                run_dir.mkdir(exist_ok=True)
+                run_vl_rank(rank, str(run_dir), case)
+            dist.barrier()
+            if rank == 0:
+                (Path(out) / f"{case}.done").touch()
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.fixture(scope="module")
+def job(tiny_model: Callable[..., Path], tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Optional[Any]]:
+    """The job's folder (a mark per case that passed) and its error, if it raised."""
+    from easytrain.distributed.group import free_port
+
+    out = tmp_path_factory.mktemp("ulysses")
+    folders = {f"qwen2-{size}": str(tiny_model("qwen2", size)) for size in ("tiny", "small")}
+    try:
+        mp.spawn(run_cases, args=(free_port(), folders, str(out)), nprocs=2, join=True)
+    except Exception as err:  # noqa: BLE001 - re-raised by the test of the case that failed, and those after it
+        return out, err
+    return out, None
+
+
+def passed(job: tuple[Path, Optional[Any]], case: str) -> None:
+    out, error = job
+    if not (out / f"{case}.done").exists():
+        assert error is not None, f"{case}: no mark and no error"
+        raise error
+
+
+@pytest.mark.parametrize("size", ["tiny", "small"])  # tiny: 2 heads over 1 KV head (repeated); small: 4 over 2
+def test_ulysses_two_ranks_equal_the_unsplit_qwen2(size: str, job: tuple[Path, Optional[Any]]) -> None:
+    passed(job, f"qwen2-{size}")
 
 
 @pytest.mark.parametrize("family", ["qwen2_5_vl", "qwen2_vl"])
-def test_ulysses_two_ranks_equal_the_unsplit_vl_model_with_images(family: str, tmp_path: Path) -> None:
-    from easytrain.distributed.group import free_port
-
-    mp.spawn(run_vl_rank, args=(str(tmp_path), free_port(), family), nprocs=2, join=True)
+def test_ulysses_two_ranks_equal_the_unsplit_vl_model_with_images(family: str, job: tuple[Path, Optional[Any]]) -> None:
+    passed(job, family)

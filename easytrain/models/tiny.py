@@ -222,10 +222,25 @@ def build_once(target: Path, fill: Callable[[Path], None]) -> bool:
     tmp = target.parent / f".{target.name}.{os.getpid()}.{uuid.uuid4().hex[:8]}"
     try:
         fill(tmp)
+        if not (tmp / "config.json").is_file():
+            raise RuntimeError(f"building {target.name} wrote no config.json into {tmp}")
         try:
             os.rename(tmp, target)
             return True
-        except OSError:  # another process finished first; its folder is equivalent
+        except OSError:  # another process finished first (its folder is equivalent), or a damaged folder is there
+            if (target / "config.json").is_file():
+                return False
+        logger.warning("the cached folder %s has no config.json (damaged): building it again", target)
+        stale = target.parent / f".{target.name}.stale.{uuid.uuid4().hex[:8]}"
+        try:
+            os.rename(target, stale)
+        except OSError:  # another process moved it first
+            pass
+        shutil.rmtree(stale, ignore_errors=True)
+        try:
+            os.rename(tmp, target)
+            return True
+        except OSError:
             return False
     finally:
         if tmp.exists():
@@ -248,6 +263,9 @@ def _build_into(folder: Path, family: str, size: str, seed: int) -> None:
     model.generation_config.eos_token_id = ids["<|im_end|>"]
     model.generation_config.pad_token_id = ids["<|endoftext|>"]
     folder.mkdir(parents=True)
+    # transformers writes a model only on torch.distributed rank 0 when a process group is up; the cache folder
+    # is this process's own, whatever its rank (a rank-1 build would otherwise publish a folder without weights)
+    model.should_save_on_this_rank = lambda is_main_process: True
     model.save_pretrained(folder)
     tokenizer.save_pretrained(folder)
     if family != "qwen2":
