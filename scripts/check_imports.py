@@ -29,6 +29,7 @@ LAYERS: tuple[tuple[str, ...], ...] = (
     ("memory",),                   # the planner, the watchdog, peaks, host buffers
     ("models", "data"),            # loading and building models; data sources, images, packing
     ("config",),                   # schema, composition, validation, facts derived from a config
+    ("tools",),                    # multi-turn tools: loading, call parsing, the tool process
     ("algorithms", "rewards"),     # pure: losses, advantages, KL; reward functions
 )
 """Units by layer, top first."""

@@ -18,7 +18,7 @@ shares no code with easytrain's loss, advantage, schedule or update paths.
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import pytest
 import torch
@@ -49,12 +49,15 @@ class RecordingTrainer(RLTrainer):
 
     generated: list[tuple[Batch, dict[str, torch.Tensor]]]
 
-    def generate_and_score(self, prompts: Batch, timer: Any, validate: bool = False,
-                           call: int = 0) -> tuple[Batch, dict[str, torch.Tensor]]:
-        batch, scores = super().generate_and_score(prompts, timer, validate, call)
-        if not validate:
-            self.__dict__.setdefault("generated", []).append((batch, scores))
-        return batch, scores
+    def start_scoring(self, batch: Batch) -> Callable[..., dict[str, torch.Tensor]]:
+        scoring = super().start_scoring(batch)
+
+        def recorded(timer: Any, validate: bool = False) -> dict[str, torch.Tensor]:
+            scores = scoring(timer, validate)
+            if not validate:
+                self.__dict__.setdefault("generated", []).append((batch, scores))
+            return scores
+        return recorded
 
 
 def offpolicy_config(tmp: Path, ranks: int, mode: str) -> Config:

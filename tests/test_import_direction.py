@@ -1,5 +1,5 @@
 """Issue 26: imports point down the layer table of ``scripts/check_imports.py`` (cli -> launch -> main -> trainer
--> workers -> distributed -> memory -> models, data -> config -> algorithms, rewards).
+-> workers -> distributed -> memory -> models, data -> config -> tools -> algorithms, rewards).
 
 The script passes on the repository, and on a small synthetic tree it catches what it must: an upward import
 (also one inside a function, relative, or under TYPE_CHECKING), a sideways one between the units of a layer,

@@ -244,7 +244,8 @@ def expected_groups(patterns: list[str], target: int, retries: int) -> tuple[int
 def run_rollout(trainer: RLTrainer, prompts: Prompts, patterns: list[str]) -> None:
     batches = [prompts.batch(p) for p in patterns]
     source = Counted(batches)
-    batch, scores, metrics = trainer.rollout(source, PhaseTimer())
+    batch, scoring, metrics = trainer.rollout(source, PhaseTimer())
+    scores = scoring(PhaseTimer())
     rounds, kept = expected_groups(patterns, TARGET_GROUPS, RETRIES)
     assert source.taken == rounds
     uids = [batches[r].meta["uids"][i] for r, i in kept]
@@ -275,7 +276,8 @@ def test_without_dynamic_sampling_the_first_round_is_the_batch(trainer: RLTraine
     monkeypatch.setattr(trainer.config.algorithm, "dynamic_sampling", False)
     first = prompts.batch("FFSF")
     source = Counted([first, prompts.batch("SSSS")])
-    batch, scores, metrics = trainer.rollout(source, PhaseTimer())
+    batch, scoring, metrics = trainer.rollout(source, PhaseTimer())
+    scores = scoring(PhaseTimer())
     assert source.taken == 1 and metrics == {}
     assert batch.meta["uids"] == [u for u in first.meta["uids"] for _ in range(N)]
     assert scores["overall"].tolist() == [1.0, 1.0, 1.0, 1.0, 0.0, 1.0, 1.0, 1.0]
@@ -381,6 +383,11 @@ def test_ram_thresholds_judge_live_readings_at_the_step_boundary(trainer: RLTrai
     monkeypatch.setattr(cfg, "vram_warn", 0.995)
     monkeypatch.setattr(cfg, "vram_soft", 0.997)
     monkeypatch.setattr(cfg, "vram_hard", 0.999)
+    # The fixture's 600 s sample period keeps periodic samples out of the way, but the driver lowers ram_hard by
+    # the growth its sampler saw times (period + reaction): any drift of the node's RAM between two readings,
+    # times 601 s, would pull the hard line down to ram_soft. The growth lowering has its own tests; here the
+    # driver judges with a 1 s period, so only a rise faster than ~10% of RAM per second can move a level.
+    monkeypatch.setattr(cfg, "sample_period_s", 1.0)
     fraction = node_ram(int(cfg.ram_limit_gb * 2**30) if cfg.ram_limit_gb else None)["ram_fraction"]
     for key, value in band(fraction, wanted).items():
         monkeypatch.setattr(cfg, key, value)

@@ -255,6 +255,23 @@ class ValSamplingConfig:
 
 
 @dataclass
+class MultiTurnConfig:
+    enable: bool = False
+    """Multi-turn rollouts: a response that ends in a tool call (the model family's format, e.g. Qwen's
+    <tool_call>{...}</tool_call>) gets the tool's result as a tool turn and generation goes on; only the
+    model's own tokens are trained (docs/rollout.md#multi-turn-tools)."""
+    max_turns: int = bounded(3, low=1)
+    """Model turns per response at most; the last one is kept whole, as a single-turn response (1 = single-turn)."""
+    tools: list[str] = field(default_factory=list)
+    """Tool functions, each path/to/file.py:name or package.module:name (named like reward functions); the model
+    sees their JSON schemas, taken from the signatures and docstrings."""
+    tool_timeout_s: float = bounded(10.0, low=0.0, low_open=True)
+    """A tool call running longer is stopped: the sample gets an error turn and is counted (rollout/tool_errors)."""
+    max_tool_output_chars: int = bounded(2000, low=1)
+    """A tool's text result is cut to this many characters."""
+
+
+@dataclass
 class RolloutConfig(RoleConfig):
     engine: str = choice("hf", "hf", "vllm")
     """Generation engine: hf (transformers generate, any device) or vllm."""
@@ -302,6 +319,8 @@ class RolloutConfig(RoleConfig):
     the sync holds (a module larger than the bucket travels alone)."""
     val_override: ValSamplingConfig = field(default_factory=lambda: ValSamplingConfig())
     """Sampling used for validation instead of the training settings above."""
+    multi_turn: MultiTurnConfig = field(default_factory=MultiTurnConfig)
+    """Multi-turn rollouts with tools."""
 
 
 @dataclass

@@ -97,6 +97,7 @@ def validate(cfg: Config, shape: Optional[ModelShape] = None) -> None:
     if cfg.trainer.task == "rl":
         _check_rollout(cfg)
     _check_rollout_mode(cfg)
+    _check_multi_turn(cfg)
     _check_strategy(cfg)
     _check_model(cfg)
     _check_trainer(cfg)
@@ -310,6 +311,18 @@ def _check_rollout(cfg: Config) -> None:
         raise ConfigError("worker.rollout.engine", "vllm", "vLLM is not installed in this environment",
                           "bash scripts/install.sh cpu (or gpu), i.e. pip install -e .[cpu] / .[gpu]; "
                           "or set worker.rollout.engine=hf")
+
+
+def _check_multi_turn(cfg: Config) -> None:
+    m, r = cfg.worker.rollout.multi_turn, cfg.worker.rollout
+    if not m.enable:
+        return
+    if not m.tools:
+        raise ConfigError("worker.rollout.multi_turn.tools", m.tools, "multi-turn rollouts continue after tool "
+                          "calls, and no tool is given", "list tools as path/to/file.py:name or module:name")
+    if r.engine != "hf":
+        raise ConfigError("worker.rollout.multi_turn.enable", True, f"multi-turn rollouts run on the hf engine only "
+                          f"so far, and worker.rollout.engine={r.engine!r}", "set worker.rollout.engine=hf")
 
 
 def flash_attn_installed() -> bool:

@@ -86,8 +86,11 @@ class PromptDataset:
     """Usable prompts of ``files``, for one split."""
 
     def __init__(self, files: Sequence[str], cfg: DataConfig, tokenizer: Any, split: str = "train",
-                 seed: int = 0, vision: bool = True, cache_dir: Optional[str] = None, progress: bool = True) -> None:
+                 seed: int = 0, vision: bool = True, cache_dir: Optional[str] = None, progress: bool = True,
+                 tools: Sequence[dict[str, Any]] = ()) -> None:
         self.cfg, self.tokenizer, self.split = cfg, tokenizer, split
+        self.tools = list(tools)
+        """JSON schemas of the tools the prompts show (worker.rollout.multi_turn); empty: none."""
         self.image_key = cfg.image_key if vision else None
         self.template = load_format_template(cfg.format_prompt)
         size = cfg.synthetic_size if split == "train" else cfg.synthetic_val_size
@@ -159,7 +162,8 @@ class PromptDataset:
         decoded = self._decoded_images(s, row, where)
         images = [fit_image(im, cfg.min_pixels, cfg.max_pixels) for im in decoded]
         messages = build_messages(problem, len(images))
-        rendered = render_prompt(self.tokenizer, messages, [vision_tokens(im.height, im.width) for im in images])
+        rendered = render_prompt(self.tokenizer, messages, [vision_tokens(im.height, im.width) for im in images],
+                                 self.tools)
         downscaled = len(rendered.input_ids) > cfg.max_prompt_length
         if downscaled:
             if not (cfg.downscale_images_to_fit and images):
@@ -199,7 +203,8 @@ class PromptDataset:
         max_pixels = share * FACTOR * FACTOR
         min_pixels = min(self.cfg.min_pixels, max_pixels)
         images = [fit_image(im, min_pixels, max_pixels) for im in decoded]
-        rendered = render_prompt(self.tokenizer, messages, [vision_tokens(im.height, im.width) for im in images])
+        rendered = render_prompt(self.tokenizer, messages, [vision_tokens(im.height, im.width) for im in images],
+                                 self.tools)
         return images, rendered
 
     def write_skip_report(self, folder: str | Path) -> Path:

@@ -62,9 +62,12 @@ class RenderedPrompt:
     """Vision tokens per image."""
 
 
-def render_prompt(tokenizer: Any, messages: list[dict[str, Any]], image_tokens: Sequence[int]) -> RenderedPrompt:
-    """Apply the chat template once and derive the vLLM and HF forms from it."""
-    text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+def render_prompt(tokenizer: Any, messages: list[dict[str, Any]], image_tokens: Sequence[int],
+                  tools: Optional[Sequence[dict[str, Any]]] = None) -> RenderedPrompt:
+    """Apply the chat template once and derive the vLLM and HF forms from it. ``tools``: the JSON schemas of
+    the tools a multi-turn rollout may call, which the template shows the model (Qwen: in the system turn)."""
+    text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True,
+                                         **({"tools": list(tools)} if tools else {}))
     if text.count(IMAGE_PAD) != len(image_tokens):
         raise BadSample("placeholder_mismatch",
                         f"the chat template wrote {text.count(IMAGE_PAD)} image slots for {len(image_tokens)} images")

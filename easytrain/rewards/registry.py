@@ -21,7 +21,8 @@ import logging
 import math
 import os
 from dataclasses import dataclass
-from typing import Callable, Sequence
+from types import ModuleType
+from typing import Any, Callable, Optional, Sequence
 
 from easytrain.rewards.answers import answer_reward, format_reward, math_reward
 
@@ -40,7 +41,11 @@ def register(name: str) -> Callable[[RewardFn], RewardFn]:
 
 
 class RewardLoadError(ValueError):
-    """``reward.function`` names nothing loadable."""
+    """``reward.function`` (or another key naming a function) names nothing loadable."""
+
+
+USER_MODULE_PREFIX = "easytrain_user_"
+"""Module names given to files loaded by path (``path/to/file.py:name``), which have no importable name."""
 
 
 def load_function(spec: str) -> RewardFn:
@@ -50,23 +55,42 @@ def load_function(spec: str) -> RewardFn:
     if ":" not in spec:
         raise RewardLoadError(f"reward.function={spec!r}: not a registered reward ({', '.join(REGISTRY)}) "
                               "and not of the form path/to/file.py:name or package.module:name")
+    return import_callable(spec, "reward.function")
+
+
+def import_callable(spec: str, key: str, files: Optional[dict[str, ModuleType]] = None) -> Callable[..., Any]:
+    """The callable ``file.py:name`` or ``module:name`` names; errors name the config ``key`` and ``spec``.
+    ``files`` (absolute path -> module), when given, lets several functions of one file run it once."""
+    if ":" not in spec:
+        raise RewardLoadError(f"{key}={spec!r}: not of the form path/to/file.py:name or package.module:name")
     target, name = spec.rsplit(":", 1)
     if target.endswith(".py"):
         if not os.path.isfile(target):
-            raise RewardLoadError(f"reward.function={spec!r}: no such file {target!r}")
-        module_spec = importlib.util.spec_from_file_location(f"easytrain_user_reward_{abs(hash(target))}", target)
-        assert module_spec is not None and module_spec.loader is not None
-        module = importlib.util.module_from_spec(module_spec)
-        module_spec.loader.exec_module(module)
+            raise RewardLoadError(f"{key}={spec!r}: no such file {target!r}")
+        path = os.path.abspath(target)
+        module = files.get(path) if files is not None else None
+        if module is None:
+            module = _exec_file(target)
+            if files is not None:
+                files[path] = module
     else:
         try:
             module = importlib.import_module(target)
         except ImportError as err:
-            raise RewardLoadError(f"reward.function={spec!r}: cannot import {target!r} ({err})") from err
+            raise RewardLoadError(f"{key}={spec!r}: cannot import {target!r} ({err})") from err
     fn = getattr(module, name, None)
     if not callable(fn):
-        raise RewardLoadError(f"reward.function={spec!r}: {target} has no function {name!r}")
+        raise RewardLoadError(f"{key}={spec!r}: {target} has no function {name!r}")
     return fn
+
+
+def _exec_file(target: str) -> ModuleType:
+    """A new module run from the file ``target``."""
+    module_spec = importlib.util.spec_from_file_location(f"{USER_MODULE_PREFIX}{abs(hash(target))}", target)
+    assert module_spec is not None and module_spec.loader is not None
+    module = importlib.util.module_from_spec(module_spec)
+    module_spec.loader.exec_module(module)
+    return module
 
 
 @dataclass

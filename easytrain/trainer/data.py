@@ -34,10 +34,11 @@ class RLData:
         self.vision = vision = self.processor is not None and d.image_key is not None
         if self.processor is not None:  # images are sized by the dataset; keep the processor's bounds in step
             self.processor.size = {"shortest_edge": d.min_pixels, "longest_edge": d.max_pixels}
-        cache, make = m.cache_dir, self.dataset_class
-        self.train = make(split_files(d.train_files), d, self.tokenizer, "train", config.trainer.seed, vision, cache)
+        cache, make, options = m.cache_dir, self.dataset_class, self.dataset_options()
+        self.train = make(split_files(d.train_files), d, self.tokenizer, "train", config.trainer.seed, vision, cache,
+                          **options)
         self.val = make(split_files(d.val_files), d, self.tokenizer, "val", config.trainer.seed, vision,
-                        cache) if d.val_files else None
+                        cache, **options) if d.val_files else None
         for dataset in (self.train, self.val):
             if dataset is not None:
                 dataset.write_skip_report(config.trainer.output_dir)
@@ -49,6 +50,16 @@ class RLData:
 
     def batch_size(self) -> int:
         return self.config.data.rollout_batch_size
+
+    def dataset_options(self) -> dict[str, Any]:
+        """Keyword arguments for the dataset class beyond the shared ones: with multi-turn rollouts, the tools'
+        schemas, which the prompts show the model."""
+        turns = self.config.worker.rollout.multi_turn
+        if not turns.enable:
+            return {}
+        from easytrain.tools.registry import load_tools
+
+        return {"tools": [tool.schema for tool in load_tools(turns.tools).values()]}
 
     batch_key = "data.rollout_batch_size"
     """The config key that sets :meth:`batch_size` (named when the data cannot fill one batch)."""
@@ -86,7 +97,9 @@ class RLData:
             yield to_batch(self.collator(prompts), self.config.worker.rollout.engine == "vllm")
 
     def decode(self, batch: Batch) -> list[str]:
-        responses = batch["responses"] * batch["response_mask"].long()
+        """The responses' texts, multi-turn ones with their tool turns (what the reward function sees)."""
+        present = batch.tensors.get("response_attention_mask", batch["response_mask"])
+        responses = batch["responses"] * present.long()
         return self.tokenizer.batch_decode(responses, skip_special_tokens=True)
 
 
@@ -106,6 +119,9 @@ class SFTData(RLData):
     """Conversations for SFT: global batches of padded samples with targets; prompts for generation samples."""
 
     dataset_class = SFTDataset
+
+    def dataset_options(self) -> dict[str, Any]:
+        return {}
 
     def __init__(self, config: Config) -> None:
         super().__init__(config)

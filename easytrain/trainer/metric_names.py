@@ -87,6 +87,9 @@ METRICS: dict[str, str] = {
     "rollout/staleness": "`trainer.rollout_mode=one_step_off`: updates between the weights that generated the "
                          "step's batch and the actor's before its update (0 on the first step, then 1); with "
                          "one optimizer step per batch, `actor/ppo_kl` is then the actor's log-prob gap to the engine.",
+    "rollout/tool_calls": "`worker.rollout.multi_turn`: tool calls per response (mean over the step's responses).",
+    "rollout/tool_errors": "`worker.rollout.multi_turn`: tool calls in the step that failed (raised, timed out, "
+                           "unknown tool, malformed call or arguments); each gave its sample an error turn.",
     # sync
     "sync/seconds": "Seconds of the weight sync (the slowest rank's).",
     "sync/buckets": "Buckets the weights went in (`worker.rollout.sync_bucket_mb`).",
@@ -112,7 +115,8 @@ METRICS: dict[str, str] = {
                      "step's (later batches generate during the step before theirs).",
     "time/generate_wait": "RL, one step off: waiting for the next step's batch after the update (the part of "
                           "its generation the step did not hide).",
-    "time/reward": "RL: waiting for the reward workers' scores.",
+    "time/reward": "RL: waiting for the reward workers' scores, after the reference pass they overlap (with "
+                   "`algorithm.dynamic_sampling` before it: the scores pick the groups).",
     "time/sleep": "RL: the engine's sleep as a call of its own (where no reference pass starts it).",
     "time/ref": "RL: the reference's log-probs (a fused worker puts its engine to sleep as this begins).",
     "time/old_log_probs": "RL: the actor's log-probs of the rollout (about 0 when they are reused on-policy).",

@@ -1,7 +1,10 @@
 """The GRPO driver (single controller): one worker-group call per phase, each timed.
 
-    generate -> reward -> engine sleeps -> reference log-probs -> old log-probs
-    -> advantages -> update -> weight sync
+    generate -> engine sleeps -> reference log-probs -> rewards -> old log-probs -> advantages -> update
+    -> weight sync
+
+(the reward workers score from the end of the generation, while the reference pass runs; the driver collects
+the scores after it)
 
 the order of :data:`easytrain.memory.phases.STEP` (fused workers put their engine in each phase's state).
 With ``trainer.rollout_mode=one_step_off`` the step trains on the batch generated during the last step while
@@ -39,6 +42,9 @@ from easytrain.trainer.stats import log_prob_agreement, reduce_update_metrics, r
 
 logger = logging.getLogger(__name__)
 __all__ = ["RLTrainer", "RunFailed", "Stopped"]
+
+Scoring = Callable[..., dict[str, torch.Tensor]]
+"""Waits for the scores of a batch sent to the reward workers (``scoring(timer)``): the reward table."""
 
 
 class RLTrainer(Trainer):
@@ -91,10 +97,11 @@ class RLTrainer(Trainer):
     def train_step(self, prompts: Optional[Iterator[Batch]] = None) -> StepResult:
         prompts = self.batches if prompts is None else prompts
         timer, start = PhaseTimer(), time.perf_counter()
-        batch, scores, sampling = self.rollout(prompts, timer)
+        batch, scoring, sampling = self.rollout(prompts, timer)
         ahead = self.generate_ahead(prompts) if self.one_step_off else None  # the next batch, while this trains
         self.check_pressure("rollout")  # before the update, hard pressure ends the step unfinished: nothing lost
-        batch = self.with_reference(batch, timer)
+        batch = self.with_reference(batch, timer)  # while the reward workers score the responses
+        scores = scoring(timer)
         self.check_pressure("ref")
         with timer("old_log_probs"):
             batch, agreement = self.with_old_log_probs(batch)
@@ -125,20 +132,22 @@ class RLTrainer(Trainer):
 
     # ------------------------------------------------------------------ phases
 
-    def rollout(self, prompts: Iterator[Batch],
-                timer: PhaseTimer) -> tuple[Batch, dict[str, torch.Tensor], dict[str, float]]:
-        """Generate and score; with dynamic sampling, keep groups with signal and refill (DAPO). One step off:
-        the batch generated during the last step (the first step generates its own) and its staleness."""
+    def rollout(self, prompts: Iterator[Batch], timer: PhaseTimer) -> tuple[Batch, Scoring, dict[str, float]]:
+        """Generate, and send the responses to be scored: the scores are collected after the reference pass,
+        which runs meanwhile (:data:`Scoring`). With dynamic sampling, keep groups with signal and refill (DAPO):
+        that needs the scores first. One step off: the batch generated during the last step (the first step
+        generates its own) and its staleness."""
         if self.one_step_off:
             ready = self.ready or Generated(*self.generate_and_score(next(prompts), timer), version=self.step - 1)
             self.metrics.log_order(self.step, list(ready.batch.meta["uids"]))
-            return ready.batch, ready.scores, {"rollout/staleness": float(self.step - 1 - ready.version)}
+            return ready.batch, lambda _: ready.scores, {"rollout/staleness": float(self.step - 1 - ready.version)}
         first = next(prompts)
         uids = list(first.meta["uids"])
-        batch, scores = self.generate_and_score(first, timer)
         if not self.config.algorithm.dynamic_sampling:
+            batch = self.generate(first, timer)
             self.metrics.log_order(self.step, uids)
-            return batch, scores, {}
+            return batch, self.start_scoring(batch), {}
+        batch, scores = self.generate_and_score(first, timer)
         n, target = self.config.worker.rollout.n, self.config.data.rollout_batch_size
         rounds = [(batch, scores)]
         while (informative_count(rounds, n) < target
@@ -148,14 +157,25 @@ class RLTrainer(Trainer):
             rounds.append(self.generate_and_score(more, timer, call=len(rounds)))
         self.metrics.log_order(self.step, uids)
         batch, scores = keep_informative(rounds, n, target)
-        return batch, scores, {"sampling/rounds": float(len(rounds)),
+        return batch, lambda _: scores, {"sampling/rounds": float(len(rounds)),
                                "sampling/informative_groups": float(min(informative_count(rounds, n), target))}
+
+    def generate(self, prompts: Batch, timer: PhaseTimer, validate: bool = False, call: int = 0) -> Batch:
+        with timer("generate"):
+            return self.roles.rollout.call("generate", prompts, self.step, validate, call)
 
     def generate_and_score(self, prompts: Batch, timer: PhaseTimer, validate: bool = False,
                            call: int = 0) -> tuple[Batch, dict[str, torch.Tensor]]:
-        with timer("generate"):
-            batch = self.roles.rollout.call("generate", prompts, self.step, validate, call)
-        return batch, self.score(batch, timer, validate)
+        batch = self.generate(prompts, timer, validate, call)
+        return batch, self.start_scoring(batch)(timer, validate)
+
+    def start_scoring(self, batch: Batch) -> Scoring:
+        """Send ``batch``'s responses to the reward workers (its texts go in its meta); returns the call that
+        waits for their scores (:meth:`score`), so the driver can do other work until it needs them."""
+        texts = self.data.decode(batch)
+        batch.meta["texts"] = texts
+        pending = self.roles.rewards.submit(texts, batch.meta["answers"])
+        return lambda timer, validate=False: self.score(batch, timer, validate, texts, pending)
 
     def generate_ahead(self, prompts: Iterator[Batch]) -> Pending:
         """One step off: the engine starts generating the next step's batch, with the weights it holds now."""
@@ -166,25 +186,18 @@ class RLTrainer(Trainer):
         be scored; returns the call that collects the scores (after the weight sync)."""
         with timer("generate_wait"):
             batch = self.roles.rollout.collect(pending)
-        texts = self.data.decode(batch)
-        scoring = self.roles.rewards.submit(texts, batch.meta["answers"])
+        scoring = self.start_scoring(batch)
         version = self.step - 1  # the engine held the weights of the last step's sync
+        return lambda: Generated(batch, scoring(timer), version)
 
-        def scored() -> Generated:
-            return Generated(batch, self.score(batch, timer, texts=texts, pending=scoring), version)
-        return scored
-
-    def score(self, batch: Batch, timer: PhaseTimer, validate: bool = False, texts: Optional[list[str]] = None,
-              pending: Any = None) -> dict[str, torch.Tensor]:
-        """The reward table of ``batch`` (``pending``: its scoring, already sent); its texts go in its meta."""
-        texts = texts if texts is not None else self.data.decode(batch)
-        pending = pending or self.roles.rewards.submit(texts, batch.meta["answers"])
+    def score(self, batch: Batch, timer: PhaseTimer, validate: bool, texts: list[str],
+              pending: Any) -> dict[str, torch.Tensor]:
+        """The reward table of ``batch`` (its ``texts``), from the scoring :meth:`start_scoring` sent."""
         with timer("reward"):  # a reward function that grows under hard pressure is stopped, with the step
             watch = None if validate else self.watch_phase("reward")
             scores, errors = self.roles.rewards.collect(pending, watch, self.config.watchdog.sample_period_s)
         table = {key: torch.tensor([s.get(key, 0.0) for s in scores]) for key in scores[0]}
         table["errors"] = torch.full((len(scores),), float(errors) / max(1, len(scores)))
-        batch.meta["texts"] = texts
         return table
 
     def with_reference(self, batch: Batch, timer: PhaseTimer) -> Batch:

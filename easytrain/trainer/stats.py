@@ -22,13 +22,19 @@ def reward_metrics(scores: dict[str, torch.Tensor]) -> dict[str, float]:
 
 
 def response_metrics(batch: Batch, max_length: int) -> dict[str, float]:
-    """Response lengths; clip_ratio is the share cut off at data.max_response_length."""
+    """Response lengths (the model's tokens); clip_ratio is the share cut off at data.max_response_length (tool
+    turns count towards it). Multi-turn rollouts add their tool calls and failed calls."""
     lengths = batch["response_mask"].sum(-1)
+    held = batch.tensors.get("response_attention_mask", batch["response_mask"]).sum(-1)
     width = batch["responses"].shape[1]
-    return {"response_length/mean": float(lengths.mean()), "response_length/max": float(lengths.max()),
-            "response_length/min": float(lengths.min()),
-            "response_length/clip_ratio": float((lengths >= max_length).float().mean()),
-            "prompt_length/mean": float(batch["attention_mask"][:, : -width].sum(-1).float().mean())}
+    out = {"response_length/mean": float(lengths.mean()), "response_length/max": float(lengths.max()),
+           "response_length/min": float(lengths.min()),
+           "response_length/clip_ratio": float((held >= max_length).float().mean()),
+           "prompt_length/mean": float(batch["attention_mask"][:, : -width].sum(-1).float().mean())}
+    if "tool_calls" in batch:
+        out["rollout/tool_calls"] = float(batch["tool_calls"].mean())
+        out["rollout/tool_errors"] = float(batch["tool_errors"].sum())
+    return out
 
 
 def reduce_update_metrics(per_rank: list[dict[str, Any]]) -> dict[str, float]:

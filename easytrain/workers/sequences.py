@@ -13,13 +13,17 @@ def assemble(prompts: Batch, generated: Batch, n: int, merge_size: int = 2) -> B
 
     Prompts are left-padded and responses right-padded, so every response
     starts at the same column. Position ids are Qwen-VL's 3-D rope positions
-    when the prompts carry ``mm_token_type_ids``, else 1-D positions.
+    when the prompts carry ``mm_token_type_ids``, else 1-D positions. A
+    multi-turn response attends to every token it holds
+    (``response_attention_mask``: tool turns too), while ``response_mask``
+    marks the model's own, which are trained.
     """
     rows = prompts.repeat_interleave(n)
     prompt_ids, prompt_mask = rows["input_ids"], rows["attention_mask"]
     responses, mask = generated["responses"], generated["response_mask"]
     input_ids = torch.cat([prompt_ids, responses], dim=1)
-    attention_mask = torch.cat([prompt_mask, mask.to(prompt_mask.dtype)], dim=1)
+    present = generated.tensors.get("response_attention_mask", mask)
+    attention_mask = torch.cat([prompt_mask, present.to(prompt_mask.dtype)], dim=1)
     tensors = dict(generated.tensors, input_ids=input_ids, attention_mask=attention_mask,
                    prompt_length=torch.full((len(rows),), prompt_ids.shape[1]))
     if "mm_token_type_ids" in rows:

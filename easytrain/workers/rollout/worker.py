@@ -57,6 +57,8 @@ class RolloutWorker(WorkerBase):
         self.freed_bytes = 0
         self.fused = False
         """Hosted by a fused worker (set by it): the engine shares the process and its torch world."""
+        self.multi_turn: Optional[Any] = None
+        """worker.rollout.multi_turn: the loop of model and tool turns (:mod:`.multi_turn`)."""
 
     @property
     def member(self) -> int:
@@ -87,6 +89,10 @@ class RolloutWorker(WorkerBase):
         self.engine = engine_class(r.engine).build(self.config, spec)
         if self.config.watchdog.enabled:
             self.engine.pressure = PressureFlag.of_this_job()
+        if r.multi_turn.enable:
+            from easytrain.workers.rollout.multi_turn import MultiTurn
+
+            self.multi_turn = MultiTurn(r.multi_turn, tokenizer, self.config.data.max_response_length)
         vision = getattr(AutoConfig.from_pretrained(self.folder), "vision_config", None)
         self.merge_size = int(getattr(vision, "spatial_merge_size", 2))
         return {"engine": r.engine, "stop_ids": spec.stop_ids, "can_sleep": self.engine.can_sleep}
@@ -104,7 +110,10 @@ class RolloutWorker(WorkerBase):
         """``call`` numbers the generations within one step (sampling rounds, validation batches)."""
         assert self.engine is not None, "setup() first"
         params = self.sampling(validate, step, call)
-        generated = self.engine.generate(prompts, params)
+        if self.multi_turn is not None:
+            generated = self.multi_turn.generate(self.engine, prompts, params)
+        else:
+            generated = self.engine.generate(prompts, params)
         return assemble(prompts, generated, params.n, self.merge_size)
 
     @dispatch(Dispatch.BROADCAST)
