@@ -18,7 +18,7 @@ from easytrain.config import Config
 from easytrain.distributed.batch import Batch
 from easytrain.models.hf import load_model, model_folder
 from easytrain.trainer.data import RLData
-from easytrain.workers.forward import response_log_probs
+from easytrain.workers.forward import response_log_probs, suppressed_tokens
 from easytrain.workers.packed import packed_response_log_probs
 from easytrain.workers.rollout.engine import RolloutEngine, SamplingParams, pad_responses
 from easytrain.workers.rollout.hf_engine import HFEngine
@@ -102,8 +102,8 @@ def test_a_multi_turn_episode_trains_exactly_the_models_tokens(tmp_path: Path) -
     model = load_model(config.model, model_folder(config.model)).eval()
     with torch.no_grad():
         padded, _ = response_log_probs(model, batch, 1.0, CPU)
-        packed, _ = packed_response_log_probs(model, batch, 1.0, CPU, [])
-        shared, _ = shared_response_log_probs(model, batch, [[0]], 1.0, CPU, [])
+        packed, _ = packed_response_log_probs(model, batch, 1.0, CPU, suppressed_tokens(model.config))
+        shared, _ = shared_response_log_probs(model, batch, [[0]], 1.0, CPU, suppressed_tokens(model.config))
         whole = torch.tensor([prompt + expected])
         logits = model(input_ids=whole, use_cache=False).logits[0, len(prompt) - 1:-1]
         reference = torch.log_softmax(logits.float(), -1).gather(-1, torch.tensor(expected)[:, None])[:, 0]
@@ -183,3 +183,62 @@ def test_a_grpo_step_with_tools_runs_and_logs_the_calls(ray_local: None, tmp_pat
         trainer.close()
     assert metrics["rollout/tool_calls"] >= 0 and metrics["rollout/tool_errors"] >= 0
     assert torch.isfinite(torch.tensor(metrics["actor/pg_loss"]))
+
+
+def painted(tmp_path: Path, colour: str) -> tuple[Config, Batch, list[bool]]:
+    """A conversation on the tiny Qwen2.5-VL whose tool turn holds an image (``paint(colour)``'s, inverted when
+    TURN_TOOLS_INVERT=1 as the tool process starts), assembled as the rollout worker does; which response tokens
+    are the model's."""
+    from easytrain.data.vision import IMAGE_PAD
+    from easytrain.workers.rollout.multi_turn import ToolImages
+
+    config = rl_config(tmp_path, "worker.rollout.multi_turn.enable=true",
+                       f"worker.rollout.multi_turn.tools=[{TOOLS}:paint]", "data.max_response_length=160")
+    data = RLData(config)
+    tok, d = data.tokenizer, config.data
+    end = tok.convert_tokens_to_ids("<|im_end|>")
+    prompts = next(data.train_batches()).select([0])
+    call = ids(tok, '<tool_call>\n{"name": "paint", "arguments": {"colour": "%s"}}\n</tool_call>' % colour)
+    answer = ids(tok, "It is a square.") + [end]
+    engine = Scripted([[call], [answer]], [end], tok.pad_token_id)
+    images = ToolImages(data.processor, tok.convert_tokens_to_ids(IMAGE_PAD), d.min_pixels, d.max_pixels)
+    turns = MultiTurn(config.worker.rollout.multi_turn, tok, d.max_response_length, images=images)
+    try:
+        out = turns.generate(engine, prompts, SamplingParams(1, 1.0, 1.0, -1, d.max_response_length, seed=0))
+    finally:
+        turns.close()
+    assert out["tool_errors"].tolist() == [0.0]
+    prompt_images = int(prompts.image_counts[0])
+    assert engine.prompts[1].image_counts.tolist() == [prompt_images + 1]  # the next turn sees the tool's image
+    assert out.image_counts.tolist() == [prompt_images + 1]
+    held = int(out["response_attention_mask"][0].sum())
+    trained = out["response_mask"][0, :held].bool().tolist()
+    assert trained == [True] * len(call) + [False] * (held - len(call) - len(answer)) + [True] * len(answer)
+    return config, assemble(prompts, out, 1), trained
+
+
+def test_a_tool_image_reaches_the_model(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The same conversation but for the tool's image: the answer's log-probs change with the image; the padded
+    and padding-free passes agree on them."""
+    config, red, trained = painted(tmp_path / "red", "red")
+    monkeypatch.setenv("TURN_TOOLS_INVERT", "1")
+    _, blue, blue_trained = painted(tmp_path / "inverted", "red")
+    assert torch.equal(red["input_ids"], blue["input_ids"]) and trained == blue_trained
+    assert not torch.equal(red["pixel_values"], blue["pixel_values"])
+    width = red["responses"].shape[1]
+    assert int((red["mm_token_type_ids"][0, -width:] != 0).sum()) == 4  # 56x56 px: 2x2 merged patches
+    model = load_model(config.model, model_folder(config.model)).eval()
+    with torch.no_grad():
+        red_padded, _ = response_log_probs(model, red, 1.0, CPU)
+        red_packed, _ = packed_response_log_probs(model, red, 1.0, CPU, suppressed_tokens(model.config))
+        blue_padded, _ = response_log_probs(model, blue, 1.0, CPU)
+    mask = torch.zeros(width, dtype=torch.bool)
+    mask[:len(trained)] = torch.tensor(trained)
+    torch.testing.assert_close(red_packed[0][mask], red_padded[0][mask], rtol=1e-5, atol=1e-5)
+
+    def answer(log_probs: torch.Tensor, trained: list[bool]) -> torch.Tensor:
+        """The log-probs of the tokens after the tool turn (the same answer tokens in both conversations)."""
+        after = trained[::-1].index(False)
+        return log_probs[0, len(trained) - after:len(trained)]
+
+    assert (answer(red_padded, trained) - answer(blue_padded, blue_trained)).abs().max() > 1e-4

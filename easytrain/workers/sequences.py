@@ -26,14 +26,17 @@ def assemble(prompts: Batch, generated: Batch, n: int, merge_size: int = 2) -> B
     attention_mask = torch.cat([prompt_mask, present.to(prompt_mask.dtype)], dim=1)
     tensors = dict(generated.tensors, input_ids=input_ids, attention_mask=attention_mask,
                    prompt_length=torch.full((len(rows),), prompt_ids.shape[1]))
+    # a multi-turn response whose tool turns hold images brings every row's images (the prompt's first)
+    images = generated if generated.image_counts is not None else rows
+    response_types = tensors.pop("response_mm_token_type_ids", torch.zeros_like(responses))
     if "mm_token_type_ids" in rows:
-        types = torch.cat([rows["mm_token_type_ids"], torch.zeros_like(responses)], dim=1)
+        types = torch.cat([rows["mm_token_type_ids"], response_types.to(rows["mm_token_type_ids"].dtype)], dim=1)
         tensors["mm_token_type_ids"] = types
-        tensors["position_ids"] = rope_positions(input_ids, types, rows.tensors.get("image_grid_thw"),
+        tensors["position_ids"] = rope_positions(input_ids, types, images.tensors.get("image_grid_thw"),
                                                  attention_mask, merge_size)
     else:
         tensors["position_ids"] = text_positions(attention_mask)
     for key in ("pixel_values", "image_grid_thw"):
-        if key in rows:
-            tensors[key] = rows[key]
-    return Batch(tensors, rows.meta, rows.image_counts)
+        if key in images:
+            tensors[key] = images[key]
+    return Batch(tensors, rows.meta, images.image_counts)

@@ -68,14 +68,20 @@ def _image_slices(batch: Batch) -> Optional[list[slice]]:
 
 
 def prompt_groups(batch: Batch) -> list[list[int]]:
-    """Samples with the same prompt (tokens and image pixels), grouped in order of first appearance."""
+    """Samples with the same prompt (tokens and image pixels), grouped in order of first appearance. A sample
+    whose response holds images (a multi-turn tool turn's) is a group of its own: a shared row carries only its
+    lead's images."""
     mask = batch["attention_mask"].bool()
     prompt_width = mask.shape[1] - batch["responses"].shape[1]
     ids = batch["input_ids"][:, :prompt_width]
     pixels = _image_slices(batch)
+    alone = (batch["mm_token_type_ids"][:, prompt_width:] != 0).any(-1) if "mm_token_type_ids" in batch else None
     groups: list[list[int]] = []
     by_tokens: dict[tuple[int, ...], list[int]] = {}  # prompt tokens -> indices into groups
     for row in range(len(batch)):
+        if alone is not None and bool(alone[row]):
+            groups.append([row])
+            continue
         key = tuple(ids[row][mask[row, :prompt_width]].tolist())
         for g in by_tokens.setdefault(key, []):
             lead = groups[g][0]

@@ -16,3 +16,19 @@ def hang(seconds: float = 3600.0) -> str:
     """Never answers in time."""
     time.sleep(seconds)
     return "late"
+
+
+def paint(colour: str):
+    """Show a square of one colour.
+
+    Args:
+        colour: red or blue.
+    """
+    import os
+
+    from PIL import Image
+
+    rgb = {"red": (220, 30, 30), "blue": (30, 30, 220)}[colour]
+    if os.environ.get("TURN_TOOLS_INVERT") == "1":  # the same call answered with another image (a test's switch)
+        rgb = tuple(255 - c for c in rgb)
+    return [Image.new("RGB", (56, 56), rgb), f"a {colour} square"]

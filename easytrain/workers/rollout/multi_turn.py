@@ -7,9 +7,10 @@ A response is a conversation the model continues until it stops calling tools:
 Each model turn is one engine call over the rows still talking; a turn that ends in a complete tool call (the
 model family's format, :mod:`easytrain.tools.calls`) is cut right after the call, the tool runs in the tool
 runner (a process of its own, with a timeout: :class:`easytrain.tools.runner.ToolRunner`), and its result goes
-back as a tool turn rendered by the model's own chat template. The response keeps every token in order; only
-the model's own are trained (``response_mask``), the tool turns are context (``response_attention_mask``) with
-log-prob 0. The whole response, tool turns included, stays within ``data.max_response_length`` tokens: a turn
+back as a tool turn rendered by the model's own chat template. Images a tool returns go into its turn as a
+prompt's images do (fitted to ``data.min_pixels``/``max_pixels``, one image pad per vision token) and travel
+with the row's images, after the prompt's. The response keeps every token in order; only the model's own are
+trained (``response_mask``), the tool turns are context (``response_attention_mask``) with log-prob 0. The whole response, tool turns included, stays within ``data.max_response_length`` tokens: a turn
 that reaches it ends the response there.
 
 A turn samples with the step's seed moved by the turn, so a resumed run draws what the uninterrupted one did.
@@ -24,6 +25,8 @@ from typing import Any, Optional
 import torch
 
 from easytrain.config.schema import MultiTurnConfig
+from easytrain.data.images import BadSample, fit_image, vision_tokens
+from easytrain.data.vision import expand_image_placeholders, mm_token_type_ids
 from easytrain.distributed.batch import Batch
 from easytrain.tools.calls import call_end, parse_tool_call
 from easytrain.tools.registry import Tool, load_tools
@@ -49,6 +52,9 @@ class Episode:
     """The text of the last model turn when it ended in a complete tool call (a tool turn is due)."""
     calls: int = 0
     errors: int = 0
+    pixel_values: list[torch.Tensor] = field(default_factory=list)
+    grids: list[torch.Tensor] = field(default_factory=list)
+    """The tool turns' images (processed), in order."""
 
     def add(self, ids: list[int], log_probs: list[float], trained: bool) -> None:
         self.ids += ids
@@ -56,10 +62,28 @@ class Episode:
         self.trained += [trained] * len(ids)
 
 
-def tool_turn_text(tokenizer: Any, content: str) -> str:
+@dataclass
+class ToolImages:
+    """How a tool's images become model inputs: the image processor, the pad token, the pixel bounds."""
+
+    processor: Any
+    image_token_id: int
+    min_pixels: int
+    max_pixels: int
+
+    def process(self, images: list[Any]) -> tuple[list[int], torch.Tensor, torch.Tensor]:
+        """Vision tokens per image, ``pixel_values`` and ``image_grid_thw`` (BadSample: an image too small)."""
+        fitted = [fit_image(im, self.min_pixels, self.max_pixels) for im in images]
+        processed = self.processor(images=fitted, return_tensors="pt")
+        counts = [vision_tokens(im.height, im.width) for im in fitted]
+        return counts, processed["pixel_values"], processed["image_grid_thw"]
+
+
+def tool_turn_text(tokenizer: Any, content: Any) -> str:
     """What follows a model turn that ended in a tool call, up to the next model turn: the end of the model's
     turn, the tool turn holding ``content`` and the start of the model's next turn, as the chat template renders
-    them (Qwen: ``<|im_end|>\\n<|im_start|>user\\n<tool_response>...``; the template decides)."""
+    them (Qwen: ``<|im_end|>\\n<|im_start|>user\\n<tool_response>...``; the template decides). ``content``: a text, or
+    a list of message parts (an image: ``{"type": "image"}``)."""
     marker = "\u2063EASYTRAIN_TURN\u2063"
     user = {"role": "user", "content": "q"}
     before = tokenizer.apply_chat_template([user, {"role": "assistant", "content": marker}], tokenize=False)
@@ -76,9 +100,9 @@ def tool_turn_text(tokenizer: Any, content: str) -> str:
 class MultiTurn:
     """The multi-turn loop of one rollout worker: an engine call per model turn, a tool call per tool turn."""
 
-    def __init__(self, cfg: MultiTurnConfig, tokenizer: Any, max_length: int, tools: Optional[dict[str, Tool]] = None
-                 ) -> None:
-        self.cfg, self.tokenizer, self.max_length = cfg, tokenizer, max_length
+    def __init__(self, cfg: MultiTurnConfig, tokenizer: Any, max_length: int, tools: Optional[dict[str, Tool]] = None,
+                 images: Optional[ToolImages] = None) -> None:
+        self.cfg, self.tokenizer, self.max_length, self.images = cfg, tokenizer, max_length, images
         self.tools = tools if tools is not None else load_tools(cfg.tools)
         self.runner = ToolRunner(self.tools, cfg.tool_timeout_s, cfg.max_tool_output_chars)
         tool_turn_text(tokenizer, "")  # a template that cannot render tool turns fails at setup, not mid-run
@@ -89,7 +113,8 @@ class MultiTurn:
     def generate(self, engine: RolloutEngine, prompts: Batch, params: SamplingParams) -> Batch:
         """``params.n`` multi-turn responses per prompt, rows grouped by prompt like a single-turn generation,
         with ``response_attention_mask`` (every token) beside ``response_mask`` (the model's tokens) and the
-        per-row counts ``tool_calls`` and ``tool_errors``."""
+        per-row counts ``tool_calls`` and ``tool_errors``; when a tool returned images, every row's images
+        (the prompt's, then its tool turns') and ``response_mm_token_type_ids``."""
         rows = prompts.repeat_interleave(params.n)
         episodes = [Episode() for _ in range(len(rows))]
         last = self.cfg.max_turns - 1
@@ -106,7 +131,7 @@ class MultiTurn:
             turn_params = SamplingParams(1, params.temperature, params.top_p, params.top_k, budget, seed)
             self._take(episodes, active, engine.generate(self._continuation(rows, episodes, active), turn_params),
                        can_call=turn < last)
-        return self._output(episodes)
+        return self._output(rows, episodes)
 
     def _take(self, episodes: list[Episode], indices: list[int], out: Batch, can_call: bool) -> None:
         """Append one model turn per row of ``out`` to ``episodes[indices]``, cut to the room left and, when a
@@ -138,17 +163,72 @@ class MultiTurn:
         return low
 
     def _tool_turn(self, e: Episode) -> None:
-        """Run the call ``e`` ended with and append its result as a tool turn (untrained), cut to the room left."""
+        """Run the call ``e`` ended with and append its result as a tool turn (untrained), its images with it; a
+        text turn is cut to the room left, a turn with images that does not fit is an error turn."""
         assert e.call is not None
         result = self.runner.run(parse_tool_call(e.call))
         e.calls += 1
-        if not result.ok:
-            e.errors += 1
-            logger.debug("tool call failed: %s", result.error)
-        ids = self.tokenizer(tool_turn_text(self.tokenizer, result.text), add_special_tokens=False)["input_ids"]
-        ids = list(ids)[:self.max_length - len(e.ids)]
-        e.add(ids, [0.0] * len(ids), trained=False)
         e.call = None
+        room = self.max_length - len(e.ids)
+        failed = None if result.ok else result.error
+        text = result.text
+        if result.ok and result.images:
+            turn = self._image_turn(result.text, result.images, room)
+            if not isinstance(turn, str):
+                ids, pixel_values, grid = turn
+                e.add(ids, [0.0] * len(ids), trained=False)
+                e.pixel_values.append(pixel_values)
+                e.grids.append(grid)
+                return
+            failed, text = turn, f"error: {turn}"
+        if failed is not None:
+            e.errors += 1
+            logger.debug("tool call failed: %s", failed)
+        ids = list(self.tokenizer(tool_turn_text(self.tokenizer, text), add_special_tokens=False)["input_ids"])
+        ids = ids[:room]
+        e.add(ids, [0.0] * len(ids), trained=False)
+
+    def _image_turn(self, text: str, images: list[Any], room: int) -> Any:
+        """The token ids, ``pixel_values`` and ``image_grid_thw`` of a tool turn with ``images``, or why it cannot
+        be one (a text-only model, an image too small, more tokens than the room left)."""
+        if self.images is None:
+            return "the tool returned images, and this model reads none"
+        try:
+            counts, pixel_values, grid = self.images.process(images)
+        except BadSample as err:
+            return f"the tool returned an image the model cannot take: {err}"
+        content = [{"type": "image"} for _ in images] + [{"type": "text", "text": text}]
+        rendered = expand_image_placeholders(tool_turn_text(self.tokenizer, content), counts)
+        ids = list(self.tokenizer(rendered, add_special_tokens=False)["input_ids"])
+        if len(ids) > room:
+            return (f"the tool's turn with its {len(images)} image(s) takes {len(ids)} tokens and {room} are left "
+                    "of data.max_response_length")
+        return ids, pixel_values, grid
+
+    def _row_images(self, rows: Batch, i: int, e: Episode) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+        """Row ``i``'s images so far: its prompt's, then its tool turns' (``pixel_values`` and grids)."""
+        pixel_values, grids = list(e.pixel_values), list(e.grids)
+        if rows.image_counts is not None and "image_grid_thw" in rows:
+            one = rows.select([i])
+            pixel_values.insert(0, one["pixel_values"])
+            grids.insert(0, one["image_grid_thw"])
+        return pixel_values, grids
+
+    def _with_images(self, tensors: dict[str, torch.Tensor], rows: Batch, episodes: list[Episode],
+                     indices: list[int]) -> Optional[torch.Tensor]:
+        """Put the images of rows ``indices`` (prompt and tool turns) into ``tensors``; their counts per row."""
+        pixel_values: list[torch.Tensor] = []
+        grids: list[torch.Tensor] = []
+        counts = []
+        for i in indices:
+            row_pixels, row_grids = self._row_images(rows, i, episodes[i])
+            pixel_values += row_pixels
+            grids += row_grids
+            counts.append(sum(int(g.shape[0]) for g in row_grids))
+        if not grids:
+            return None
+        tensors["pixel_values"], tensors["image_grid_thw"] = torch.cat(pixel_values), torch.cat(grids)
+        return torch.tensor(counts)
 
     def _continuation(self, rows: Batch, episodes: list[Episode], active: list[int]) -> Batch:
         """The prompts of the next model turn: each active row's prompt and its response so far, left-padded."""
@@ -161,20 +241,25 @@ class MultiTurn:
             sequences.append(torch.cat([sub["input_ids"][j][present], so_far]))
             if "mm_token_type_ids" in sub:
                 prompt_types = sub["mm_token_type_ids"][j][present]
-                types.append(torch.cat([prompt_types, torch.zeros(len(so_far), dtype=prompt_types.dtype)]))
+                types.append(torch.cat([prompt_types, self._types(so_far).to(prompt_types.dtype)]))
         width = max(len(s) for s in sequences)
 
         def left(values: list[torch.Tensor], fill: int) -> torch.Tensor:
             return torch.stack([torch.nn.functional.pad(v, (width - len(v), 0), value=fill) for v in values])
 
-        tensors = {k: v for k, v in sub.tensors.items() if k not in PROMPT_KEYS}
+        images = ("pixel_values", "image_grid_thw")
+        tensors = {k: v for k, v in sub.tensors.items() if k not in PROMPT_KEYS + images}
         tensors["input_ids"] = left(sequences, pad)
         tensors["attention_mask"] = left([torch.ones(len(s), dtype=sub["attention_mask"].dtype) for s in sequences], 0)
         if types:
             tensors["mm_token_type_ids"] = left(types, 0)
-        return Batch(tensors, sub.meta, sub.image_counts)
+        return Batch(tensors, sub.meta, self._with_images(tensors, rows, episodes, active))
 
-    def _output(self, episodes: list[Episode]) -> Batch:
+    def _types(self, ids: torch.Tensor) -> torch.Tensor:
+        """``mm_token_type_ids`` of response tokens: the image pads of tool turns are image tokens."""
+        return mm_token_type_ids(ids, self.images.image_token_id if self.images is not None else -1)
+
+    def _output(self, rows: Batch, episodes: list[Episode]) -> Batch:
         width = max(1, max(len(e.ids) for e in episodes))
         pad = self.tokenizer.pad_token_id
         responses = torch.full((len(episodes), width), pad, dtype=torch.long)
@@ -187,7 +272,11 @@ class MultiTurn:
             trained[i, :k] = torch.tensor(e.trained, dtype=torch.float32)
             present[i, :k] = 1.0
             log_probs[i, :k] = torch.tensor(e.log_probs, dtype=torch.float32)
-        return Batch({"responses": responses, "response_mask": trained, "response_attention_mask": present,
-                      "rollout_log_probs": log_probs * trained,
-                      "tool_calls": torch.tensor([float(e.calls) for e in episodes]),
-                      "tool_errors": torch.tensor([float(e.errors) for e in episodes])})
+        tensors = {"responses": responses, "response_mask": trained, "response_attention_mask": present,
+                   "rollout_log_probs": log_probs * trained,
+                   "tool_calls": torch.tensor([float(e.calls) for e in episodes]),
+                   "tool_errors": torch.tensor([float(e.errors) for e in episodes])}
+        if not any(e.grids for e in episodes):
+            return Batch(tensors)
+        tensors["response_mm_token_type_ids"] = self._types(responses) * present.long()
+        return Batch(tensors, image_counts=self._with_images(tensors, rows, episodes, list(range(len(episodes)))))

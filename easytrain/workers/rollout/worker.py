@@ -90,12 +90,24 @@ class RolloutWorker(WorkerBase):
         if self.config.watchdog.enabled:
             self.engine.pressure = PressureFlag.of_this_job()
         if r.multi_turn.enable:
-            from easytrain.workers.rollout.multi_turn import MultiTurn
-
-            self.multi_turn = MultiTurn(r.multi_turn, tokenizer, self.config.data.max_response_length)
+            self.multi_turn = self._multi_turn(tokenizer)
         vision = getattr(AutoConfig.from_pretrained(self.folder), "vision_config", None)
         self.merge_size = int(getattr(vision, "spatial_merge_size", 2))
         return {"engine": r.engine, "stop_ids": spec.stop_ids, "can_sleep": self.engine.can_sleep}
+
+    def _multi_turn(self, tokenizer: Any) -> Any:
+        """The multi-turn loop; with a vision model, tool images go through the prompts' image processor."""
+        from easytrain.data.vision import IMAGE_PAD
+        from easytrain.models.hf import load_image_processor
+        from easytrain.workers.rollout.multi_turn import MultiTurn, ToolImages
+
+        d = self.config.data
+        processor = load_image_processor(self.config.model, str(self.folder))
+        images = None
+        if processor is not None:
+            processor.size = {"shortest_edge": d.min_pixels, "longest_edge": d.max_pixels}  # as the prompts'
+            images = ToolImages(processor, tokenizer.convert_tokens_to_ids(IMAGE_PAD), d.min_pixels, d.max_pixels)
+        return MultiTurn(self.config.worker.rollout.multi_turn, tokenizer, d.max_response_length, images=images)
 
     def sampling(self, validate: bool, step: int, call: int = 0) -> SamplingParams:
         """Seeds are a function of (seed, step, engine, call within the step, validation), never of the
