@@ -242,3 +242,28 @@ def test_a_tool_image_reaches_the_model(tmp_path: Path, monkeypatch: pytest.Monk
         return log_probs[0, len(trained) - after:len(trained)]
 
     assert (answer(red_padded, trained) - answer(blue_padded, blue_trained)).abs().max() > 1e-4
+
+
+def test_a_tool_that_takes_images_gets_the_samples_and_the_model_cannot_pass_them(tmp_path: Path) -> None:
+    from easytrain.tools.registry import load_tools
+
+    config = rl_config(tmp_path, "worker.rollout.multi_turn.enable=true",
+                       f"worker.rollout.multi_turn.tools=[{TOOLS}:size]", "data.max_response_length=256")
+    assert load_tools(config.worker.rollout.multi_turn.tools)["size"].schema["function"]["parameters"] == {
+        "type": "object", "properties": {}, "required": []}  # the model sees no images argument
+    data = RLData(config)
+    tok = data.tokenizer
+    end = tok.convert_tokens_to_ids("<|im_end|>")
+    prompts = next(data.train_batches()).select([0, 1])
+    image = prompts.meta["images"][0][0]
+    asks = ids(tok, '<tool_call>\n{"name": "size", "arguments": {}}\n</tool_call>')
+    passes = ids(tok, '<tool_call>\n{"name": "size", "arguments": {"images": 1}}\n</tool_call>')
+    engine = Scripted([[asks, passes], [[end], [end]]], [end], tok.pad_token_id)
+    turns = MultiTurn(config.worker.rollout.multi_turn, tok, config.data.max_response_length)
+    try:
+        out = turns.generate(engine, prompts, SamplingParams(1, 1.0, 1.0, -1, 256, seed=0))
+    finally:
+        turns.close()
+    texts = [tok.decode(out["responses"][i][out["response_attention_mask"][i].bool()]) for i in range(2)]
+    assert f"<|im_start|>tool\n{image.width}x{image.height}<|im_end|>" in texts[0]
+    assert "'images' is filled by easytrain" in texts[1] and out["tool_errors"].tolist() == [0.0, 1.0]

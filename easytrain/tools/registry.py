@@ -23,6 +23,9 @@ from typing import Any, Callable, Optional, Sequence
 from easytrain.rewards.registry import RewardLoadError, import_callable
 
 KEY = "worker.rollout.multi_turn.tools"
+CONTEXT_ARGS = ("images",)
+"""Arguments easytrain fills, never the model: ``images``, the sample's prompt images (PIL). A tool that declares
+one gets it on every call; the schema the model sees leaves it out."""
 _FORM = "give each tool as path/to/file.py:function or package.module:function"
 _SIMPLE = {str: "string", int: "integer", float: "number", bool: "boolean", list: "array", tuple: "array",
            set: "array", frozenset: "array", dict: "object"}
@@ -89,6 +92,8 @@ def schema_of(fn: Callable[..., Any], name: Optional[str] = None) -> dict[str, A
             star = "*" if param.kind is param.VAR_POSITIONAL else "**"
             raise ToolLoadError(f"{name} takes {star}{param.name}, which a JSON schema cannot describe; "
                                 "give the tool named arguments only")
+        if param.name in CONTEXT_ARGS:
+            continue
         if param.kind is param.POSITIONAL_ONLY:
             raise ToolLoadError(f"{name} takes {param.name} positional-only, but tools are called with named "
                                 "arguments; remove the '/' from its signature")

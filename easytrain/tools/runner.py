@@ -26,7 +26,7 @@ from typing import Any, Iterator, Optional, Union
 from easytrain.rewards.registry import USER_MODULE_PREFIX
 from easytrain.tools.calls import ToolCall
 from easytrain.tools.child import one_line, serve
-from easytrain.tools.registry import Tool, ToolLoadError
+from easytrain.tools.registry import CONTEXT_ARGS, Tool, ToolLoadError
 
 logger = logging.getLogger(__name__)
 
@@ -66,11 +66,13 @@ class ToolRunner:
         self._conn: Optional[Connection] = None
         self._lock = threading.Lock()
 
-    def run(self, call: Union[ToolCall, str]) -> ToolResult:
-        """The result of ``call``; a str (a malformed call's reason, from ``parse_tool_call``) fails as is."""
+    def run(self, call: Union[ToolCall, str], context: Optional[dict[str, Any]] = None) -> ToolResult:
+        """The result of ``call``; a str (a malformed call's reason, from ``parse_tool_call``) fails as is.
+        ``context``: values of :data:`~easytrain.tools.registry.CONTEXT_ARGS` (the sample's ``images``), passed
+        to a tool that declares them."""
         with self._lock:
             started = time.monotonic()
-            result = self._run(call)
+            result = self._run(call, context or {})
             result.seconds = time.monotonic() - started
         if not result.ok:
             logger.debug("tools: %s", result.error)
@@ -91,14 +93,19 @@ class ToolRunner:
     def __exit__(self, *exc: object) -> None:
         self.close()
 
-    def _run(self, call: Union[ToolCall, str]) -> ToolResult:
+    def _run(self, call: Union[ToolCall, str], context: dict[str, Any]) -> ToolResult:
         if isinstance(call, str):
             return _failed(call)
         tool = self.tools.get(call.name)
         if tool is None:
             return _failed(f"unknown tool {call.name!r}; tools: {', '.join(self.tools) or '(none)'}")
+        filled = [name for name in CONTEXT_ARGS if name in call.arguments]
+        if filled:
+            return _failed(f"bad arguments for {call.name}: {filled[0]!r} is filled by easytrain, not by the call")
+        declared = inspect.signature(tool.fn).parameters
+        arguments = {**call.arguments, **{k: v for k, v in context.items() if k in declared}}
         try:
-            inspect.signature(tool.fn).bind(**call.arguments)
+            inspect.signature(tool.fn).bind(**arguments)
         except TypeError as err:
             return _failed(f"bad arguments for {call.name}: {err}")
         try:
@@ -108,7 +115,7 @@ class ToolRunner:
             logger.warning("tools: the tool process did not start: %s: %s", type(err).__name__, err)
             return _failed(f"{call.name} could not run: the tool process did not start ({type(err).__name__})")
         try:
-            conn.send((call.name, call.arguments))
+            conn.send((call.name, arguments))
             if not conn.poll(self.timeout_s):
                 self._stop(grace_s=0.0)
                 logger.warning("tools: %s ran past %s s; its process was killed", call.name, self.timeout_s)

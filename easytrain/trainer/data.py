@@ -51,6 +51,12 @@ class RLData:
     def batch_size(self) -> int:
         return self.config.data.rollout_batch_size
 
+    @property
+    def keep_images(self) -> bool:
+        """Prompt batches carry their PIL images: vLLM takes them, and multi-turn tools may ask for them."""
+        r = self.config.worker.rollout
+        return r.engine == "vllm" or r.multi_turn.enable
+
     def dataset_options(self) -> dict[str, Any]:
         """Keyword arguments for the dataset class beyond the shared ones: with multi-turn rollouts, the tools'
         schemas, which the prompts show the model."""
@@ -87,14 +93,14 @@ class RLData:
         """Prompt batches across epochs, resuming from the loader's position."""
         while True:
             for raw in self.loader:
-                yield to_batch(raw, self.config.worker.rollout.engine == "vllm")
+                yield to_batch(raw, self.keep_images)
 
     def val_batches(self) -> Iterator[Batch]:
         assert self.val is not None, "no validation data (data.val_files)"
         size = len(self.val) if self.config.data.val_batch_size < 0 else self.config.data.val_batch_size
         for start in range(0, len(self.val), size):
             prompts = [self.val[i] for i in range(start, min(start + size, len(self.val)))]
-            yield to_batch(self.collator(prompts), self.config.worker.rollout.engine == "vllm")
+            yield to_batch(self.collator(prompts), self.keep_images)
 
     def decode(self, batch: Batch) -> list[str]:
         """The responses' texts, multi-turn ones with their tool turns (what the reward function sees)."""
@@ -109,7 +115,7 @@ def to_batch(raw: dict[str, Any], keep_images: bool) -> Batch:
 
     tensors = {k: raw[k] for k in PROMPT_TENSORS if k in raw}
     meta = {"uids": raw["uids"], "answers": raw["answers"]}
-    if keep_images:  # vLLM takes the PIL images and its own prompt form
+    if keep_images:  # vLLM takes the PIL images and its own prompt form; multi-turn tools, the images
         meta.update(images=raw["images"], vllm_prompts=raw["vllm_prompts"])
     counts = torch.tensor([len(images) for images in raw["images"]]) if "pixel_values" in raw else None
     return Batch(tensors, meta, counts)

@@ -32,3 +32,8 @@ def paint(colour: str):
     if os.environ.get("TURN_TOOLS_INVERT") == "1":  # the same call answered with another image (a test's switch)
         rgb = tuple(255 - c for c in rgb)
     return [Image.new("RGB", (56, 56), rgb), f"a {colour} square"]
+
+
+def size(images: list) -> str:
+    """The size of the sample's first image (easytrain passes the sample's images)."""
+    return "x".join(map(str, images[0].size)) if images else "no image"

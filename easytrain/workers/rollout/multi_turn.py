@@ -122,7 +122,7 @@ class MultiTurn:
         for turn in range(1, self.cfg.max_turns):
             due = [i for i, e in enumerate(episodes) if e.call is not None]
             for i in due:
-                self._tool_turn(episodes[i])
+                self._tool_turn(episodes[i], rows.meta["images"][i] if "images" in rows.meta else [])
             active = [i for i in due if len(episodes[i].ids) < self.max_length]  # room left for a model turn
             if not active:
                 break
@@ -162,11 +162,12 @@ class MultiTurn:
                 high = mid
         return low
 
-    def _tool_turn(self, e: Episode) -> None:
-        """Run the call ``e`` ended with and append its result as a tool turn (untrained), its images with it; a
-        text turn is cut to the room left, a turn with images that does not fit is an error turn."""
+    def _tool_turn(self, e: Episode, images: list[Any]) -> None:
+        """Run the call ``e`` ended with (a tool that takes ``images`` gets the sample's, PIL) and append its
+        result as a tool turn (untrained), its images with it; a text turn is cut to the room left, a turn with
+        images that does not fit is an error turn."""
         assert e.call is not None
-        result = self.runner.run(parse_tool_call(e.call))
+        result = self.runner.run(parse_tool_call(e.call), {"images": list(images)})
         e.calls += 1
         e.call = None
         room = self.max_length - len(e.ids)
