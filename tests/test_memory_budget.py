@@ -27,6 +27,14 @@ def test_sequence_shape_puts_image_tokens_inside_the_prompt_budget() -> None:
     text = sequence_shape(load(["+exp=tiny_vllm"]), tiny_hf_config("qwen2"))
     assert (text.images, text.prompt, text.total) == (0, 128, 129)
 
+    tools = ["worker.rollout.multi_turn.enable=true", "worker.rollout.multi_turn.tools=[m:f]"]
+    turns = sequence_shape(load(["+exp=tiny", *tools, "worker.rollout.multi_turn.max_tool_images=2"]),
+                           tiny_hf_config("qwen2_5_vl"))  # two tool images beside the prompt's: 3 priced images
+    assert (turns.prompt_text, turns.images, turns.image_tokens, turns.total) == (208, 3, 16, 257)
+    text_tools = sequence_shape(load(["+exp=tiny_vllm", *tools, "worker.rollout.engine=hf"]),
+                                tiny_hf_config("qwen2"))
+    assert (text_tools.images, text_tools.total) == (0, 129)  # a text model takes no tool images
+
 
 def test_logits_peak() -> None:
     # 8 sequences x 1025 positions x 152064 vocab x 4 bytes, logits and log-softmax

@@ -267,3 +267,26 @@ def test_a_tool_that_takes_images_gets_the_samples_and_the_model_cannot_pass_the
     texts = [tok.decode(out["responses"][i][out["response_attention_mask"][i].bool()]) for i in range(2)]
     assert f"<|im_start|>tool\n{image.width}x{image.height}<|im_end|>" in texts[0]
     assert "'images' is filled by easytrain" in texts[1] and out["tool_errors"].tolist() == [0.0, 1.0]
+
+
+def test_tool_images_past_the_limit_are_an_error_turn(tmp_path: Path) -> None:
+    from easytrain.data.vision import IMAGE_PAD
+    from easytrain.workers.rollout.multi_turn import ToolImages
+
+    config = rl_config(tmp_path, "worker.rollout.multi_turn.enable=true", "data.max_response_length=256",
+                       f"worker.rollout.multi_turn.tools=[{TOOLS}:paint]", "worker.rollout.multi_turn.max_tool_images=0")
+    data = RLData(config)
+    tok, d = data.tokenizer, config.data
+    end = tok.convert_tokens_to_ids("<|im_end|>")
+    prompts = next(data.train_batches()).select([0])
+    call = ids(tok, '<tool_call>\n{"name": "paint", "arguments": {"colour": "red"}}\n</tool_call>')
+    engine = Scripted([[call], [[end]]], [end], tok.pad_token_id)
+    images = ToolImages(data.processor, tok.convert_tokens_to_ids(IMAGE_PAD), d.min_pixels, d.max_pixels)
+    turns = MultiTurn(config.worker.rollout.multi_turn, tok, d.max_response_length, images=images)
+    try:
+        out = turns.generate(engine, prompts, SamplingParams(1, 1.0, 1.0, -1, 256, seed=0))
+    finally:
+        turns.close()
+    assert out["tool_errors"].tolist() == [1.0] and out.image_counts is None  # only the prompt's image: none added
+    text = tok.decode(out["responses"][0][out["response_attention_mask"][0].bool()])
+    assert "worker.rollout.multi_turn.max_tool_images" in text

@@ -269,6 +269,9 @@ class MultiTurnConfig:
     """A tool call running longer is stopped: the sample gets an error turn and is counted (rollout/tool_errors)."""
     max_tool_output_chars: int = bounded(2000, low=1)
     """A tool's text result is cut to this many characters."""
+    max_tool_images: int = bounded(2, low=0)
+    """Images the tool turns of one response may hold together (a turn that would pass it is an error turn); the
+    planner prices them beside the prompt's images."""
 
 
 @dataclass

@@ -43,10 +43,14 @@ class SequenceShape:
 def sequence_shape(config: Any, hf_config: dict[str, Any]) -> SequenceShape:
     """The longest sequence the data settings allow: the prompt budget holds the image tokens, and a
     prompt over ``data.max_prompt_length`` is filtered, so images at ``data.max_pixels`` that would
-    overflow it are priced at the share of the budget they can take."""
+    overflow it are priced at the share of the budget they can take. Multi-turn tool images
+    (``worker.rollout.multi_turn.max_tool_images``) count as images too: the sequence is no longer, but
+    the vision tower sees more of it."""
     d = config.data
     vision = getattr(hf_config_object(hf_config), "vision_config", None) if d.image_key else None
-    images = d.limit_images if vision is not None else 0
+    turns = config.worker.rollout.multi_turn
+    tool_images = turns.max_tool_images if turns.enable and config.trainer.task == "rl" else 0
+    images = d.limit_images + tool_images if vision is not None else 0
     per_image = image_tokens(d.max_pixels, vision.spatial_merge_size) if vision is not None else 0
     if images:
         per_image = min(per_image, d.max_prompt_length // images)

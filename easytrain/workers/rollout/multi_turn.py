@@ -174,7 +174,7 @@ class MultiTurn:
         failed = None if result.ok else result.error
         text = result.text
         if result.ok and result.images:
-            turn = self._image_turn(result.text, result.images, room)
+            turn = self._image_turn(result.text, result.images, room, sum(int(g.shape[0]) for g in e.grids))
             if not isinstance(turn, str):
                 ids, pixel_values, grid = turn
                 e.add(ids, [0.0] * len(ids), trained=False)
@@ -189,11 +189,15 @@ class MultiTurn:
         ids = ids[:room]
         e.add(ids, [0.0] * len(ids), trained=False)
 
-    def _image_turn(self, text: str, images: list[Any], room: int) -> Any:
+    def _image_turn(self, text: str, images: list[Any], room: int, held: int) -> Any:
         """The token ids, ``pixel_values`` and ``image_grid_thw`` of a tool turn with ``images``, or why it cannot
-        be one (a text-only model, an image too small, more tokens than the room left)."""
+        be one (a text-only model, more images than the response may hold beside the ``held`` ones, an image
+        too small, more tokens than the room left)."""
         if self.images is None:
             return "the tool returned images, and this model reads none"
+        if held + len(images) > self.cfg.max_tool_images:
+            return (f"the tool returned {len(images)} image(s) and {self.cfg.max_tool_images - held} more fit in "
+                    "this response (worker.rollout.multi_turn.max_tool_images)")
         try:
             counts, pixel_values, grid = self.images.process(images)
         except BadSample as err:
