@@ -115,7 +115,7 @@ def test_a_multi_turn_episode_trains_exactly_the_models_tokens(tmp_path: Path) -
 
 
 def test_a_hanging_tool_times_out_and_is_counted(tmp_path: Path) -> None:
-    config = multi_turn_config(tmp_path, "worker.rollout.multi_turn.tool_timeout_s=1")
+    config = multi_turn_config(tmp_path, "worker.rollout.multi_turn.tool_timeout_s=2")
     data = RLData(config)
     tok = data.tokenizer
     end = tok.convert_tokens_to_ids("<|im_end|>")
@@ -290,3 +290,16 @@ def test_tool_images_past_the_limit_are_an_error_turn(tmp_path: Path) -> None:
     assert out["tool_errors"].tolist() == [1.0] and out.image_counts is None  # only the prompt's image: none added
     text = tok.decode(out["responses"][0][out["response_attention_mask"][0].bool()])
     assert "worker.rollout.multi_turn.max_tool_images" in text
+
+
+def test_config_errors_name_the_key_and_the_fix(tmp_path: Path) -> None:
+    from easytrain.config import ConfigError
+
+    with pytest.raises(ConfigError, match=r"worker\.rollout\.multi_turn\.tools=\[\]: .*no tool is given"):
+        rl_config(tmp_path, "worker.rollout.multi_turn.enable=true")
+    with pytest.raises(ConfigError, match=r"worker\.rollout\.multi_turn\.enable=True: .*token ids.*data\.image_key"):
+        rl_config(tmp_path, "worker.rollout.multi_turn.enable=true", f"worker.rollout.multi_turn.tools=[{TOOLS}:count]",
+                  "worker.rollout.engine=vllm")
+    rl_config(tmp_path, "worker.rollout.multi_turn.enable=true", f"worker.rollout.multi_turn.tools=[{TOOLS}:count]",
+              "worker.rollout.engine=vllm", "data.image_key=null", "worker.rollout.multi_turn.max_tool_images=0",
+              "model.path=tiny:qwen2")  # text prompts and text tool results: vLLM continues from token ids

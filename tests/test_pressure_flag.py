@@ -152,3 +152,28 @@ def test_a_flag_left_by_another_run_or_never_written_is_read_as_ok(tmp_path: Pat
     assert flag.read() == ("warn", "y")
     flag.remove()
     assert flag.read() == ("ok", "")
+
+
+def test_two_threads_writing_the_flag_never_rename_each_others_file(tmp_path: Path) -> None:
+    """A sampler writes from its loop and from the driver's reading at once (two threads of one process): one
+    shared temporary name let one rename the other's file away (FileNotFoundError, the sampler lost: seen in CI)."""
+    import threading
+
+    flag = PressureFlag(tmp_path / "flag")
+    errors: list[BaseException] = []
+
+    def writer(level: str) -> None:
+        try:
+            for _ in range(300):
+                flag.write(level, f"{level} line")
+        except BaseException as err:  # noqa: BLE001 - collected for the assertion
+            errors.append(err)
+
+    threads = [threading.Thread(target=writer, args=(lv,)) for lv in ("soft", "hard", "warn", "ok")]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not errors, errors[:1]
+    assert PressureFlag(tmp_path / "flag").read()[0] in ("soft", "hard", "warn", "ok")
+    assert [p.name for p in tmp_path.iterdir()] == ["flag"]  # no temporary file left behind

@@ -52,6 +52,7 @@ class EngineHost:
         self.engine = VLLMEngine.build(config, self.spec)
         self.hf = HFEngine.build(config, self.spec)  # the same weights, for reference
         self.vocab = len(tokenizer)
+        self.config = config
 
     def generate(self, prompts: Batch, params: SamplingParams, extra_stop: list[int] = (),
                  banned: list[int] = ()) -> Batch:
@@ -69,6 +70,43 @@ class EngineHost:
 
     def stop_ids(self) -> list[int]:
         return self.spec.stop_ids
+
+    def multi_turn(self, prompts: Batch, params: SamplingParams, call: list[int], tools: list[str],
+                   length: int) -> list[Batch]:
+        """The same two-turn rollout on vLLM and on the HF engine: the first model turn is ``call`` (a random
+        model writes no tool call), the tool runs, and the second turn continues the conversation."""
+        from easytrain.config.schema import MultiTurnConfig
+        from easytrain.models.hf import load_tokenizer
+        from easytrain.workers.rollout.multi_turn import MultiTurn
+
+        from easytrain.workers.rollout.engine import pad_responses
+
+        class FirstTurnGiven:  # defined here: the actor's process cannot import this test module
+            """An engine whose first generation is ``call`` for every row; later ones are ``engine``'s."""
+
+            def __init__(self, engine: Any, tokens: list[int], spec: Any) -> None:
+                self.engine, self.tokens, self.spec, self.calls = engine, tokens, spec, 0
+
+            def generate(self, prompts: Batch, params: SamplingParams) -> Batch:
+                self.calls += 1
+                if self.calls > 1:
+                    return self.engine.generate(prompts, params)
+                rows = [list(self.tokens)] * (len(prompts) * params.n)
+                return pad_responses(rows, [[0.0] * len(self.tokens)] * len(rows), self.spec.pad_id,
+                                     self.spec.stop_ids)
+
+        from easytrain.workers.rollout.vllm_engine import ban
+
+        self.engine.spec, self.engine.banned, self.hf.suppressed = self.spec, ban([], self.vocab), []  # as built
+        tokenizer = load_tokenizer(self.config.model, str(self.spec.folder))
+        outs = []
+        for engine in (self.engine, self.hf):
+            turns = MultiTurn(MultiTurnConfig(enable=True, max_turns=2, tools=tools), tokenizer, length)
+            try:
+                outs.append(turns.generate(FirstTurnGiven(engine, call, self.spec), prompts, params))
+            finally:
+                turns.close()
+        return outs
 
     def reload_own_weights(self) -> list[tuple[str, Any]]:
         """A weight update with the weights the engine already has (the HF copy's), recording what vLLM ran after
@@ -251,3 +289,27 @@ def test_a_lora_actor_syncs_merged_weights_into_vllm(setup: dict[str, Any]) -> N
         lora.shutdown()
         pool.release()
         roles.transport.sync(roles.actor, roles.rollout)  # leave the engines on the plain actor's weights
+
+
+def test_a_multi_turn_conversation_continues_on_vllm_as_on_hf(setup: dict[str, Any], host: Any) -> None:
+    """After a tool turn, vLLM continues the conversation from its token ids: greedy, the HF engine's tokens."""
+    from pathlib import Path
+
+    tools = [f"{Path(__file__).resolve().parent / 'assets' / 'turn_tools.py'}:three"]
+    tokenizer = setup["data"].tokenizer
+    call = tokenizer('<tool_call>{"name":"three","arguments":{}}</tool_call>', add_special_tokens=False)["input_ids"]
+    prompts, d = setup["prompts"], setup["config"].data
+    # the response may take what the engine's context (max_prompt_length + max_response_length) leaves beside
+    # the longest prompt: the call, the tool turn and a few generated tokens
+    length = d.max_prompt_length + d.max_response_length - int(prompts["attention_mask"].sum(-1).max())
+    params = SamplingParams(1, 0.0, 1.0, -1, length, seed=0)
+    vllm_out, hf_out = ray.get(host.multi_turn.remote(prompts, params, call, tools, length))
+    assert vllm_out["tool_calls"].tolist() == [1.0] * len(prompts) and not vllm_out["tool_errors"].any()
+    for out in (vllm_out, hf_out):
+        trained, held = out["response_mask"].bool(), out["response_attention_mask"].bool()
+        tool = ~trained & held  # the tool turns: held, not trained
+        after = trained & (tool.long().cumsum(-1) > 0)  # generated after the tool turn
+        assert tool.any(-1).all() and after.any(-1).all()
+    assert torch.equal(vllm_out["responses"] * vllm_out["response_attention_mask"].long(),
+                       hf_out["responses"] * hf_out["response_attention_mask"].long())
+    assert torch.equal(vllm_out["response_mask"], hf_out["response_mask"])

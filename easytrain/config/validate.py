@@ -320,9 +320,11 @@ def _check_multi_turn(cfg: Config) -> None:
     if not m.tools:
         raise ConfigError("worker.rollout.multi_turn.tools", m.tools, "multi-turn rollouts continue after tool "
                           "calls, and no tool is given", "list tools as path/to/file.py:name or module:name")
-    if r.engine != "hf":
-        raise ConfigError("worker.rollout.multi_turn.enable", True, f"multi-turn rollouts run on the hf engine only "
-                          f"so far, and worker.rollout.engine={r.engine!r}", "set worker.rollout.engine=hf")
+    if r.engine == "vllm" and (cfg.data.image_key is not None or m.max_tool_images > 0):
+        raise ConfigError("worker.rollout.multi_turn.enable", True, "with worker.rollout.engine=vllm a multi-turn "
+                          "conversation is continued from its token ids, which carry no images yet",
+                          "set data.image_key=null and worker.rollout.multi_turn.max_tool_images=0 (text prompts "
+                          "and tool results), or worker.rollout.engine=hf")
 
 
 def flash_attn_installed() -> bool:

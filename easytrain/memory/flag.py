@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import os
 import tempfile
+import threading
 from collections import deque
 from pathlib import Path
 from typing import Optional
@@ -66,7 +67,9 @@ class PressureFlag:
         return cls(flag_path(context.get_job_id(), context.get_node_id()))
 
     def write(self, level: str, line: str = "") -> None:
-        tmp = self.path.with_name(f".{self.path.name}.{os.getpid()}")
+        # a temporary name of this thread's own: two writers (a sampler's loop and a reading the driver asked
+        # for) never rename each other's file away
+        tmp = self.path.with_name(f".{self.path.name}.{os.getpid()}.{threading.get_ident()}")
         tmp.write_text(f"{level}\n{line}")
         os.replace(tmp, self.path)
 

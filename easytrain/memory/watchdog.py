@@ -71,6 +71,8 @@ class NodeSampler:
         self.processes: dict[int, tuple[str, int]] = {}
         self.buffer: list[dict[str, Any]] = []
         self.lock = threading.Lock()
+        self.judging = threading.Lock()
+        """Orders the judgements (growth rate, flag) of samples taken in the loop and on the driver's call."""
         self.stopped = threading.Event()
         self.nvml = open_nvml()
         self.peak: dict[str, Any] = {}
@@ -106,7 +108,8 @@ class NodeSampler:
                 records.append({"kind": "process", **where, "role": role, "rank": rank, "pid": pid, "rss_bytes": rss})
         run_bytes = sum(r["rss_bytes"] for r in records) if self.scope == "run" else None
         records.insert(0, {**node_ram(self.limit_bytes, run_bytes=run_bytes), **where})
-        self._judge(records[0])
+        with self.judging:  # the loop's samples and the driver's run in two threads: one judgement at a time
+            self._judge(records[0])
         if self.nvml is not None:
             try:
                 records.extend({**gpu, **where} for gpu in gpu_readings(self.nvml))

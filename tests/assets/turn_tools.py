@@ -37,3 +37,8 @@ def paint(colour: str):
 def size(images: list) -> str:
     """The size of the sample's first image (easytrain passes the sample's images)."""
     return "x".join(map(str, images[0].size)) if images else "no image"
+
+
+def three() -> str:
+    """Always 3 (a call short enough for a small context)."""
+    return "3"
