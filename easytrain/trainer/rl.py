@@ -171,11 +171,11 @@ class RLTrainer(Trainer):
 
     def start_scoring(self, batch: Batch) -> Scoring:
         """Send ``batch``'s responses to the reward workers (its texts go in its meta); returns the call that
-        waits for their scores (:meth:`score`), so the driver can do other work until it needs them."""
+        waits for their scores (:meth:`collect_scores`), so the driver can do other work until it needs them."""
         texts = self.data.decode(batch)
         batch.meta["texts"] = texts
         pending = self.roles.rewards.submit(texts, batch.meta["answers"])
-        return lambda timer, validate=False: self.score(batch, timer, validate, texts, pending)
+        return lambda timer, validate=False: self.collect_scores(pending, timer, validate)
 
     def generate_ahead(self, prompts: Iterator[Batch]) -> Pending:
         """One step off: the engine starts generating the next step's batch, with the weights it holds now."""
@@ -190,9 +190,8 @@ class RLTrainer(Trainer):
         version = self.step - 1  # the engine held the weights of the last step's sync
         return lambda: Generated(batch, scoring(timer), version)
 
-    def score(self, batch: Batch, timer: PhaseTimer, validate: bool, texts: list[str],
-              pending: Any) -> dict[str, torch.Tensor]:
-        """The reward table of ``batch`` (its ``texts``), from the scoring :meth:`start_scoring` sent."""
+    def collect_scores(self, pending: Any, timer: PhaseTimer, validate: bool) -> dict[str, torch.Tensor]:
+        """The reward table of the scoring :meth:`start_scoring` sent."""
         with timer("reward"):  # a reward function that grows under hard pressure is stopped, with the step
             watch = None if validate else self.watch_phase("reward")
             scores, errors = self.roles.rewards.collect(pending, watch, self.config.watchdog.sample_period_s)
