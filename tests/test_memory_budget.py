@@ -35,6 +35,13 @@ def test_sequence_shape_puts_image_tokens_inside_the_prompt_budget() -> None:
                                 tiny_hf_config("qwen2"))
     assert (text_tools.images, text_tools.total) == (0, 129)  # a text model takes no tool images
 
+    video = sequence_shape(load(["+exp=tiny", "data.video_key=videos", "data.max_frames=5", "data.limit_videos=2"]),
+                           tiny_hf_config("qwen2_5_vl"))  # the image and 2 videos of 5 frames: 1 + 2 x 3 patches
+    assert (video.images, video.image_tokens, video.total) == (7, 16, 257)
+    tight = sequence_shape(load(["+exp=tiny", "data.video_key=videos", "data.max_frames=64"]),
+                           tiny_hf_config("qwen2_5_vl"))  # 33 pieces share the 256-token prompt: 7 tokens each
+    assert (tight.images, tight.image_tokens) == (33, 7)
+
 
 def test_logits_peak() -> None:
     # 8 sequences x 1025 positions x 152064 vocab x 4 bytes, logits and log-softmax

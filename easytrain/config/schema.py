@@ -110,6 +110,16 @@ class DataConfig:
     """Images larger than this are downscaled; each 28x28 block is one vision token (12544 = 16 tokens)."""
     limit_images: int = bounded(1, low=0)
     """Most images per sample; rows with more are skipped."""
+    video_key: Optional[str] = None
+    """Column holding videos: per row a list of videos, each a list of frames (any image form) or a video file
+    (path or bytes, read with PyAV); null for data without video. `<video>` marks where each goes in the prompt."""
+    video_fps: float = bounded(2.0, low=0.0, low_open=True)
+    """Frames per second a video file is sampled at; a list of frames is taken to be at this rate."""
+    limit_videos: int = bounded(1, low=0)
+    """Most videos per sample; rows with more are skipped (too_many_videos)."""
+    max_frames: int = bounded(16, low=1)
+    """Most frames per video: a frame list with more is skipped (too_many_frames); a video file sampled at
+    video_fps to more is sampled evenly to this many instead. Frames are sized like images (min/max_pixels)."""
     shuffle: bool = True
     """Shuffle training data each epoch (seeded by trainer.seed)."""
     downscale_images_to_fit: bool = False

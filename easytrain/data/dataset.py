@@ -26,6 +26,7 @@ from easytrain.config.schema import DataConfig
 from easytrain.data.images import FACTOR, BadSample, ImageFiles, decode_image, fit_image, vision_tokens
 from easytrain.data.prompts import build_messages, load_format_template, render_prompt
 from easytrain.data.sources import DataError, RowSource, open_source, require_columns
+from easytrain.data.video import Clip, decode_video, fit_video, video_tokens
 
 logger = logging.getLogger(__name__)
 
@@ -44,6 +45,8 @@ class Prompt:
     answer: str
     downscaled: bool = False
     """Images were shrunk below data.max_pixels to fit data.max_prompt_length."""
+    videos: list[Clip] = field(default_factory=list)
+    """Videos (data.video_key): frames sized onto the token grid, and their rate."""
 
 
 @dataclass
@@ -110,7 +113,14 @@ class PromptDataset:
 
     def _check_columns(self, source: RowSource) -> None:
         require_columns(source, [("data.prompt_key", self.cfg.prompt_key), ("data.answer_key", self.cfg.answer_key),
-                                 ("data.image_key", self.image_key)])
+                                 *self._visual_columns()])
+
+    def _visual_columns(self) -> list[tuple[str, Optional[str]]]:
+        """The image and video columns a source must have: with data.video_key, the video column (video data
+        need not have an image column too)."""
+        if self.image_key and self.cfg.video_key:
+            return [("data.video_key", self.cfg.video_key)]
+        return [("data.image_key", self.image_key)]
 
     def _scan(self, progress: bool) -> None:
         total = sum(len(s) for s in self.sources)
@@ -161,18 +171,38 @@ class PromptDataset:
             problem = self.template.render(content=problem)
         decoded = self._decoded_images(s, row, where)
         images = [fit_image(im, cfg.min_pixels, cfg.max_pixels) for im in decoded]
-        messages = build_messages(problem, len(images))
+        videos = self._videos(s, row, where)
+        messages = build_messages(problem, len(images), len(videos))
+        frames = [video_tokens(v.frames) for v in videos]
         rendered = render_prompt(self.tokenizer, messages, [vision_tokens(im.height, im.width) for im in images],
-                                 self.tools)
+                                 self.tools, frames)
         downscaled = len(rendered.input_ids) > cfg.max_prompt_length
         if downscaled:
             if not (cfg.downscale_images_to_fit and images):
                 raise BadSample("prompt_too_long", f"{len(rendered.input_ids)} tokens > "
-                                f"data.max_prompt_length={cfg.max_prompt_length}")
-            images, rendered = self._downscale(decoded, messages, rendered)
+                                f"data.max_prompt_length={cfg.max_prompt_length}"
+                                + (f" ({sum(frames)} of them video)" if videos else ""))
+            images, rendered = self._downscale(decoded, messages, rendered, frames)
         return Prompt(uid=where, input_ids=rendered.input_ids, vllm_text=rendered.vllm_text, images=images,
                       image_tokens=rendered.image_tokens, answer=answer,
-                      downscaled=downscaled)
+                      downscaled=downscaled, videos=videos)
+
+    def _videos(self, s: int, row: dict[str, Any], where: str) -> list[Clip]:
+        """The row's videos (data.video_key): decoded, sampled, sized; blanked when data.blank_images."""
+        cfg = self.cfg
+        value = row.get(cfg.video_key) if cfg.video_key and self.image_key else None
+        if value is None:
+            return []
+        values = list(value) if isinstance(value, (list, tuple)) else [value]  # a list of videos, or one file
+        if len(values) > cfg.limit_videos:
+            raise BadSample("too_many_videos", f"{len(values)} videos > data.limit_videos={cfg.limit_videos}")
+        clips = []
+        for i, v in enumerate(values):
+            frames, fps = decode_video(v, self.image_files[s], f"{where} video {i}", cfg.video_fps, cfg.max_frames)
+            if cfg.blank_images:
+                frames = [Image.new("RGB", f.size, (255, 255, 255)) for f in frames]
+            clips.append(Clip(fit_video(frames, cfg.min_pixels, cfg.max_pixels), fps))
+        return clips
 
     def _decoded_images(self, s: int, row: dict[str, Any], where: str) -> list[Image.Image]:
         """The row's images (of source ``s``), decoded to RGB (blanked to white when data.blank_images)."""
@@ -193,8 +223,9 @@ class PromptDataset:
             raise BadSample("too_many_images", f"{len(values)} images > data.limit_images={self.cfg.limit_images}")
         return values
 
-    def _downscale(self, decoded: list[Image.Image], messages: list[dict[str, Any]], rendered: Any) -> tuple:
-        """Shrink every image to an equal share of the tokens the text leaves free."""
+    def _downscale(self, decoded: list[Image.Image], messages: list[dict[str, Any]], rendered: Any,
+                   frames: Sequence[int] = ()) -> tuple:
+        """Shrink every image to an equal share of the tokens the text (and the videos) leave free."""
         text_tokens = len(rendered.input_ids) - sum(rendered.image_tokens)
         share = (self.cfg.max_prompt_length - text_tokens) // len(decoded)
         if share < 1:
@@ -204,7 +235,7 @@ class PromptDataset:
         min_pixels = min(self.cfg.min_pixels, max_pixels)
         images = [fit_image(im, min_pixels, max_pixels) for im in decoded]
         rendered = render_prompt(self.tokenizer, messages, [vision_tokens(im.height, im.width) for im in images],
-                                 self.tools)
+                                 self.tools, frames)
         return images, rendered
 
     def write_skip_report(self, folder: str | Path) -> Path:

@@ -10,14 +10,17 @@ built.
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 from typing import Any, Optional, Sequence
 
 from easytrain.data.images import BadSample
-from easytrain.data.vision import IMAGE_PAD, expand_image_placeholders
+from easytrain.data.vision import IMAGE_PAD, VIDEO_PAD, expand_image_placeholders
 
 IMAGE_PLACEHOLDER = "<image>"
 """How datasets (geometry3k and most RL sets) mark where an image goes in the prompt text."""
+VIDEO_PLACEHOLDER = "<video>"
+"""And where a video goes."""
 
 
 def load_format_template(path: Optional[str]) -> Optional[Any]:
@@ -30,26 +33,33 @@ def load_format_template(path: Optional[str]) -> Optional[Any]:
         return jinja2.Template(f.read())
 
 
-def build_messages(problem: str, num_images: int) -> list[dict[str, Any]]:
-    """A one-turn chat: the text split at ``<image>`` placeholders, images interleaved.
+def build_messages(problem: str, num_images: int, num_videos: int = 0) -> list[dict[str, Any]]:
+    """A one-turn chat: the text split at ``<image>`` / ``<video>`` placeholders, images and videos interleaved.
 
-    Without placeholders the images go first (the usual layout for VLM data);
-    with placeholders their count must equal the number of images.
+    Without placeholders the images, then the videos, go first (the usual layout for VLM data); with
+    placeholders their counts must equal the number of images and of videos.
     """
-    pieces = problem.split(IMAGE_PLACEHOLDER)
-    placeholders = len(pieces) - 1
-    if placeholders == 0:
-        content = [{"type": "image"} for _ in range(num_images)] + [{"type": "text", "text": problem}]
+    pieces = re.split(f"({re.escape(IMAGE_PLACEHOLDER)}|{re.escape(VIDEO_PLACEHOLDER)})", problem)
+    marks = pieces[1::2]
+    if not marks:
+        content = ([{"type": "image"} for _ in range(num_images)] + [{"type": "video"} for _ in range(num_videos)]
+                   + [{"type": "text", "text": problem}])
         return [{"role": "user", "content": content}]
-    if placeholders != num_images:
-        raise BadSample("placeholder_mismatch", f"{placeholders} <image> placeholders but {num_images} images")
+    for mark, count, kind in ((IMAGE_PLACEHOLDER, num_images, "images"), (VIDEO_PLACEHOLDER, num_videos, "videos")):
+        if marks.count(mark) != count:
+            raise BadSample("placeholder_mismatch", f"{marks.count(mark)} {mark} placeholders but {count} {kind}")
     content: list[dict[str, Any]] = []
     for i, piece in enumerate(pieces):
-        if piece:
+        if i % 2:
+            content.append({"type": "image" if piece == IMAGE_PLACEHOLDER else "video"})
+        elif piece:
             content.append({"type": "text", "text": piece})
-        if i < num_images:
-            content.append({"type": "image"})
     return [{"role": "user", "content": content}]
+
+
+def expand_visuals(text: str, image_tokens: Sequence[int], video_tokens: Sequence[int] = ()) -> str:
+    """``text`` with each image and video pad expanded to its visual's token count (in order of appearance)."""
+    return expand_image_placeholders(expand_image_placeholders(text, image_tokens), video_tokens, VIDEO_PAD)
 
 
 @dataclass
@@ -63,14 +73,16 @@ class RenderedPrompt:
 
 
 def render_prompt(tokenizer: Any, messages: list[dict[str, Any]], image_tokens: Sequence[int],
-                  tools: Optional[Sequence[dict[str, Any]]] = None) -> RenderedPrompt:
+                  tools: Optional[Sequence[dict[str, Any]]] = None,
+                  video_tokens: Sequence[int] = ()) -> RenderedPrompt:
     """Apply the chat template once and derive the vLLM and HF forms from it. ``tools``: the JSON schemas of
-    the tools a multi-turn rollout may call, which the template shows the model (Qwen: in the system turn)."""
+    the tools a multi-turn rollout may call, which the template shows the model (Qwen: in the system turn).
+    ``video_tokens``: vision tokens per video, expanded like the images'."""
     text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True,
                                          **({"tools": list(tools)} if tools else {}))
-    if text.count(IMAGE_PAD) != len(image_tokens):
-        raise BadSample("placeholder_mismatch",
-                        f"the chat template wrote {text.count(IMAGE_PAD)} image slots for {len(image_tokens)} images")
-    expanded = expand_image_placeholders(text, image_tokens)
-    ids = tokenizer(expanded, add_special_tokens=False)["input_ids"]
+    for pad, counts, kind in ((IMAGE_PAD, image_tokens, "image"), (VIDEO_PAD, video_tokens, "video")):
+        if text.count(pad) != len(counts):
+            raise BadSample("placeholder_mismatch",
+                            f"the chat template wrote {text.count(pad)} {kind} slots for {len(counts)} {kind}s")
+    ids = tokenizer(expand_visuals(text, image_tokens, video_tokens), add_special_tokens=False)["input_ids"]
     return RenderedPrompt(vllm_text=text, input_ids=list(ids), image_tokens=list(image_tokens))

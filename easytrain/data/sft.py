@@ -21,17 +21,18 @@ it (the prompt with its generation header, then the response).
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Optional, Sequence
 
 import torch
 
-from easytrain.data.collate import rope_positions, text_positions
+from easytrain.data.collate import rope_positions, text_positions, vision_stream
 from easytrain.data.dataset import Prompt, PromptDataset, _text
 from easytrain.data.images import BadSample, fit_image, vision_tokens
-from easytrain.data.prompts import IMAGE_PLACEHOLDER, build_messages
+from easytrain.data.prompts import IMAGE_PLACEHOLDER, VIDEO_PLACEHOLDER, build_messages, expand_visuals
 from easytrain.data.sources import DataError, RowSource, require_columns
-from easytrain.data.vision import IMAGE_PAD, expand_image_placeholders, mm_token_type_ids
+from easytrain.data.video import Clip, video_tokens
+from easytrain.data.vision import IMAGE_PAD, VIDEO_PAD, mm_token_type_ids, visual_order
 
 logger = logging.getLogger(__name__)
 
@@ -51,34 +52,39 @@ class SFTSample(Prompt):
     """The token where it is trained (assistant turns), IGNORE elsewhere."""
     all_images: list[Any] = None  # type: ignore[assignment]
     """Every image of the conversation (``images`` holds those of the prompt part)."""
+    all_videos: list[Clip] = field(default_factory=list)
+    """Every video of the conversation (``videos`` holds those of the prompt part)."""
 
 
-def conversation_turns(messages: Any, num_images: int) -> list[dict[str, Any]]:
-    """Turns as chat-template messages (content parts, images placed), checked."""
+def conversation_turns(messages: Any, num_images: int, num_videos: int = 0) -> list[dict[str, Any]]:
+    """Turns as chat-template messages (content parts, images and videos placed), checked."""
     if not isinstance(messages, (list, tuple)) or not messages:
         raise BadSample("bad_messages", "messages is not a non-empty list of turns")
-    turns, placed = [], 0
+    turns, placed, videos = [], 0, 0
     for i, turn in enumerate(messages):
         if not isinstance(turn, dict) or turn.get("role") not in ROLES:
             raise BadSample("bad_messages", f"turn {i} is not a {{role, content}} dict with role in {ROLES}")
         content = turn.get("content")
         if isinstance(content, (list, tuple)):
-            if not all(isinstance(p, dict) and p.get("type") in ("text", "image") for p in content):
-                raise BadSample("bad_messages", f"turn {i}: content parts must be {{type: text|image}} dicts")
+            if not all(isinstance(p, dict) and p.get("type") in ("text", "image", "video") for p in content):
+                raise BadSample("bad_messages", f"turn {i}: content parts must be {{type: text|image|video}} dicts")
             parts = [dict(p) for p in content]
             placed += sum(p.get("type") == "image" for p in parts)
+            videos += sum(p.get("type") == "video" for p in parts)
         else:
             text = _text(content, f"turn {i} content")
             placed += text.count(IMAGE_PLACEHOLDER)
-            parts = build_messages(text, text.count(IMAGE_PLACEHOLDER))[0]["content"]
+            videos += text.count(VIDEO_PLACEHOLDER)
+            parts = build_messages(text, text.count(IMAGE_PLACEHOLDER), text.count(VIDEO_PLACEHOLDER))[0]["content"]
         turns.append({"role": turn["role"], "content": parts})
-    if placed == 0 and num_images:
-        first_user = next((t for t in turns if t["role"] == "user"), None)
-        if first_user is None:
-            raise BadSample("placeholder_mismatch", f"{num_images} images but no user turn to put them in")
-        first_user["content"] = [{"type": "image"} for _ in range(num_images)] + first_user["content"]
-    elif placed != num_images:
-        raise BadSample("placeholder_mismatch", f"{placed} image places in the turns but {num_images} images")
+    for kind, here, count in (("video", videos, num_videos), ("image", placed, num_images)):
+        if here == 0 and count:  # images, then videos, first in the first user turn
+            first_user = next((t for t in turns if t["role"] == "user"), None)
+            if first_user is None:
+                raise BadSample("placeholder_mismatch", f"{count} {kind}s but no user turn to put them in")
+            first_user["content"] = [{"type": kind} for _ in range(count)] + first_user["content"]
+        elif here != count:
+            raise BadSample("placeholder_mismatch", f"{here} {kind} places in the turns but {count} {kind}s")
     if not any(t["role"] == "assistant" for t in turns):
         raise BadSample("no_assistant_turn", "the conversation has no assistant turn to train on")
     return turns
@@ -93,9 +99,12 @@ class RenderedConversation:
     prompt_text: str
     prompt_images: int
     """Images in the prompt part."""
+    prompt_videos: int = 0
+    """Videos in the prompt part."""
 
 
-def render_conversation(tokenizer: Any, turns: list[dict[str, Any]], image_tokens: Sequence[int]) -> RenderedConversation:
+def render_conversation(tokenizer: Any, turns: list[dict[str, Any]], image_tokens: Sequence[int],
+                        video_tokens: Sequence[int] = ()) -> RenderedConversation:
     """Token ids and labels of a conversation: assistant words and end-of-turn trained, the rest context."""
     pieces: list[tuple[str, bool]] = []
     done = ""
@@ -116,24 +125,29 @@ def render_conversation(tokenizer: Any, turns: list[dict[str, Any]], image_token
     pieces.append((last_full[len(done):], False))
     ids: list[int] = []
     labels: list[int] = []
-    counts = list(image_tokens)
-    prompt_len, prompt_text, prompt_images, used = 0, "", 0, 0
+    counts, frames = list(image_tokens), list(video_tokens)
+    prompt_len, prompt_text, prompt_images, used, used_videos, prompt_videos = 0, "", 0, 0, 0, 0
     last_answer = max(i for i, (_, trained) in enumerate(pieces) if trained)
     for n, (text, trained) in enumerate(pieces):
         if not text:
             continue
-        here = text.count(IMAGE_PAD)
-        piece = tokenizer(expand_image_placeholders(text, counts[used:used + here]),
+        here, here_videos = text.count(IMAGE_PAD), text.count(VIDEO_PAD)
+        if used + here > len(counts) or used_videos + here_videos > len(frames):
+            break  # more slots than visuals: reported below
+        piece = tokenizer(expand_visuals(text, counts[used:used + here], frames[used_videos:used_videos + here_videos]),
                           add_special_tokens=False)["input_ids"]
         if n == last_answer:  # the last assistant turn: what came before is the prompt
-            prompt_len, prompt_images = len(ids), used
+            prompt_len, prompt_images, prompt_videos = len(ids), used, used_videos
             prompt_text = "".join(t for t, _ in pieces[:n])
         used += here
+        used_videos += here_videos
         ids += piece
         labels += piece if trained else [IGNORE] * len(piece)
-    if used != len(counts):
-        raise BadSample("placeholder_mismatch", f"the chat template wrote {used} image slots for {len(counts)} images")
-    return RenderedConversation(ids, labels, prompt_len, prompt_text, prompt_images)
+    for pad, count, kind in ((IMAGE_PAD, len(counts), "image"), (VIDEO_PAD, len(frames), "video")):
+        slots = sum(text.count(pad) for text, _ in pieces)
+        if slots != count:
+            raise BadSample("placeholder_mismatch", f"the chat template wrote {slots} {kind} slots for {count} {kind}s")
+    return RenderedConversation(ids, labels, prompt_len, prompt_text, prompt_images, prompt_videos)
 
 
 class SFTDataset(PromptDataset):
@@ -141,7 +155,7 @@ class SFTDataset(PromptDataset):
 
     def _check_columns(self, source: RowSource) -> None:
         if self.cfg.messages_key in source.columns():
-            require_columns(source, [("data.image_key", self.image_key)])
+            require_columns(source, self._visual_columns())
         else:
             super()._check_columns(source)
 
@@ -149,16 +163,19 @@ class SFTDataset(PromptDataset):
         cfg = self.cfg
         row, where = self._row(s, r)
         images = [fit_image(im, cfg.min_pixels, cfg.max_pixels) for im in self._decoded_images(s, row, where)]
+        videos = self._videos(s, row, where)
+        frames = [video_tokens(v.frames) for v in videos]
         if cfg.messages_key in row:
-            turns = conversation_turns(row[cfg.messages_key], len(images))
+            turns = conversation_turns(row[cfg.messages_key], len(images), len(videos))
         else:
             problem = _text(row.get(cfg.prompt_key), "prompt")
             if self.template is not None:
                 problem = self.template.render(content=problem)
             answer = _text(row.get(cfg.answer_key), "answer")
-            turns = build_messages(problem, len(images)) + [{"role": "assistant",
+            turns = build_messages(problem, len(images), len(videos)) + [{"role": "assistant",
                                                               "content": [{"type": "text", "text": answer}]}]
-        rendered = render_conversation(self.tokenizer, turns, [vision_tokens(im.height, im.width) for im in images])
+        rendered = render_conversation(self.tokenizer, turns, [vision_tokens(im.height, im.width) for im in images],
+                                       frames)
         limit = cfg.max_prompt_length + cfg.max_response_length
         if len(rendered.ids) > limit:
             raise BadSample("too_long", f"{len(rendered.ids)} tokens > data.max_prompt_length + "
@@ -168,7 +185,8 @@ class SFTDataset(PromptDataset):
         prompt_images = images[:rendered.prompt_images]
         return SFTSample(uid=where, input_ids=rendered.ids[:rendered.prompt_len], vllm_text=rendered.prompt_text,
                          images=prompt_images, image_tokens=[vision_tokens(im.height, im.width) for im in prompt_images],
-                         answer=answer, ids=rendered.ids, labels=rendered.labels, all_images=images)
+                         answer=answer, ids=rendered.ids, labels=rendered.labels, all_images=images,
+                         videos=videos[:rendered.prompt_videos], all_videos=videos)
 
 
 @dataclass
@@ -183,6 +201,9 @@ class SFTCollator:
     pad_token_id: int
     image_processor: Any = None
     image_token_id: int = -1
+    video_token_id: int = -1
+    tokens_per_second: Optional[float] = None
+    """The model's video time scale (see :class:`easytrain.data.collate.PromptCollator`)."""
 
     def __call__(self, samples: Sequence[SFTSample]) -> dict[str, Any]:
         longest = max(len(s.ids) for s in samples)
@@ -196,19 +217,17 @@ class SFTCollator:
             targets[i, :n - 1] = torch.tensor(s.labels[1:])
             attention_mask[i, :n] = 1
         batch: dict[str, Any] = {"input_ids": input_ids, "attention_mask": attention_mask, "targets": targets,
-                                 "uids": [s.uid for s in samples], "images": [s.all_images for s in samples]}
+                                 "uids": [s.uid for s in samples], "images": [s.all_images for s in samples],
+                                 "visual_counts": [len(s.all_images) + len(s.all_videos) for s in samples]}
         if self.image_processor is None:
             batch["position_ids"] = text_positions(attention_mask)
             return batch
-        types = mm_token_type_ids(input_ids, self.image_token_id)
+        types = mm_token_type_ids(input_ids, self.image_token_id, self.video_token_id)
         batch["mm_token_type_ids"] = types
-        images = [im for s in samples for im in s.all_images]
-        grid: Optional[torch.Tensor] = None
-        if images:
-            processed = self.image_processor(images=images, return_tensors="pt")
-            batch["pixel_values"], grid = processed["pixel_values"], processed["image_grid_thw"]
-            batch["image_grid_thw"] = grid
-        batch["position_ids"] = rope_positions(input_ids, types, grid, attention_mask,
-                                               getattr(self.image_processor, "merge_size", 2))
+        batch.update(vision_stream(self.image_processor, [s.all_images for s in samples],
+                                   [s.all_videos for s in samples], visual_order(types, attention_mask)))
+        batch["position_ids"] = rope_positions(input_ids, types, batch.get("image_grid_thw"), attention_mask,
+                                               getattr(self.image_processor, "merge_size", 2),
+                                               batch.get("visual_seconds"), self.tokens_per_second)
         return batch
 

@@ -1,12 +1,21 @@
 """The built-in synthetic verifiable task: questions about coloured shapes drawn with PIL.
 
-Three question types, equally frequent, each with exactly balanced answers
+Three image question types, equally frequent, each with exactly balanced answers
 (so the best constant answer scores 1/K within a type); ``synthetic:shapes/colour``
 (or ``shapes/count+largest``) keeps a subset (the grammar: :func:`easytrain.config.data_spec.parse_task`):
 
 - count:   "How many red circles are there?"          answer 1..4
 - largest: "Which shape is the largest?"               circle | square | triangle
 - colour:  "What colour is the square?"                red | green | blue | yellow
+
+and one video question, asked only when named (``synthetic:shapes/motion``, read with
+``data.video_key=videos``):
+
+- motion:  "Which way does the pattern move?"          left | right
+  (4 frames of 112x56 px: a colour ramp, white into a colour every 224 px, slides
+  40 px a frame; its phase is uniform, so no single frame tells the direction, only
+  the frames' order. A sliding pattern rather than a small moving shape: the tiny
+  model learns a change spread over the whole frame, not where a small shape is)
 
 ``difficulty`` adds distractor shapes and grows the canvas; at 0 the colour
 question's one shape is drawn large (radius 26-34 px of 112), so its colour is
@@ -15,7 +24,7 @@ variant describes the same scene in words instead of showing it, for text
 models. Splits are generated deterministically from (seed, split) and written
 to parquet in the geometry3k schema (``images`` as a list of
 ``{"bytes", "path"}``, ``problem`` with an ``<image>`` placeholder,
-``answer``), so they go through the same loader as real data.
+``answer``; ``videos`` as a list of frame lists), so they go through the same loader as real data.
 """
 
 from __future__ import annotations
@@ -28,6 +37,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Optional
 
+import numpy as np
 from PIL import Image, ImageDraw
 
 from easytrain.config.data_spec import QUESTION_TYPES, parse_task
@@ -36,7 +46,13 @@ SHAPES = ("circle", "square", "triangle")
 COLOURS = {"red": (220, 40, 40), "green": (40, 170, 60), "blue": (40, 80, 220), "yellow": (230, 200, 30)}
 COUNTS = ("1", "2", "3", "4")
 INSTRUCTION = " Put the final answer in \\boxed{}."
-VERSION = 2
+VERSION = 3
+MOTION_SIZE = (112, 56)
+MOTION_FRAMES = 4
+MOTION_STEP = 40
+"""Pixels the pattern moves between frames."""
+MOTION_PERIOD = 224
+"""Pixels of one ramp of the sliding pattern (twice the frame's width)."""
 
 
 @dataclass
@@ -49,7 +65,29 @@ class Item:
 
 
 def _classes(kind: str) -> tuple[str, ...]:
-    return {"count": COUNTS, "largest": SHAPES, "colour": tuple(COLOURS)}[kind]
+    return {"count": COUNTS, "largest": SHAPES, "colour": tuple(COLOURS), "motion": ("left", "right")}[kind]
+
+
+def _png(image: Image.Image) -> bytes:
+    buffer = io.BytesIO()
+    image.save(buffer, format="PNG")
+    return buffer.getvalue()
+
+
+def _motion(answer: str, rng: random.Random) -> tuple[list[bytes], str]:
+    """Frames of a colour ramp sliding ``answer`` (left or right), and the question. The ramp fades from white
+    into a colour over MOTION_PERIOD px, then starts again (a sawtooth); its phase is uniform over the period, so
+    every single frame is drawn from the same distribution whichever way it moves: only the frames' order tells."""
+    colour = np.array(COLOURS[rng.choice(list(COLOURS))], dtype=np.float64)
+    width, height = MOTION_SIZE
+    phase = rng.randrange(MOTION_PERIOD)
+    sign = 1 if answer == "right" else -1
+    frames = []
+    for k in range(MOTION_FRAMES):
+        v = ((np.arange(width) - sign * MOTION_STEP * k + phase) % MOTION_PERIOD) / MOTION_PERIOD
+        row = 255.0 * (1 - v)[:, None] + colour[None] * v[:, None]
+        frames.append(_png(Image.fromarray(np.repeat(row[None], height, 0).round().astype(np.uint8))))
+    return frames, "Which way does the pattern move: left or right?"
 
 
 def _scene(kind: str, answer: str, rng: random.Random, difficulty: int) -> tuple[list[Item], str]:
@@ -90,7 +128,11 @@ def _place(items: list[Item], side: int, rng: random.Random) -> None:
 
 
 def _draw(items: list[Item], side: int) -> bytes:
-    image = Image.new("RGB", (side, side), (255, 255, 255))
+    return _png(_render(items, (side, side)))
+
+
+def _render(items: list[Item], size: tuple[int, int]) -> Image.Image:
+    image = Image.new("RGB", size, (255, 255, 255))
     draw = ImageDraw.Draw(image)
     for it in items:
         colour, r = COLOURS[it.colour], it.size
@@ -100,9 +142,7 @@ def _draw(items: list[Item], side: int) -> bytes:
             draw.rectangle([it.x - r, it.y - r, it.x + r, it.y + r], fill=colour)
         else:
             draw.polygon([(it.x, it.y - r), (it.x - r, it.y + r), (it.x + r, it.y + r)], fill=colour)
-    buffer = io.BytesIO()
-    image.save(buffer, format="PNG")
-    return buffer.getvalue()
+    return image
 
 
 def _describe(items: list[Item], rng: random.Random) -> str:
@@ -124,13 +164,18 @@ def generate(size: int, seed: int, split: str = "train", difficulty: int = 1, te
     rng.shuffle(plan)
     rows = []
     for kind, answer in plan:
+        if kind == "motion":  # a video question (text-only: the video's frames have no words)
+            frames, question = _motion(answer, rng)
+            rows.append({"images": [], "videos": [[{"bytes": f, "path": None} for f in frames]],
+                         "problem": f"<video>{question}{INSTRUCTION}", "answer": answer, "question_type": kind})
+            continue
         items, question = _scene(kind, answer, rng, difficulty)
         _place(items, side, rng)
         if text_only:
-            rows.append({"images": [], "problem": f"{_describe(items, rng)} {question}{INSTRUCTION}",
+            rows.append({"images": [], "videos": [], "problem": f"{_describe(items, rng)} {question}{INSTRUCTION}",
                          "answer": answer, "question_type": kind})
         else:
-            rows.append({"images": [{"bytes": _draw(items, side), "path": None}],
+            rows.append({"images": [{"bytes": _draw(items, side), "path": None}], "videos": [],
                          "problem": f"<image>{question}{INSTRUCTION}", "answer": answer, "question_type": kind})
     return rows
 
@@ -141,8 +186,8 @@ def write_parquet(rows: list[dict[str, Any]], path: Path) -> None:
     import pyarrow.parquet as pq
 
     image = pa.struct([("bytes", pa.binary()), ("path", pa.string())])
-    schema = pa.schema([("images", pa.list_(image)), ("problem", pa.string()), ("answer", pa.string()),
-                        ("question_type", pa.string())])
+    schema = pa.schema([("images", pa.list_(image)), ("videos", pa.list_(pa.list_(image))),
+                        ("problem", pa.string()), ("answer", pa.string()), ("question_type", pa.string())])
     table = pa.Table.from_pylist(rows, schema=schema)
     tmp = path.with_name(f".{path.name}.{uuid.uuid4().hex[:8]}")
     pq.write_table(table, tmp)

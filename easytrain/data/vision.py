@@ -4,16 +4,27 @@ Qwen-VL models see an image as ``grid_t x grid_h x grid_w`` patches of 14 px,
 merged ``merge_size x merge_size`` into one token each. The chat template
 writes one ``<|image_pad|>`` per image; before the model sees the text each is
 expanded to the image's token count, so the number of image tokens equals the
-number of image features by construction.
+number of image features by construction. A video is the same tower's input
+with ``grid_t > 1`` (frame pairs form one temporal patch) behind ``<|video_pad|>``.
+
+A batch carries its images and videos as one vision stream, in the order their
+placeholders appear in each sample: ``pixel_values`` (every visual's patch rows
+back to back), ``image_grid_thw`` (a row per visual) and ``visual_seconds``
+(per visual, the seconds one temporal patch spans; 0 for a still image). Only
+:func:`vision_kwargs` splits the stream into the model's image and video
+arguments, so selecting, packing and sharing prompts handle videos as images.
 """
 
 from __future__ import annotations
 
-from typing import Sequence
+from typing import Mapping, Sequence
 
 import torch
 
 IMAGE_PAD = "<|image_pad|>"
+VIDEO_PAD = "<|video_pad|>"
+VISUAL_KEYS = ("pixel_values", "image_grid_thw", "visual_seconds")
+"""A batch's vision stream (see the module docstring)."""
 MM_TEXT, MM_IMAGE, MM_VIDEO = 0, 1, 2
 """Values of ``mm_token_type_ids``: which tokens are text, image or video."""
 
@@ -42,3 +53,34 @@ def mm_token_type_ids(input_ids: torch.Tensor, image_token_id: int, video_token_
     if video_token_id >= 0:
         types[input_ids == video_token_id] = MM_VIDEO
     return types
+
+
+def vision_kwargs(tensors: Mapping[str, torch.Tensor], seconds_arg: bool = False) -> dict[str, torch.Tensor]:
+    """The model's keyword arguments for a batch's vision stream: ``pixel_values``/``image_grid_thw`` for the
+    still images and ``pixel_values_videos``/``video_grid_thw`` for the videos, each in stream order (the model
+    scatters them onto its image and video tokens in text order). ``seconds_arg``: also pass
+    ``second_per_grid_ts`` (Qwen2.5-VL's temporal rope spacing, used where the model computes positions itself:
+    a generation's prefill)."""
+    if "pixel_values" not in tensors:
+        return {}
+    pixels, grid = tensors["pixel_values"], tensors["image_grid_thw"]
+    seconds = tensors.get("visual_seconds")
+    if seconds is None or not bool((seconds > 0).any()):
+        return {"pixel_values": pixels, "image_grid_thw": grid}
+    video = seconds > 0
+    rows = video.to(grid.device).repeat_interleave(grid.prod(-1))
+    out = {"pixel_values_videos": pixels[rows.to(pixels.device)], "video_grid_thw": grid[video.to(grid.device)]}
+    if seconds_arg:
+        out["second_per_grid_ts"] = seconds[video]
+    if not bool(video.all()):
+        out.update(pixel_values=pixels[~rows.to(pixels.device)], image_grid_thw=grid[~video.to(grid.device)])
+    return out
+
+
+def visual_order(token_types: torch.Tensor, attention_mask: torch.Tensor) -> list[list[int]]:
+    """Per sample, the kinds of its visuals in text order (MM_IMAGE or MM_VIDEO, one per placeholder run)."""
+    out = []
+    for b in range(token_types.shape[0]):
+        kinds = token_types[b][attention_mask[b].bool()].tolist()
+        out.append([k for i, k in enumerate(kinds) if k != MM_TEXT and (i == 0 or kinds[i - 1] != k)])
+    return out

@@ -4,7 +4,9 @@ Most tensors have one row per sample. Images are packed: ``pixel_values``
 holds the patch rows of every image back to back and ``image_grid_thw`` one
 row per image, so splitting or selecting samples must carry the right image
 and patch ranges along; :class:`Batch` does that, so dispatch code and
-workers never re-derive it. Python lists (uids, answers, PIL images for
+workers never re-derive it. Videos travel in the same stream
+(``visual_seconds`` tells them apart), so ``image_counts`` counts a sample's
+images and videos. Python lists (uids, answers, PIL images for
 vLLM) ride in ``meta``, one entry per sample. A :class:`MicroBatch` is one
 forward's samples as the driver planned them, with how to run them.
 """
@@ -17,7 +19,8 @@ from typing import Any, Optional, Sequence
 import torch
 
 PACKED_PATCH_KEYS = ("pixel_values",)
-PACKED_IMAGE_KEYS = ("image_grid_thw",)
+PACKED_IMAGE_KEYS = ("image_grid_thw", "visual_seconds")
+"""Per-visual tensors (a row per image or video: :mod:`easytrain.data.vision`'s stream)."""
 PAD_VALUES = {"targets": -100}
 """What right padding holds per tensor when batches of different widths are joined (0 for the rest): SFT
 targets are ignored there (the label index cross-entropy skips)."""
@@ -159,7 +162,9 @@ class Batch:
         owners = [0]
         for i in range(1, len(self)):
             (a0, a1), (b0, b1) = images(i - 1), images(i)
+            seconds = self.tensors.get("visual_seconds")
             same = (a1 - a0 == b1 - b0 > 0 and torch.equal(grids[a0:a1], grids[b0:b1])
+                    and (seconds is None or torch.equal(seconds[a0:a1], seconds[b0:b1]))
                     and torch.equal(pixels[patch_offsets[a0]:patch_offsets[a1]],
                                     pixels[patch_offsets[b0]:patch_offsets[b1]]))
             owners.append(owners[-1] if same else i)

@@ -17,6 +17,13 @@ PATCH = 14
 """Qwen2-VL / Qwen2.5-VL vision patch side (pixels)."""
 
 
+def video_patches(data: Any) -> int:
+    """Image-sized pieces the videos of one sample can hold: ``data.limit_videos`` videos of
+    ``data.max_frames`` frames, two frames a temporal patch (a patch at ``data.max_pixels`` costs the vision
+    tower and the language model what one image does); 0 without ``data.video_key``."""
+    return data.limit_videos * -(-data.max_frames // 2) if data.video_key else 0
+
+
 def image_tokens(max_pixels: int, merge: int = 2) -> int:
     """Language-model tokens of one image at ``data.max_pixels``: a 14x14 patch per 196 pixels, merged
     ``merge`` x ``merge`` into one token."""
@@ -45,12 +52,12 @@ def sequence_shape(config: Any, hf_config: dict[str, Any]) -> SequenceShape:
     prompt over ``data.max_prompt_length`` is filtered, so images at ``data.max_pixels`` that would
     overflow it are priced at the share of the budget they can take. Multi-turn tool images
     (``worker.rollout.multi_turn.max_tool_images``) count as images too: the sequence is no longer, but
-    the vision tower sees more of it."""
+    the vision tower sees more of it; so does each temporal patch of a video (:func:`video_patches`)."""
     d = config.data
     vision = getattr(hf_config_object(hf_config), "vision_config", None) if d.image_key else None
     turns = config.worker.rollout.multi_turn
     tool_images = turns.max_tool_images if turns.enable and config.trainer.task == "rl" else 0
-    images = d.limit_images + tool_images if vision is not None else 0
+    images = d.limit_images + tool_images + video_patches(d) if vision is not None else 0
     per_image = image_tokens(d.max_pixels, vision.spatial_merge_size) if vision is not None else 0
     if images:
         per_image = min(per_image, d.max_prompt_length // images)

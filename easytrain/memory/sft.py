@@ -78,16 +78,18 @@ class SFTShape:
 
 
 def sample_images(config: Config, hf_config: dict[str, Any]) -> tuple[int, int]:
-    """(images, tokens per image) of the longest sample: ``data.limit_images`` at ``data.max_pixels``, each
+    """(images, tokens per image) of the longest sample: ``data.limit_images`` at ``data.max_pixels`` (and
+    the videos' temporal patches, priced as images: :func:`easytrain.memory.budget.video_patches`), each
     image taking at most its share of the whole sample's budget (a longer sample is refused)."""
-    from easytrain.memory.budget import image_tokens
+    from easytrain.memory.budget import image_tokens, video_patches
 
     d = config.data
     vision = getattr(hf_config_object(hf_config), "vision_config", None) if d.image_key else None
-    if vision is None or not d.limit_images:
+    images = d.limit_images + video_patches(d)
+    if vision is None or not images:
         return 0, 0
     per_image = image_tokens(d.max_pixels, vision.spatial_merge_size)
-    return d.limit_images, min(per_image, (d.max_prompt_length + d.max_response_length) // d.limit_images)
+    return images, min(per_image, (d.max_prompt_length + d.max_response_length) // images)
 
 
 def sft_shape(config: Config, hf_config: dict[str, Any]) -> SFTShape:

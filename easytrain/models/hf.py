@@ -62,6 +62,16 @@ def model_family(folder: str, key: str = "model.path") -> str:
         return str(AutoConfig.from_pretrained(folder).model_type)
 
 
+def video_time_scale(folder: str) -> Optional[float]:
+    """Rope positions per second of video: Qwen2.5-VL's ``vision_config.tokens_per_second`` (its video tokens'
+    temporal positions follow real time); None for a family whose temporal positions count patches (Qwen2-VL)."""
+    if model_family(folder) != "qwen2_5_vl":
+        return None
+    from transformers import AutoConfig
+
+    return float(AutoConfig.from_pretrained(folder).vision_config.tokens_per_second)
+
+
 def load_tokenizer(model: ModelConfig, folder: Optional[str] = None) -> Any:
     from transformers import AutoTokenizer
 

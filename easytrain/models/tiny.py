@@ -29,7 +29,7 @@ logger = logging.getLogger(__name__)
 
 FAMILIES = ("qwen2_5_vl", "qwen2_vl", "qwen2")
 SIZES = ("tiny", "small")
-FACTORY_VERSION = 2
+FACTORY_VERSION = 3
 """Bump when the build changes, so cached folders from older builds are not reused."""
 
 SPECIAL_TOKENS = (
@@ -38,9 +38,9 @@ SPECIAL_TOKENS = (
 )
 VOCAB_SIZE = 1024
 
-# Qwen-VL style chat template: images in a message's content list become
-# <|vision_start|><|image_pad|><|vision_end|>, which the processor expands to
-# one <|image_pad|> per vision token.
+# Qwen-VL style chat template: images (videos) in a message's content list become
+# <|vision_start|><|image_pad|><|vision_end|> (<|video_pad|>), which easytrain expands
+# to one pad per vision token.
 CHAT_TEMPLATE = (  # no whitespace control: the string holds no incidental whitespace
     "{% for message in messages %}"
     "{% if loop.first and message['role'] != 'system' %}"
@@ -50,6 +50,7 @@ CHAT_TEMPLATE = (  # no whitespace control: the string holds no incidental white
     "{% if message['content'] is string %}{{ message['content'] }}"
     "{% else %}{% for part in message['content'] %}"
     "{% if part['type'] == 'image' %}<|vision_start|><|image_pad|><|vision_end|>"
+    "{% elif part['type'] == 'video' %}<|vision_start|><|video_pad|><|vision_end|>"
     "{% elif part['type'] == 'text' %}{{ part['text'] }}{% endif %}"
     "{% endfor %}{% endif %}"
     "<|im_end|>\n"

@@ -13,13 +13,13 @@ from easytrain.data.dataset import PromptDataset
 from easytrain.data.loader import PromptLoader
 from easytrain.data.sft import SFTCollator, SFTDataset
 from easytrain.data.sources import DataError
-from easytrain.data.vision import IMAGE_PAD, expand_image_placeholders
+from easytrain.data.vision import IMAGE_PAD, VIDEO_PAD, VISUAL_KEYS, expand_image_placeholders
 from easytrain.distributed.batch import Batch
-from easytrain.models.hf import load_image_processor, load_tokenizer, model_folder
+from easytrain.models.hf import load_image_processor, load_tokenizer, model_folder, video_time_scale
 
 logger = logging.getLogger(__name__)
 
-PROMPT_TENSORS = ("input_ids", "attention_mask", "pixel_values", "image_grid_thw", "mm_token_type_ids")
+PROMPT_TENSORS = ("input_ids", "attention_mask", *VISUAL_KEYS, "mm_token_type_ids")
 
 
 class RLData:
@@ -44,9 +44,15 @@ class RLData:
                 dataset.write_skip_report(config.trainer.output_dir)
         self.check_enough_rows()
         self.collator = PromptCollator(self.tokenizer.pad_token_id, self.processor if vision else None,
-                                       self.tokenizer.convert_tokens_to_ids(IMAGE_PAD))
+                                       *self.vision_tokens(folder))
         self.loader = PromptLoader(self.train, self.batch_size(), self.train_collator(), d.shuffle,
                                    config.trainer.seed, d.num_workers)
+
+    def vision_tokens(self, folder: str) -> tuple[int, int, Optional[float]]:
+        """The collators' image and video token ids, and the model's video time scale."""
+        ids = self.tokenizer.convert_tokens_to_ids
+        scale = video_time_scale(folder) if self.vision and self.config.data.video_key else None
+        return ids(IMAGE_PAD), ids(VIDEO_PAD), scale
 
     def batch_size(self) -> int:
         return self.config.data.rollout_batch_size
@@ -117,7 +123,7 @@ def to_batch(raw: dict[str, Any], keep_images: bool) -> Batch:
     meta = {"uids": raw["uids"], "answers": raw["answers"]}
     if keep_images:  # vLLM takes the PIL images and its own prompt form; multi-turn tools, the images
         meta.update(images=raw["images"], vllm_prompts=raw["vllm_prompts"])
-    counts = torch.tensor([len(images) for images in raw["images"]]) if "pixel_values" in raw else None
+    counts = torch.tensor(raw["visual_counts"]) if "pixel_values" in raw else None
     return Batch(tensors, meta, counts)
 
 
@@ -157,7 +163,7 @@ class SFTData(RLData):
 
     def train_collator(self) -> Any:
         return SFTCollator(self.tokenizer.pad_token_id, self.processor if self.vision else None,
-                           self.tokenizer.convert_tokens_to_ids(IMAGE_PAD))
+                           *self.vision_tokens(model_folder(self.config.model)))
 
     def train_batches(self) -> Iterator[Batch]:
         while True:
@@ -181,5 +187,5 @@ def sft_batch(raw: dict[str, Any]) -> Batch:
     import torch
 
     tensors = {k: raw[k] for k in (*PROMPT_TENSORS, "targets", "position_ids") if k in raw}
-    counts = torch.tensor([len(images) for images in raw["images"]]) if "pixel_values" in raw else None
+    counts = torch.tensor(raw["visual_counts"]) if "pixel_values" in raw else None
     return Batch(tensors, {"uids": raw["uids"]}, counts)

@@ -8,16 +8,29 @@ import torch
 from torch import nn
 
 from easytrain.algorithms.losses import entropy_from_logits, gather_log_probs, sampling_logits
+from easytrain.data.vision import VISUAL_KEYS, vision_kwargs
 from easytrain.distributed.batch import Batch, MicroBatch
 from easytrain.distributed.ulysses import SequenceParallel
 from easytrain.workers.packed import packed_response_log_probs
 from easytrain.workers.shared_prompt import shared_response_log_probs
 
-MODEL_INPUTS = ("input_ids", "attention_mask", "position_ids", "pixel_values", "image_grid_thw", "mm_token_type_ids")
+MODEL_INPUTS = ("input_ids", "attention_mask", "position_ids", *VISUAL_KEYS, "mm_token_type_ids")
 
 
-def model_inputs(batch: Batch, device: torch.device) -> dict[str, torch.Tensor]:
-    return {k: batch[k].to(device) for k in MODEL_INPUTS if k in batch}
+def model_inputs(batch: Batch, device: torch.device, keys: tuple[str, ...] = MODEL_INPUTS,
+                 seconds_arg: bool = False) -> dict[str, torch.Tensor]:
+    """``batch``'s ``keys`` on ``device`` as the model's arguments: the vision stream split into images and videos
+    (:func:`easytrain.data.vision.vision_kwargs`; ``seconds_arg`` where the model computes positions itself)."""
+    inputs = {k: batch[k].to(device) for k in keys if k in batch and k not in VISUAL_KEYS}
+    if any(k in VISUAL_KEYS for k in keys):
+        inputs.update({k: v.to(device) for k, v in vision_kwargs(batch.tensors, seconds_arg).items()})
+    return inputs
+
+
+def takes_video_seconds(model: nn.Module) -> bool:
+    """Whether the model spaces video positions by time (Qwen2.5-VL: ``second_per_grid_ts``), so generation passes
+    each video's seconds per temporal patch."""
+    return getattr(getattr(model.config, "vision_config", None), "tokens_per_second", None) is not None
 
 
 def suppressed_tokens(config: Any) -> list[int]:

@@ -27,6 +27,7 @@ from torch import nn
 
 from easytrain.algorithms.losses import entropy_from_logits, gather_log_probs, sampling_logits
 from easytrain.data.sft import IGNORE
+from easytrain.data.vision import vision_kwargs
 from easytrain.distributed.batch import Batch
 from easytrain.distributed.ulysses import SequenceParallel, gather_sequence, sequence
 from easytrain.models.segments import packed_blocks, segments, uses_segments
@@ -54,9 +55,7 @@ def flatten(batch: Batch, rope_rows: bool = True) -> dict[str, torch.Tensor]:
         out["position_ids"] = positions[mask][None]
     if "mm_token_type_ids" in batch:
         out["mm_token_type_ids"] = batch["mm_token_type_ids"][mask][None]
-    for key in ("pixel_values", "image_grid_thw"):
-        if key in batch:
-            out[key] = batch[key]
+    out.update(vision_kwargs(batch.tensors))
     return out
 
 

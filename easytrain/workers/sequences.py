@@ -2,13 +2,17 @@
 
 from __future__ import annotations
 
+from typing import Optional
+
 import torch
 
 from easytrain.data.collate import rope_positions, text_positions
+from easytrain.data.vision import VISUAL_KEYS
 from easytrain.distributed.batch import Batch
 
 
-def assemble(prompts: Batch, generated: Batch, n: int, merge_size: int = 2) -> Batch:
+def assemble(prompts: Batch, generated: Batch, n: int, merge_size: int = 2,
+             tokens_per_second: Optional[float] = None) -> Batch:
     """Join each prompt (repeated ``n`` times) with its responses: ids, masks, positions, image tensors.
 
     Prompts are left-padded and responses right-padded, so every response
@@ -33,10 +37,11 @@ def assemble(prompts: Batch, generated: Batch, n: int, merge_size: int = 2) -> B
         types = torch.cat([rows["mm_token_type_ids"], response_types.to(rows["mm_token_type_ids"].dtype)], dim=1)
         tensors["mm_token_type_ids"] = types
         tensors["position_ids"] = rope_positions(input_ids, types, images.tensors.get("image_grid_thw"),
-                                                 attention_mask, merge_size)
+                                                 attention_mask, merge_size, images.tensors.get("visual_seconds"),
+                                                 tokens_per_second)
     else:
         tensors["position_ids"] = text_positions(attention_mask)
-    for key in ("pixel_values", "image_grid_thw"):
+    for key in VISUAL_KEYS:
         if key in images:
             tensors[key] = images[key]
     return Batch(tensors, rows.meta, images.image_counts)

@@ -30,7 +30,7 @@ from easytrain.distributed.fsdp import gathered
 from easytrain.distributed.group import Dispatch, dispatch
 from easytrain.workers.actor import ActorWorker
 from easytrain.distributed.ulysses import SequenceParallel
-from easytrain.workers.forward import MODEL_INPUTS, suppressed_tokens
+from easytrain.workers.forward import MODEL_INPUTS, model_inputs, suppressed_tokens, takes_video_seconds
 from easytrain.workers.packed import flatten, is_vision_model, pad_sequence, token_loss_sum
 
 logger = logging.getLogger(__name__)
@@ -109,7 +109,8 @@ class SFTWorker(ActorWorker):
         """Greedy responses to left-padded prompts. Every rank decodes in step (``synced_gpus``): the sharded
         model's collectives need all ranks in every forward."""
         self.model.eval()
-        inputs = {k: prompts[k].to(self.device) for k in MODEL_INPUTS if k in prompts and k != "position_ids"}
+        inputs = model_inputs(prompts, self.device, tuple(k for k in MODEL_INPUTS if k != "position_ids"),
+                              takes_video_seconds(self.model))
         with gathered(self.model, self.cfg.fsdp.full_shard):
             out = self.model.generate(**inputs, do_sample=False, max_new_tokens=max_new_tokens,
                                       eos_token_id=stop_ids, pad_token_id=pad_id, use_cache=True,

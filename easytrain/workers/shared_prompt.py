@@ -40,6 +40,7 @@ from torch import nn
 
 from easytrain.algorithms.losses import entropy_from_logits, gather_log_probs, sampling_logits
 from easytrain.config.schema import MASKED_ATTENTION
+from easytrain.data.vision import vision_kwargs
 from easytrain.distributed.batch import Batch
 from easytrain.models.segments import ATTENTION as SEGMENTS
 from easytrain.models.segments import segments, shared_blocks, uses_segments
@@ -212,9 +213,7 @@ def shared_inputs(batch: Batch, groups: list[list[int]], vision: bool, dtype: to
         inputs["mm_token_type_ids"] = stack("types", 0)
     if batch.image_counts is not None and "pixel_values" in batch:
         leads = batch.select([m[0] for m in groups])
-        for key in ("pixel_values", "image_grid_thw"):
-            if key in leads:
-                inputs[key] = leads[key]
+        inputs.update(vision_kwargs(leads.tensors))
     return inputs, torch.cat(sources), torch.cat(targets)
 
 

@@ -70,7 +70,8 @@ def prefill(model: Any, once: dict[str, torch.Tensor]) -> tuple[Any, torch.Tenso
     inner: Any = getattr(model, "model", None)
     mask = once["attention_mask"]
     inputs = dict(once)
-    if "image_grid_thw" not in once:  # text positions (three equal rope rows for a VL model)
+    visuals = "image_grid_thw" in once or "video_grid_thw" in once
+    if not visuals:  # text positions (three equal rope rows for a VL model)
         positions = generate_positions(mask)
         inputs["position_ids"] = positions[None].expand(3, -1, -1) if vision else positions
     elif inner is not None:
@@ -78,7 +79,7 @@ def prefill(model: Any, once: dict[str, torch.Tensor]) -> tuple[Any, torch.Tenso
     cache = DynamicCache(config=model.config)
     logits = model(**inputs, past_key_values=cache, use_cache=True, logits_to_keep=1).logits[:, -1].float()
     offsets = torch.zeros(mask.shape[0], dtype=torch.long, device=mask.device)
-    if "image_grid_thw" in once and inner is not None and getattr(inner, "rope_deltas", None) is not None:
+    if visuals and inner is not None and getattr(inner, "rope_deltas", None) is not None:
         offsets = inner.rope_deltas.reshape(-1).to(mask.device)
     return cache, logits, mask.long().sum(-1) + offsets
 

@@ -28,7 +28,8 @@ from typing import Any, Iterable, Optional, Sequence
 import torch
 
 from easytrain.algorithms.losses import token_log_probs
-from easytrain.workers.forward import suppressed_tokens
+from easytrain.data.vision import VISUAL_KEYS
+from easytrain.workers.forward import model_inputs, suppressed_tokens, takes_video_seconds
 from easytrain.distributed.batch import Batch
 from easytrain.memory.flag import MemoryStop, PressureFlag
 from easytrain.models.image_dedup import dedupe_images
@@ -38,7 +39,7 @@ from easytrain.workers.rollout.static_decode import StaticDecoder, unsupported, 
 
 logger = logging.getLogger(__name__)
 
-GENERATE_INPUTS = ("input_ids", "attention_mask", "pixel_values", "image_grid_thw", "mm_token_type_ids")
+GENERATE_INPUTS = ("input_ids", "attention_mask", *VISUAL_KEYS, "mm_token_type_ids")
 
 
 class _Shrink(Exception):
@@ -134,10 +135,10 @@ class HFEngine(RolloutEngine):
         if self.static is not None or self.drop_finished:
             return self._decode(prompts, params)
         expanded = prompts.repeat_interleave(params.n)
-        inputs = {k: expanded[k].to(self.device) for k in GENERATE_INPUTS if k in expanded}
+        inputs = self._inputs(expanded)
         # A VL model computes its 3-D positions in the prefill only from images; without any it would not skip
         # the left padding, so such batches prefill each row.
-        vision_ok = "image_grid_thw" in inputs or "mm_token_type_ids" not in inputs
+        vision_ok = "image_grid_thw" in inputs or "video_grid_thw" in inputs or "mm_token_type_ids" not in inputs
         if self.share_prefill and params.n > 1 and inputs["input_ids"].shape[1] > 1 and vision_ok:
             inputs = self._prefilled(prompts, params.n, inputs)
         sample = params.temperature > 0
@@ -168,7 +169,7 @@ class HFEngine(RolloutEngine):
             size = min(self.piece or len(prompts), len(prompts) - start)
             piece = prompts.select(range(start, start + size)) if size < len(prompts) else prompts
             source = piece if share else piece.repeat_interleave(params.n)
-            once = {k: source[k].to(self.device) for k in GENERATE_INPUTS if k in source}
+            once = self._inputs(source)
             seeded = SamplingParams(params.n, params.temperature, params.top_p, params.top_k, params.max_new_tokens,
                                     params.seed + start * params.n)
             check = self._watch(can_shrink=size > 1 and not self.shrunk)
@@ -226,13 +227,17 @@ class HFEngine(RolloutEngine):
         return Batch({"responses": responses.cpu(), "response_mask": mask.cpu(),
                       "rollout_log_probs": (raw_log_probs * mask).cpu()})
 
+    def _inputs(self, batch: Batch) -> dict[str, torch.Tensor]:
+        """What generation feeds the model from ``batch``, on this engine's device (videos split from images)."""
+        return model_inputs(batch, self.device, GENERATE_INPUTS, takes_video_seconds(self.model))
+
     def _prefilled(self, prompts: Batch, n: int, expanded: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         """Prefill every prompt but its last token once, then hand ``generate`` the cache repeated for the
         prompt's ``n`` rows: it feeds the last prompt token and samples from there, as it would have after
         its own prefill of each row (images and prompt tokens computed once instead of ``n`` times)."""
         from transformers import DynamicCache
 
-        once = {k: prompts[k].to(self.device) for k in GENERATE_INPUTS if k in prompts}
+        once = self._inputs(prompts)
         head = {k: v[:, :-1] if k in ("input_ids", "attention_mask", "mm_token_type_ids") else v
                 for k, v in once.items()}
         if "mm_token_type_ids" not in head:  # text model: positions that skip the left padding, as generate's

@@ -93,6 +93,8 @@ class RolloutWorker(WorkerBase):
             self.multi_turn = self._multi_turn(tokenizer)
         vision = getattr(AutoConfig.from_pretrained(self.folder), "vision_config", None)
         self.merge_size = int(getattr(vision, "spatial_merge_size", 2))
+        self.tokens_per_second = getattr(vision, "tokens_per_second", None)
+        """Qwen2.5-VL's video time scale (the prompt positions the collator built used the same)."""
         return {"engine": r.engine, "stop_ids": spec.stop_ids, "can_sleep": self.engine.can_sleep}
 
     def _multi_turn(self, tokenizer: Any) -> Any:
@@ -126,7 +128,7 @@ class RolloutWorker(WorkerBase):
             generated = self.multi_turn.generate(self.engine, prompts, params)
         else:
             generated = self.engine.generate(prompts, params)
-        return assemble(prompts, generated, params.n, self.merge_size)
+        return assemble(prompts, generated, params.n, self.merge_size, self.tokens_per_second)
 
     @dispatch(Dispatch.BROADCAST)
     def sleep(self) -> int:
