@@ -210,6 +210,9 @@ def painted(tmp_path: Path, colour: str) -> tuple[Config, Batch, list[bool]]:
     assert out["tool_errors"].tolist() == [0.0]
     prompt_images = int(prompts.image_counts[0])
     assert engine.prompts[1].image_counts.tolist() == [prompt_images + 1]  # the next turn sees the tool's image
+    again = engine.prompts[1].repeat_interleave(2)  # its vision stream is whole: every per-image tensor splits
+    assert again.image_counts.tolist() == [prompt_images + 1] * 2
+    assert all(again[k].shape[0] == 2 * (prompt_images + 1) for k in ("image_grid_thw", "visual_seconds") if k in again)
     assert out.image_counts.tolist() == [prompt_images + 1]
     held = int(out["response_attention_mask"][0].sum())
     trained = out["response_mask"][0, :held].bool().tolist()

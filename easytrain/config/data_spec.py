@@ -20,6 +20,8 @@ QUESTION_TYPES = ("count", "largest", "colour")
 """The synthetic task's question types; ``synthetic:shapes/colour+count`` keeps a subset."""
 VIDEO_TYPES = ("motion",)
 """Question types asked of a video (data.video_key=videos): named explicitly, never part of plain ``shapes``."""
+TOOL_TYPES = ("dot",)
+"""Question types meant for a tool (``+exp=tiny_tools``): named explicitly, never part of plain ``shapes``."""
 FILE_FORMATS = {".jsonl": "jsonl", ".json": "jsonl", ".parquet": "parquet"}
 """File suffix -> how the file is read (a folder is an HF dataset)."""
 KINDS = ("synthetic", "folder", "jsonl", "parquet", "unsupported", "hub", "missing")
@@ -61,9 +63,9 @@ def parse_task(task: str) -> tuple[str, ...]:
     question types; a ValueError (problem; fix) for anything else."""
     name, _, wanted = task.partition("/")
     types = tuple(wanted.split("+")) if wanted else QUESTION_TYPES
-    if name != SYNTHETIC_TASK or not set(types) <= set(QUESTION_TYPES + VIDEO_TYPES):
+    if name != SYNTHETIC_TASK or not set(types) <= set(QUESTION_TYPES + VIDEO_TYPES + TOOL_TYPES):
         raise ValueError(f"unknown synthetic task {task!r}; use {SYNTHETIC_TASK}, or {SYNTHETIC_TASK}/<types> with "
-                         f"types from {', '.join(QUESTION_TYPES + VIDEO_TYPES)} joined by +")
+                         f"types from {', '.join(QUESTION_TYPES + VIDEO_TYPES + TOOL_TYPES)} joined by +")
     return types
 
 

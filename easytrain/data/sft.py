@@ -38,7 +38,7 @@ logger = logging.getLogger(__name__)
 
 IGNORE = -100
 """Label of tokens that are not trained (and of padding)."""
-ROLES = ("system", "user", "assistant")
+ROLES = ("system", "user", "assistant", "tool")
 
 
 @dataclass

@@ -8,6 +8,16 @@ Three image question types, equally frequent, each with exactly balanced answers
 - largest: "Which shape is the largest?"               circle | square | triangle
 - colour:  "What colour is the square?"                red | green | blue | yellow
 
+one question meant for a tool, asked only when named (``synthetic:shapes/dot``,
+``+exp=tiny_tools``):
+
+- dot:     "What colour is the dot?"                   red | green | blue | yellow
+  (a 5x5 px square on 112x112 px of white: too little of the image for the tiny model
+  to read its colour; the built-in tool :func:`easytrain.tools.shapes.zoom` returns it
+  enlarged. Its rows also hold ``messages``, the conversation that calls the tool and
+  answers from its image, and ``conversation_images`` (the prompt's image, then the
+  tool's): what an SFT warm start teaches before RL with the tool)
+
 and one video question, asked only when named (``synthetic:shapes/motion``, read with
 ``data.video_key=videos``):
 
@@ -30,6 +40,7 @@ to parquet in the geometry3k schema (``images`` as a list of
 from __future__ import annotations
 
 import io
+import json
 import os
 import random
 import uuid
@@ -41,6 +52,9 @@ import numpy as np
 from PIL import Image, ImageDraw
 
 from easytrain.config.data_spec import QUESTION_TYPES, parse_task
+from easytrain.data.prompts import IMAGE_PLACEHOLDER
+from easytrain.tools.calls import CALL_END, CALL_START
+from easytrain.tools.shapes import zoom
 
 SHAPES = ("circle", "square", "triangle")
 COLOURS = {"red": (220, 40, 40), "green": (40, 170, 60), "blue": (40, 80, 220), "yellow": (230, 200, 30)}
@@ -65,7 +79,17 @@ class Item:
 
 
 def _classes(kind: str) -> tuple[str, ...]:
-    return {"count": COUNTS, "largest": SHAPES, "colour": tuple(COLOURS), "motion": ("left", "right")}[kind]
+    return {"count": COUNTS, "largest": SHAPES, "colour": tuple(COLOURS), "motion": ("left", "right"),
+            "dot": tuple(COLOURS)}[kind]
+
+
+def tool_conversation(question: str, answer: str, reply: str) -> list[dict[str, str]]:
+    """The turns of a question answered with the zoom tool: the call (Qwen's format), the tool's turn (its image,
+    then ``reply``, its text), the boxed answer."""
+    call = f'{CALL_START}\n{json.dumps({"name": "zoom", "arguments": {}})}\n{CALL_END}'
+    return [{"role": "user", "content": question}, {"role": "assistant", "content": call},
+            {"role": "tool", "content": f"{IMAGE_PLACEHOLDER}{reply}"},
+            {"role": "assistant", "content": f"\\boxed{{{answer}}}"}]
 
 
 def _png(image: Image.Image) -> bytes:
@@ -93,6 +117,8 @@ def _motion(answer: str, rng: random.Random) -> tuple[list[bytes], str]:
 def _scene(kind: str, answer: str, rng: random.Random, difficulty: int) -> tuple[list[Item], str]:
     """Shapes whose truthful answer to the question of ``kind`` is ``answer``, and the question."""
     extra = difficulty
+    if kind == "dot":
+        return [Item("square", answer, 2)], "What colour is the dot? Zoom in with the zoom tool."
     if kind == "count":
         shape, colour = rng.choice(SHAPES), rng.choice(list(COLOURS))
         items = [Item(shape, colour, rng.randint(10, 18)) for _ in range(int(answer))]
@@ -177,6 +203,11 @@ def generate(size: int, seed: int, split: str = "train", difficulty: int = 1, te
         else:
             rows.append({"images": [{"bytes": _draw(items, side), "path": None}], "videos": [],
                          "problem": f"<image>{question}{INSTRUCTION}", "answer": answer, "question_type": kind})
+            if kind == "dot":
+                image = Image.open(io.BytesIO(rows[-1]["images"][0]["bytes"]))
+                zoomed, reply = zoom([image])
+                rows[-1]["messages"] = tool_conversation(rows[-1]["problem"], answer, reply)
+                rows[-1]["conversation_images"] = [rows[-1]["images"][0], {"bytes": _png(zoomed), "path": None}]
     return rows
 
 
@@ -188,6 +219,10 @@ def write_parquet(rows: list[dict[str, Any]], path: Path) -> None:
     image = pa.struct([("bytes", pa.binary()), ("path", pa.string())])
     schema = pa.schema([("images", pa.list_(image)), ("videos", pa.list_(pa.list_(image))),
                         ("problem", pa.string()), ("answer", pa.string()), ("question_type", pa.string())])
+    if any("messages" in r for r in rows):  # conversations (tool questions): a column of their own
+        turn = pa.struct([("role", pa.string()), ("content", pa.string())])
+        schema = schema.append(pa.field("messages", pa.list_(turn)))
+        schema = schema.append(pa.field("conversation_images", pa.list_(image)))
     table = pa.Table.from_pylist(rows, schema=schema)
     tmp = path.with_name(f".{path.name}.{uuid.uuid4().hex[:8]}")
     pq.write_table(table, tmp)

@@ -26,7 +26,7 @@ import torch
 
 from easytrain.config.schema import MultiTurnConfig
 from easytrain.data.images import BadSample, fit_image, vision_tokens
-from easytrain.data.vision import expand_image_placeholders, mm_token_type_ids
+from easytrain.data.vision import VISUAL_KEYS, expand_image_placeholders, mm_token_type_ids
 from easytrain.distributed.batch import Batch
 from easytrain.tools.calls import call_end, parse_tool_call
 from easytrain.tools.registry import Tool, load_tools
@@ -252,8 +252,7 @@ class MultiTurn:
         def left(values: list[torch.Tensor], fill: int) -> torch.Tensor:
             return torch.stack([torch.nn.functional.pad(v, (width - len(v), 0), value=fill) for v in values])
 
-        images = ("pixel_values", "image_grid_thw")
-        tensors = {k: v for k, v in sub.tensors.items() if k not in PROMPT_KEYS + images}
+        tensors = {k: v for k, v in sub.tensors.items() if k not in PROMPT_KEYS + VISUAL_KEYS}
         tensors["input_ids"] = left(sequences, pad)
         tensors["attention_mask"] = left([torch.ones(len(s), dtype=sub["attention_mask"].dtype) for s in sequences], 0)
         if types:
