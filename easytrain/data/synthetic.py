@@ -22,10 +22,10 @@ and one video question, asked only when named (``synthetic:shapes/motion``, read
 ``data.video_key=videos``):
 
 - motion:  "Which way does the pattern move?"          left | right
-  (4 frames of 112x56 px: a colour ramp, white into a colour every 224 px, slides
-  40 px a frame; its phase is uniform, so no single frame tells the direction, only
-  the frames' order. A sliding pattern rather than a small moving shape: the tiny
-  model learns a change spread over the whole frame, not where a small shape is)
+  (4 frames of 112x56 px: a grey ramp, white to black every 224 px, slides 40 px a
+  frame; its phase is uniform, so no single frame tells the direction, only the
+  frames' order. A sliding pattern rather than a small moving shape: the tiny model
+  learns a change spread over the whole frame, not where a small shape is)
 
 ``difficulty`` adds distractor shapes and grows the canvas; at 0 the colour
 question's one shape is drawn large (radius 26-34 px of 112), so its colour is
@@ -60,7 +60,7 @@ SHAPES = ("circle", "square", "triangle")
 COLOURS = {"red": (220, 40, 40), "green": (40, 170, 60), "blue": (40, 80, 220), "yellow": (230, 200, 30)}
 COUNTS = ("1", "2", "3", "4")
 INSTRUCTION = " Put the final answer in \\boxed{}."
-VERSION = 3
+VERSION = 4
 MOTION_SIZE = (112, 56)
 MOTION_FRAMES = 4
 MOTION_STEP = 40
@@ -99,18 +99,17 @@ def _png(image: Image.Image) -> bytes:
 
 
 def _motion(answer: str, rng: random.Random) -> tuple[list[bytes], str]:
-    """Frames of a colour ramp sliding ``answer`` (left or right), and the question. The ramp fades from white
-    into a colour over MOTION_PERIOD px, then starts again (a sawtooth); its phase is uniform over the period, so
-    every single frame is drawn from the same distribution whichever way it moves: only the frames' order tells."""
-    colour = np.array(COLOURS[rng.choice(list(COLOURS))], dtype=np.float64)
+    """Frames of a grey ramp sliding ``answer`` (left or right), and the question. The ramp darkens from white to
+    black over MOTION_PERIOD px, then starts again (a sawtooth); its phase is uniform over the period, so every
+    single frame is drawn from the same distribution whichever way it moves: only the frames' order tells."""
     width, height = MOTION_SIZE
     phase = rng.randrange(MOTION_PERIOD)
     sign = 1 if answer == "right" else -1
     frames = []
     for k in range(MOTION_FRAMES):
         v = ((np.arange(width) - sign * MOTION_STEP * k + phase) % MOTION_PERIOD) / MOTION_PERIOD
-        row = 255.0 * (1 - v)[:, None] + colour[None] * v[:, None]
-        frames.append(_png(Image.fromarray(np.repeat(row[None], height, 0).round().astype(np.uint8))))
+        row = np.repeat((255.0 * (1 - v)).round().astype(np.uint8)[:, None], 3, axis=1)
+        frames.append(_png(Image.fromarray(np.repeat(row[None], height, 0))))
     return frames, "Which way does the pattern move: left or right?"
 
 
