@@ -199,3 +199,19 @@ def test_tiny_video_learns_which_way_the_pattern_moves(ray_local: None, tmp_path
                                    "trainer.val_only=true", f"model.path={run / 'hf'}",
                                    f"data.val_files={reversed_file}", "trainer.loggers=[jsonl]"])))
     assert flipped["val/reward/mean"] <= 1 - LEARNED, flipped
+
+
+@pytest.mark.slow
+def test_grpo_steps_on_video_rows(ray_local: None, tmp_path: Path) -> None:
+    """RL takes video rows end to end on Ray (the loader, the fused workers' rollout, reference-free update and
+    validation): two GRPO steps of the tiny default preset on the motion clips."""
+    from easytrain.trainer.rl import RLTrainer
+    from test_sft_run import fit, records
+
+    run = tmp_path / "rl"
+    fit(RLTrainer(load(["data.train_files=synthetic:shapes/motion", "data.val_files=synthetic:shapes/motion",
+                        "data.video_key=videos", "data.synthetic_val_size=8", "trainer.max_steps=2", "trainer.val_freq=2",
+                        f"trainer.output_dir={run}", "trainer.loggers=[jsonl]"])))
+    steps = [r for r in records(run) if "reward/mean" in r]
+    assert [r["step"] for r in steps] == [1, 2]
+    assert [r["step"] for r in records(run) if "val/reward/mean" in r] == [2]  # the final validation, on clips
