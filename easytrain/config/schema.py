@@ -137,7 +137,8 @@ class DataConfig:
     data without it is read in the prompt/answer schema (data.prompt_key / data.answer_key) as one exchange.
     A whole SFT sample (text plus image tokens) must fit max_prompt_length + max_response_length."""
     blank_images: bool = False
-    """Replace every image by a blank (white) one of the same size: shows how much a model reads its images."""
+    """Replace every image (and video frame) by a blank (white) one of the same size: shows how much a model reads
+    its images."""
 
 
 # ----------------------------------------------------------------------------- workers
