@@ -119,16 +119,19 @@ def reverse_frames(batch: Batch) -> Batch:
     return out
 
 
-@pytest.mark.parametrize("drop_finished,share", [(True, True), (False, True), (False, False)])
-def test_the_rollouts_log_probs_equal_the_training_pass(drop_finished: bool, share: bool, tmp_path: Path) -> None:
+@pytest.mark.parametrize("drop_finished,share,fps", [(True, True, 2.0), (True, False, 2.0), (False, True, 2.0),
+                                                     (True, True, 0.05), (False, True, 0.05)])
+def test_the_rollouts_log_probs_equal_the_training_pass(drop_finished: bool, share: bool, fps: float,
+                                                        tmp_path: Path) -> None:
     """The HF engine generates from video prompts (the model computes its positions from the split arguments and
-    the clips' seconds; easytrain's decode loop and transformers' ``generate``, each prompt prefilled once or per
-    row) and its per-token log-probs equal the training forward's over the assembled rows, which use easytrain's
-    positions."""
+    the clips' seconds; each prompt prefilled once or per row; with drop_finished=false too, where a batch with a
+    video still runs easytrain's loop) and its per-token log-probs equal the training forward's over the assembled
+    rows, which use easytrain's positions. At 0.05 fps a temporal patch spans 40 s: the clip's temporal positions (160 per patch) reach past the
+    text after it, and the responses continue from the prompt's largest position, as generation does."""
     from easytrain.workers.rollout.engine import SamplingParams
     from easytrain.workers.rollout.hf_engine import HFEngine
 
-    config = video_config(tmp_path)
+    config = video_config(tmp_path, "qwen2_5_vl", f"data.video_fps={fps}")
     prompts = prompts_with_both(config)
     model = actor_model(config)
     engine = HFEngine(model, [-1], 0, CPU, share_prefill=share, drop_finished=drop_finished)  # no stop: 4 tokens
@@ -215,3 +218,39 @@ def test_grpo_steps_on_video_rows(ray_local: None, tmp_path: Path) -> None:
     steps = [r for r in records(run) if "reward/mean" in r]
     assert [r["step"] for r in steps] == [1, 2]
     assert [r["step"] for r in records(run) if "val/reward/mean" in r] == [2]  # the final validation, on clips
+
+
+def test_sft_padded_and_padding_free_passes_take_video_rows(tmp_path: Path) -> None:
+    """SFT on clips with padded micro batches (worker.actor.padding_free=false) feeds the videos as videos, and its
+    summed loss equals the padding-free pass's."""
+    from easytrain.models.hf import load_model, model_folder
+    from easytrain.trainer.data import SFTData
+    from easytrain.workers.packed import flatten, token_loss_sum
+    from easytrain.workers.sft import padded
+
+    config = load(["+exp=tiny_video", "data.synthetic_size=8", "data.synthetic_val_size=4",
+                   "worker.actor.global_batch_size=4", f"trainer.output_dir={tmp_path}"])
+    batch = next(SFTData(config).train_batches())
+    assert (batch["visual_seconds"] > 0).all()
+    model = load_model(config.model, model_folder(config.model)).eval()
+    with torch.no_grad():
+        loss, tokens = token_loss_sum(model, padded(batch), CPU, None)
+        flat_loss, flat_tokens = token_loss_sum(model, flatten(batch), CPU, None)
+    assert tokens == flat_tokens > 0
+    torch.testing.assert_close(loss, flat_loss, rtol=1e-5, atol=1e-5)
+
+
+def test_batches_with_and_without_per_visual_seconds_join() -> None:
+    """A multi-turn chunk whose rows got tool images carries no ``visual_seconds`` (still images); it joins a chunk
+    that does, in either order, with zeros for its images."""
+    def chunk(seconds: bool) -> Batch:
+        tensors = {"input_ids": torch.ones(1, 3, dtype=torch.long), "pixel_values": torch.zeros(4, 2),
+                   "image_grid_thw": torch.tensor([[1, 2, 2]])}
+        if seconds:
+            tensors["visual_seconds"] = torch.tensor([1.0])
+        return Batch(tensors, image_counts=torch.tensor([1]))
+
+    for first, second in ((True, False), (False, True)):
+        joined = Batch.concat([chunk(first), chunk(second)])
+        assert joined["visual_seconds"].tolist() == [1.0 if first else 0.0, 1.0 if second else 0.0]
+        assert joined.select([1])["visual_seconds"].tolist() == [1.0 if second else 0.0]

@@ -92,7 +92,8 @@ class Batch:
     @staticmethod
     def concat(batches: Sequence["Batch"]) -> "Batch":
         """Samples of every batch in order; tensors padded on the right to a common length when needed."""
-        batches = [b for b in batches if len(b)]
+        batches = [_with_seconds(b) if any("visual_seconds" in o.tensors for o in batches) else b
+                   for b in batches if len(b)]
         if not batches:
             return Batch()
         first = batches[0]
@@ -174,6 +175,15 @@ class Batch:
         """This batch with ``other``'s tensors and meta added (same samples)."""
         assert len(self) == len(other) or not len(other), (len(self), len(other))
         return Batch({**self.tensors, **other.tensors}, {**self.meta, **other.meta}, self.image_counts)
+
+
+def _with_seconds(batch: Batch) -> Batch:
+    """``batch`` with ``visual_seconds`` for each of its visuals (0: the still images a multi-turn tool turn returns,
+    which are built without it), so it joins batches that carry it."""
+    if "visual_seconds" in batch.tensors or "image_grid_thw" not in batch.tensors:
+        return batch
+    seconds = torch.zeros(batch.tensors["image_grid_thw"].shape[0], dtype=torch.float32)
+    return Batch({**batch.tensors, "visual_seconds": seconds}, batch.meta, batch.image_counts)
 
 
 def _to_wire(tensor: torch.Tensor) -> Any:

@@ -11,6 +11,17 @@ from easytrain.data.vision import VISUAL_KEYS
 from easytrain.distributed.batch import Batch
 
 
+def continue_after_prompt(positions: torch.Tensor, attention_mask: torch.Tensor, prompt_width: int) -> None:
+    """Give each row's response tokens (columns from ``prompt_width``) the positions generation gave them, in place:
+    one past the prompt's largest position, then one more per token. After text or an image that is where the
+    text would go on anyway; a video's time-scaled temporal positions can reach past it (a long clip, or few
+    tokens after one), and the engine continued from there (Qwen-VL's rope offset is the prompt's maximum + 1)."""
+    start = positions[:, :, :prompt_width].amax(dim=(0, 2)) + 1
+    present = attention_mask[:, prompt_width:]
+    steps = (present.cumsum(-1) - 1).clamp(min=0)
+    positions[:, :, prompt_width:] = ((start[:, None] + steps) * present)[None]
+
+
 def assemble(prompts: Batch, generated: Batch, n: int, merge_size: int = 2,
              tokens_per_second: Optional[float] = None) -> Batch:
     """Join each prompt (repeated ``n`` times) with its responses: ids, masks, positions, image tensors.
@@ -36,9 +47,11 @@ def assemble(prompts: Batch, generated: Batch, n: int, merge_size: int = 2,
     if "mm_token_type_ids" in rows:
         types = torch.cat([rows["mm_token_type_ids"], response_types.to(rows["mm_token_type_ids"].dtype)], dim=1)
         tensors["mm_token_type_ids"] = types
-        tensors["position_ids"] = rope_positions(input_ids, types, images.tensors.get("image_grid_thw"),
-                                                 attention_mask, merge_size, images.tensors.get("visual_seconds"),
-                                                 tokens_per_second)
+        positions = rope_positions(input_ids, types, images.tensors.get("image_grid_thw"), attention_mask,
+                                   merge_size, images.tensors.get("visual_seconds"), tokens_per_second)
+        if not response_types.any():
+            continue_after_prompt(positions, attention_mask, prompt_ids.shape[1])
+        tensors["position_ids"] = positions
     else:
         tensors["position_ids"] = text_positions(attention_mask)
     for key in VISUAL_KEYS:

@@ -27,6 +27,7 @@ from torch import nn
 from easytrain.data.sft import IGNORE
 from easytrain.distributed.batch import Batch, MicroBatch
 from easytrain.distributed.fsdp import gathered
+from easytrain.data.vision import VISUAL_KEYS, vision_kwargs
 from easytrain.distributed.group import Dispatch, dispatch
 from easytrain.workers.actor import ActorWorker
 from easytrain.distributed.ulysses import SequenceParallel
@@ -39,7 +40,8 @@ logger = logging.getLogger(__name__)
 def padded(batch: Batch) -> dict[str, torch.Tensor]:
     """Model inputs and targets of ``batch``, right-padded to its own longest sample, with the attention mask."""
     width = int(batch["attention_mask"].sum(-1).max())
-    out = {k: batch[k] for k in (*MODEL_INPUTS, "targets") if k in batch}
+    out = {k: batch[k] for k in (*MODEL_INPUTS, "targets") if k in batch and k not in VISUAL_KEYS}
+    out.update(vision_kwargs(batch.tensors))  # images and videos as the model's own arguments
     for key in ("input_ids", "attention_mask", "targets", "mm_token_type_ids", "position_ids"):
         if key in out:
             out[key] = out[key][..., :width]

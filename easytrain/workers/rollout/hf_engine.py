@@ -39,6 +39,12 @@ from easytrain.workers.rollout.static_decode import StaticDecoder, unsupported, 
 
 logger = logging.getLogger(__name__)
 
+def has_video(batch: Batch) -> bool:
+    """Whether ``batch``'s vision stream holds a video."""
+    seconds = batch.tensors.get("visual_seconds")
+    return seconds is not None and bool((seconds > 0).any())
+
+
 GENERATE_INPUTS = ("input_ids", "attention_mask", *VISUAL_KEYS, "mm_token_type_ids")
 
 
@@ -132,7 +138,9 @@ class HFEngine(RolloutEngine):
         if self.stale:
             raise RuntimeError("the HF engine dropped its weights when it went to sleep (level 2); sync weights "
                                "before generating")
-        if self.static is not None or self.drop_finished:
+        if self.static is not None or self.drop_finished or has_video(prompts):
+            # transformers' generate places the tokens after a long clip elsewhere than its own teacher-forced
+            # positions (and easytrain's) do; easytrain's loop continues from the prompt's largest position
             return self._decode(prompts, params)
         expanded = prompts.repeat_interleave(params.n)
         inputs = self._inputs(expanded)
