@@ -124,9 +124,9 @@ def build_batch(config: Any) -> Any:
     import torch
 
     from easytrain.data.collate import PromptCollator
-    from easytrain.data.vision import IMAGE_PAD
     from easytrain.distributed.batch import Batch
-    from easytrain.models.hf import load_image_processor, load_tokenizer, model_folder
+    from easytrain.models.families.base import Bound
+    from easytrain.models.hf import family, load_image_processor, load_tokenizer, model_folder
     from easytrain.trainer.data import to_batch
     from easytrain.workers.sequences import assemble
 
@@ -136,12 +136,12 @@ def build_batch(config: Any) -> Any:
     processor.size = {"shortest_edge": d.min_pixels, "longest_edge": d.max_pixels}  # as RLData does
     generator = torch.Generator().manual_seed(0)
     prompts = [make_prompt(tokenizer, d, i, generator) for i in range(d.rollout_batch_size)]
-    collator = PromptCollator(tokenizer.pad_token_id, processor, tokenizer.convert_tokens_to_ids(IMAGE_PAD))
+    collator = PromptCollator(tokenizer.pad_token_id, Bound.of(family(folder), processor, tokenizer))
     prompt_batch = to_batch(collator(prompts), keep_images=False)
     rows, length = d.rollout_batch_size * n, d.max_response_length
     responses = torch.tensor(filler_ids(tokenizer, rows * length, generator)).view(rows, length)
     generated = Batch({"responses": responses, "response_mask": torch.ones(rows, length, dtype=torch.long)})
-    batch = assemble(prompt_batch, generated, n, processor.merge_size)
+    batch = assemble(prompt_batch, generated, n, family(folder))
     extra = {"advantages": torch.randn(rows, 1, generator=generator).expand(rows, length).contiguous(),
              "old_log_probs": -5.0 + 0.1 * torch.randn(rows, length, generator=generator)}
     assert batch["input_ids"].shape == (rows, d.max_prompt_length + length), batch["input_ids"].shape

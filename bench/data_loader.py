@@ -51,11 +51,13 @@ sys.path.insert(0, str(ROOT))
 from bench.provenance import write_result  # noqa: E402
 from easytrain.config.schema import DataConfig, ModelConfig  # noqa: E402
 from easytrain.data.collate import PromptCollator  # noqa: E402
+from easytrain.models.families import family_of  # noqa: E402
+from easytrain.models.families.base import Bound  # noqa: E402
 from easytrain.data.dataset import PromptDataset  # noqa: E402
 from easytrain.data.loader import PromptLoader  # noqa: E402
 from easytrain.data.sources import ROW_GROUP_CACHE, ParquetSource  # noqa: E402
 from easytrain.data.synthetic import write_parquet  # noqa: E402
-from easytrain.models.hf import load_image_processor, load_tokenizer  # noqa: E402
+from easytrain.models.hf import family, load_image_processor, load_tokenizer  # noqa: E402
 from easytrain.models.tiny import build_tiny  # noqa: E402
 
 BATCH = 16
@@ -178,7 +180,7 @@ def large_child(path: str, folder: str, batches: int) -> dict[str, Any]:
     """In a fresh process: the trainer's data path over the large parquet, with each process's peak RSS."""
     tokenizer = load_tokenizer(ModelConfig(path=folder))
     processor = load_image_processor(ModelConfig(path=folder))
-    collator = PromptCollator(tokenizer.pad_token_id, processor, tokenizer.convert_tokens_to_ids("<|image_pad|>"))
+    collator = PromptCollator(tokenizer.pad_token_id, Bound.of(family(folder), processor, tokenizer))
     baseline = psutil.Process().memory_info().rss
     with ProcessPeaks() as peaks:
         start = time.perf_counter()
@@ -267,7 +269,7 @@ def measure(files: list[str], cfg: DataConfig, tokenizer: Any, processor: Any, c
         start = time.perf_counter()
         dataset = PromptDataset(files, cfg, tokenizer, cache_dir=cache, progress=False)
         scan_s = time.perf_counter() - start
-        collator = PromptCollator(tokenizer.pad_token_id, processor, tokenizer.convert_tokens_to_ids("<|image_pad|>"))
+        collator = PromptCollator(tokenizer.pad_token_id, Bound.of(family(folder), processor, tokenizer))
         loader = PromptLoader(dataset, BATCH, collator, seed=0, num_workers=WORKERS)
         start = time.perf_counter()
         first = None

@@ -65,7 +65,7 @@ def rollout_batch(config, seed: int) -> Batch:  # type: ignore[no-untyped-def]
     lengths = torch.tensor(skewed_lengths(rows, width, generator))
     responses = torch.randint(len(SPECIAL_TOKENS) + 10, VOCAB_SIZE, (rows, width), generator=generator)
     mask = (torch.arange(width)[None] < lengths[:, None]).long()
-    batch = assemble(prompts, Batch({"responses": responses * mask, "response_mask": mask}), n)
+    batch = assemble(prompts, Batch({"responses": responses * mask, "response_mask": mask}), n, data.family)
     return batch.union(Batch({"advantages": torch.randn(rows, generator=generator)[:, None] * mask}))
 
 

@@ -28,7 +28,8 @@ from omegaconf import DictConfig
 from easytrain.config import (CONF_DIR, Config, ConfigError, compose, register_schema, to_config, validate,
                               with_default_preset)
 from easytrain.config.paths import check_local_paths
-from easytrain.models.shapes import resolve_shape
+from easytrain.models.families.checks import check_family
+from easytrain.models.shapes import hf_config_for, resolve_shape
 
 if TYPE_CHECKING:
     from easytrain.trainer.base import Trainer
@@ -50,6 +51,7 @@ def resolve(cfg: DictConfig, local_paths: bool = True) -> Config:
     if local_paths:
         check_local_paths(config)
     validate(config, resolve_shape(config.model))
+    check_family(config, hf_config_for(config.model))
     return config
 
 

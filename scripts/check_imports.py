@@ -27,7 +27,8 @@ LAYERS: tuple[tuple[str, ...], ...] = (
     ("workers",),                  # the Ray actors: actor, reference, rollout, rewards
     ("distributed",),              # Ray, worker groups, FSDP/DeepSpeed, checkpoint files, the token's transport
     ("memory",),                   # the planner, the watchdog, peaks, host buffers
-    ("models", "data"),            # loading and building models; data sources, images, packing
+    ("models",),                   # loading and building models; one adapter per model family (which sizes data)
+    ("data",),                     # data sources, images, packing (the family's rules come in as objects)
     ("config",),                   # schema, composition, validation, facts derived from a config
     ("tools",),                    # multi-turn tools: loading, call parsing, the tool process
     ("algorithms", "rewards"),     # pure: losses, advantages, KL; reward functions

@@ -1,4 +1,5 @@
-"""Write the generated reference pages: docs/config.md (every config key) and docs/metrics.md (every metric name).
+"""Write the generated reference pages: docs/config.md (every config key), docs/metrics.md (every metric name) and
+the README's table of model families (from their adapters).
 
     .venv/bin/python scripts/gen_docs.py            # rewrite both pages
     .venv/bin/python scripts/gen_docs.py --check    # exit 1 naming each page that is stale
@@ -19,16 +20,25 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))  # run from a checkout without installing it
 
 from easytrain.config import reference  # noqa: E402
+from easytrain.models.families import table  # noqa: E402
 from easytrain.trainer import metric_names  # noqa: E402
 
 PAGES: dict[str, Callable[[], str]] = {"docs/config.md": reference.markdown, "docs/metrics.md": metric_names.markdown}
 """Page (relative to the repository root) -> what writes its text."""
+BLOCKS: dict[str, Callable[[str], str]] = {"README.md": table.with_table}
+"""Page -> what rewrites its generated block (the rest of the page is written by hand)."""
+
+
+def rendered(page: str, root: Path = ROOT) -> str:
+    if page in PAGES:
+        return PAGES[page]()
+    return BLOCKS[page]((root / page).read_text())
 
 
 def stale(root: Path = ROOT) -> list[str]:
     """The pages whose file differs from what they would be written as now."""
-    return [page for page, render in PAGES.items()
-            if not (root / page).is_file() or (root / page).read_text() != render()]
+    return [page for page in (*PAGES, *BLOCKS)
+            if not (root / page).is_file() or (root / page).read_text() != rendered(page, root)]
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -40,8 +50,8 @@ def main(argv: list[str] | None = None) -> int:
         for page in old:
             print(f"{page} is stale: run .venv/bin/python scripts/gen_docs.py", file=sys.stderr)
         return 1 if old else 0
-    for page, render in PAGES.items():
-        (ROOT / page).write_text(render())
+    for page in (*PAGES, *BLOCKS):
+        (ROOT / page).write_text(rendered(page))
         print(f"wrote {page}")
     return 0
 

@@ -213,11 +213,18 @@ def default_run(tmp_path_factory: pytest.TempPathFactory) -> Path:
     import subprocess
     import sys
 
-    run_dir = tmp_path_factory.mktemp("default") / "run"
+    return run_main(tmp_path_factory.mktemp("default") / "run")
+
+
+def run_main(run_dir: Path, *overrides: str) -> Path:
+    """``python -m easytrain.main`` with ``overrides`` (no dashboard) in a process of its own; its run folder."""
+    import subprocess
+    import sys
+
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
     env.pop("RAY_ADDRESS", None)
     proc = subprocess.run([sys.executable, "-m", "easytrain.main", "ray.include_dashboard=false",
-                           f"hydra.run.dir={run_dir}"], cwd=Path(__file__).resolve().parents[1], env=env,
+                           f"hydra.run.dir={run_dir}", *overrides], cwd=Path(__file__).resolve().parents[1], env=env,
                           capture_output=True, text=True, timeout=1200)
     assert proc.returncode == 0, proc.stderr[-3000:]
     return run_dir

@@ -33,7 +33,7 @@ def rollout_batch(config: Config, seed: int = 0) -> Batch:
     rows = len(prompts) * n
     responses = torch.randint(len(SPECIAL_TOKENS) + 10, VOCAB_SIZE, (rows, width), generator=generator)
     mask = (torch.arange(width)[None] < torch.tensor([RESPONSE_LENGTHS[i % len(RESPONSE_LENGTHS)] for i in range(rows)])[:, None]).long()
-    batch = assemble(prompts, Batch({"responses": responses * mask, "response_mask": mask}), n)
+    batch = assemble(prompts, Batch({"responses": responses * mask, "response_mask": mask}), n, data.family)
     advantages = torch.randn(rows, generator=generator)[:, None] * mask
     return batch.union(Batch({"advantages": advantages}))
 

@@ -118,9 +118,9 @@ def test_a_missing_model_folder_and_a_folder_that_is_no_model(tmp_path: Path,
                                                               capsys: pytest.CaptureFixture) -> None:
     (tmp_path / "weights.bin").write_bytes(b"")
     (tmp_path / "other").mkdir()
-    (tmp_path / "other" / "config.json").write_text('{"model_type": "llama"}')
+    (tmp_path / "other" / "config.json").write_text('{"architectures": ["Mystery"]}')
     for value, problem in ((tmp_path, "holds no config.json"), (tmp_path / "weights.bin", "is a file"),
-                           (tmp_path / "other", "model_type='llama'"), ("./no-such-model", "no such folder")):
+                           (tmp_path / "other", "names no model_type"), ("./no-such-model", "no such folder")):
         with pytest.raises(SystemExit) as done:
             cli.main(["config", f"model.path={value}"])
         err = capsys.readouterr().err.strip()

@@ -135,7 +135,6 @@ BAD = [
     (["+exp=nope"], "exp='nope'"),
     (["trainer.resume=/nonexistent/ckpt"], "trainer.resume"),
     (["worker.rollout.engine=vllm", "model.dtype=bfloat16"], "model.dtype='bfloat16'"),
-    (["model.path=tiny:llama"], "model.path='tiny:llama'"),
     (["data.train_files=[]"], "data.train_files"),
     (["model.lora.rank=-1"], "model.lora.rank=-1"),
     (["data.max_response_length=5000"], "data.max_response_length=5000"),
@@ -168,6 +167,18 @@ def test_bad_config_is_one_line_naming_the_key(overrides: list[str], expected: s
     message = str(info.value)
     assert "\n" not in message
     assert message.startswith(expected) or expected in message, message
+
+
+def test_an_unknown_tiny_family_is_one_line_naming_the_key_and_the_families() -> None:
+    """The families with a tiny model are the adapters' (models/families), so the check runs where the shape is
+    resolved (main and plan, before anything launches)."""
+    from easytrain.models.shapes import resolve_shape
+
+    with pytest.raises(ConfigError) as info:
+        resolve_shape(_resolve(["model.path=tiny:llama"]).model)
+    message = str(info.value)
+    assert "\n" not in message and message.startswith("model.path='tiny:llama'")
+    assert "tiny:qwen3_vl" in message and "tiny:internvl" in message
 
 
 def test_kv_heads_that_cannot_be_split(tmp_path: Path) -> None:

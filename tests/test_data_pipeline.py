@@ -18,6 +18,8 @@ from PIL import Image
 
 from easytrain.config.schema import DataConfig, ModelConfig
 from easytrain.data.collate import PromptCollator
+from easytrain.models.families import family_of_folder
+from easytrain.models.families.base import Bound
 from easytrain.data.dataset import PromptDataset
 from easytrain.data.loader import PromptLoader, PromptSampler
 from easytrain.data.sources import DataError
@@ -50,7 +52,8 @@ def vl(tiny_model: Callable[..., Path]) -> dict[str, Any]:
 
 
 def collator(vl: dict[str, Any]) -> PromptCollator:
-    return PromptCollator(vl["tokenizer"].pad_token_id, vl["processor"], vl["image_token_id"])
+    return PromptCollator(vl["tokenizer"].pad_token_id,
+                          Bound.of(family_of_folder(vl["folder"]), vl["processor"], vl["tokenizer"]))
 
 
 def test_geometry3k_parquet_round_trip(tmp_path: Path, vl: dict[str, Any]) -> None:
@@ -103,14 +106,14 @@ def test_image_tokens_equal_image_features_for_one_to_four_images(
     cfg = DataConfig(limit_images=4, max_prompt_length=1024, max_pixels=50176)
     dataset = PromptDataset([str(path)], cfg, tokenizer, progress=False)
     assert len(dataset) == 4
-    image_id = tokenizer.convert_tokens_to_ids(IMAGE_PAD)
-    batch = PromptCollator(tokenizer.pad_token_id, processor, image_id)([dataset[i] for i in range(4)])
+    bound = Bound.of(family_of_folder(folder), processor, tokenizer)
+    batch = PromptCollator(tokenizer.pad_token_id, bound)([dataset[i] for i in range(4)])
     model = load_model(model_cfg)
     with torch.no_grad():
         features = model.model.get_image_features(batch["pixel_values"], batch["image_grid_thw"])
         features = features.pooler_output if hasattr(features, "pooler_output") else features
         n_features = sum(f.shape[0] for f in features)
-        assert n_features == int((batch["input_ids"] == image_id).sum())
+        assert n_features == int((batch["input_ids"] == bound.image_token_id).sum())
         assert n_features == sum(sum(dataset[i].image_tokens) for i in range(4))
         inputs = {k: batch[k] for k in ("input_ids", "attention_mask", "pixel_values", "image_grid_thw",
                                         "mm_token_type_ids", "position_ids")}

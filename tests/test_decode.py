@@ -16,6 +16,7 @@ import pytest
 import torch
 
 from easytrain.distributed.batch import Batch
+from easytrain.models.families import family_of
 from easytrain.models.hf import load_model, model_folder
 from easytrain.trainer.data import RLData
 from easytrain.workers.forward import response_log_probs
@@ -118,7 +119,7 @@ def test_sampled_log_probs_match_a_forward_after_rows_leave(family: str, tmp_pat
     handle.remove()
     lengths = out["response_mask"].sum(-1)
     assert lengths.min() < lengths.max() and min(rows[1:]) < len(prompts) * params.n  # rows left the batch
-    batch = assemble(prompts, out, params.n)
+    batch = assemble(prompts, out, params.n, family_of(model))
     forward, _ = response_log_probs(model.eval(), batch, params.temperature, CPU)
     mask = out["response_mask"].bool()
     torch.testing.assert_close(out["rollout_log_probs"][mask], forward[mask], rtol=1e-4, atol=1e-4)

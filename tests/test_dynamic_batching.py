@@ -32,7 +32,7 @@ def actor(config: Config) -> ActorWorker:
     return worker
 
 
-@pytest.mark.parametrize("family", ["qwen2_5_vl", "qwen2_vl", "qwen2"])
+@pytest.mark.parametrize("family", ["qwen2_5_vl", "qwen2_vl", "qwen3_vl", "internvl", "qwen2"])
 def test_packed_log_probs_and_gradients_equal_padded(family: str, tmp_path: Path,
                                                      recorded_attention: list[dict[str, Any]]) -> None:
     extra = [f"model.path=tiny:{family}"] + (["data.image_key=null"] if family == "qwen2" else [])

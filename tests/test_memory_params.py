@@ -10,7 +10,7 @@ from easytrain.memory.params import component_of, count_parameters
 from easytrain.models.tiny import model_class_for, tiny_hf_config
 
 
-@pytest.mark.parametrize("family", ["qwen2_5_vl", "qwen2_vl", "qwen2"])
+@pytest.mark.parametrize("family", ["qwen2_5_vl", "qwen2_vl", "qwen3_vl", "internvl", "qwen2"])
 @pytest.mark.parametrize("size", ["tiny", "small"])
 def test_counts_equal_the_real_models_by_component(tiny_model: Any, family: str, size: str) -> None:
     counted = count_parameters(tiny_hf_config(family, size))
@@ -29,6 +29,19 @@ PUBLISHED_BILLIONS = {  # the parameter counts the model cards publish
     "Qwen/Qwen2-VL-2B-Instruct": "2.21", "Qwen/Qwen2-VL-7B-Instruct": "8.29", "Qwen/Qwen2-VL-72B-Instruct": "73.4",
     "Qwen/Qwen2.5-7B-Instruct": "7.62",
     "Qwen/Qwen2.5-1.5B-Instruct": "1.54", "Qwen/Qwen2.5-0.5B-Instruct": "0.49",
+    "Qwen/Qwen3-VL-2B-Instruct": "2.13", "Qwen/Qwen3-VL-4B-Instruct": "4.44", "Qwen/Qwen3-VL-8B-Instruct": "8.77",
+    "Qwen/Qwen3-VL-32B-Instruct": "33.4", "Qwen/Qwen3-VL-30B-A3B-Instruct": "31.1",
+    "OpenGVLab/InternVL3-8B-hf": "7.94", "OpenGVLab/InternVL3-38B-hf": "38.4",
+    "google/gemma-3-4b-it": "4.3", "google/gemma-3-12b-it": "12.2", "google/gemma-3-27b-it": "27.4",
+}
+PUBLISHED_EXACT = {  # the Hub's safetensors totals where they are published to the parameter
+    "Qwen/Qwen2.5-VL-7B-Instruct": 8_292_166_656,
+    "Qwen/Qwen3-VL-2B-Instruct": 2_127_532_032, "Qwen/Qwen3-VL-4B-Instruct": 4_437_815_808,
+    "Qwen/Qwen3-VL-8B-Instruct": 8_767_123_696, "Qwen/Qwen3-VL-32B-Instruct": 33_357_390_064,
+    "Qwen/Qwen3-VL-30B-A3B-Instruct": 31_070_754_032,
+    "OpenGVLab/InternVL3-8B-hf": 7_944_373_760, "OpenGVLab/InternVL3-38B-hf": 38_388_164_992,
+    "google/gemma-3-4b-it": 4_300_079_472, "google/gemma-3-12b-it": 12_187_325_040,
+    "google/gemma-3-27b-it": 27_432_406_640,
 }
 
 
@@ -42,12 +55,75 @@ def test_known_model_shapes_count_their_published_sizes() -> None:
     known = known_hf_configs()
     assert set(known) == set(PUBLISHED_BILLIONS)
     for hub_id, published in PUBLISHED_BILLIONS.items():
-        total = count_parameters(known[hub_id]).total / 1e9
+        total = count_parameters(known[hub_id]).total
         decimals = len(published.split(".")[1])
-        assert f"{total:.{decimals}f}" == published, (hub_id, total)
+        assert f"{total / 1e9:.{decimals}f}" == published, (hub_id, total)
+        exact = PUBLISHED_EXACT.get(hub_id)
+        if exact is not None:  # within 0.1% of the published count
+            assert abs(total - exact) <= 1e-3 * exact, (hub_id, total, exact)
     seven = count_parameters(known["Qwen/Qwen2.5-VL-7B-Instruct"])
     assert seven.embeddings == seven.lm_head == 152064 * 3584  # untied head: vocab x hidden each
     assert seven.total == 8_292_166_656
+
+
+@pytest.mark.parametrize("name,component", [
+    ("model.visual.merger.linear_fc1.weight", "projector"),  # Qwen2.5-VL / Qwen3-VL
+    ("model.visual.deepstack_merger_list.0.linear_fc1.weight", "projector"),  # Qwen3-VL's DeepStack mergers
+    ("model.visual.blocks.3.attn.qkv.weight", "vision_tower"),
+    ("model.visual.pos_embed.weight", "vision_tower"),
+    ("model.vision_tower.encoder.layer.0.attention.q_proj.weight", "vision_tower"),  # InternVL
+    ("model.vision_tower.encoder.layers.0.mlp.fc1.weight", "vision_tower"),  # Gemma 3's SigLIP
+    ("model.multi_modal_projector.linear_1.weight", "projector"),  # InternVL
+    ("model.multi_modal_projector.mm_input_projection_weight", "projector"),  # Gemma 3
+    ("model.language_model.embed_tokens.weight", "embeddings"),
+    ("model.language_model.layers.0.mlp.experts.gate_up_proj", "language_model"),
+    ("lm_head.weight", "lm_head"),
+])
+def test_components_of_the_new_families(name: str, component: str) -> None:
+    assert component_of(name) == component
+
+
+@pytest.mark.slow
+def test_new_families_count_by_component() -> None:
+    """Qwen3-VL, InternVL and Gemma 3 split into tower, projector, embeddings, blocks and head as they should:
+    the tied heads count zero, the untied ones vocab x hidden, and the projectors their published shapes."""
+    from easytrain.config.presets import known_hf_configs
+
+    known = known_hf_configs()
+    eight = count_parameters(known["Qwen/Qwen3-VL-8B-Instruct"])
+    assert eight.embeddings == eight.lm_head == 151_936 * 4096
+    # merger + 3 DeepStack mergers, each: LayerNorm(4608) (the 1152-wide merger norms before the 2x2 merge), 4608x4608
+    # and 4608x4096 with biases
+    assert eight.projector == 1152 * 2 + 3 * 4608 * 2 + 4 * (4608 * 4608 + 4608 + 4608 * 4096 + 4096)
+    two = count_parameters(known["Qwen/Qwen3-VL-2B-Instruct"])
+    assert two.lm_head == 0 and two.embeddings == 151_936 * 2048  # tied
+    internvl = count_parameters(known["OpenGVLab/InternVL3-8B-hf"])
+    # LayerNorm(4 x 1024) after the pixel shuffle, 4096 -> 3584 -> 3584 with biases
+    assert internvl.projector == 2 * 4096 + 4096 * 3584 + 3584 + 3584 * 3584 + 3584
+    assert internvl.embeddings == internvl.lm_head == 151_674 * 3584
+    gemma = count_parameters(known["google/gemma-3-4b-it"])
+    assert gemma.projector == 1152 * 2560 + 1152 and gemma.lm_head == 0  # projection and its RMSNorm; tied head
+    assert gemma.vision_tower == 416_866_032  # SigLIP so400m at 896 px, without its pooling head
+    assert all(count.experts == count.active_experts == 0 and count.active == count.total
+               for count in (eight, two, internvl, gemma))
+
+
+@pytest.mark.slow
+def test_mixture_of_experts_counts_total_and_active_parameters() -> None:
+    """Qwen3-VL-30B-A3B: 48 layers of 128 experts (gate, up and down: 3 x 2048 x 768 each), 8 of them per token;
+    everything else (attention, router, norms, embeddings, head, vision) every token uses."""
+    from easytrain.config.presets import known_hf_configs
+    from easytrain.memory.activations import model_dims, shard_units
+
+    hf = known_hf_configs()["Qwen/Qwen3-VL-30B-A3B-Instruct"]
+    counts = count_parameters(hf)
+    expert = 3 * 2048 * 768
+    assert counts.experts == 48 * 128 * expert
+    assert counts.active_experts == 48 * 8 * expert
+    assert counts.active == counts.total - 48 * 120 * expert == 3_891_664_112
+    assert counts.total == 31_070_754_032
+    assert model_dims(hf).intermediate == 8 * 768  # a token's MLP: the 8 experts it is routed to
+    assert shard_units(hf)[1] >= 128 * expert  # an FSDP unit gathers a block with all its experts
 
 
 def test_hf_config_for_reads_tiny_local_and_known_models(tiny_model: Any) -> None:

@@ -16,7 +16,7 @@ import torch
 
 from easytrain.config import Config
 from easytrain.distributed.batch import Batch
-from easytrain.models.hf import load_model, model_folder
+from easytrain.models.hf import family, load_model, model_folder
 from easytrain.trainer.data import RLData
 from easytrain.workers.forward import response_log_probs, suppressed_tokens
 from easytrain.workers.packed import packed_response_log_probs
@@ -98,7 +98,7 @@ def test_a_multi_turn_episode_trains_exactly_the_models_tokens(tmp_path: Path) -
 
     # the actor: log-probs of the model's tokens with the tool turn in context, padded and padding-free, equal
     # those of one forward over the hand-built conversation
-    batch = assemble(prompts, out, 1)
+    batch = assemble(prompts, out, 1, family(model_folder(config.model)))
     model = load_model(config.model, model_folder(config.model)).eval()
     with torch.no_grad():
         padded, _ = response_log_probs(model, batch, 1.0, CPU)
@@ -217,7 +217,7 @@ def painted(tmp_path: Path, colour: str) -> tuple[Config, Batch, list[bool]]:
     held = int(out["response_attention_mask"][0].sum())
     trained = out["response_mask"][0, :held].bool().tolist()
     assert trained == [True] * len(call) + [False] * (held - len(call) - len(answer)) + [True] * len(answer)
-    return config, assemble(prompts, out, 1), trained
+    return config, assemble(prompts, out, 1, family(model_folder(config.model))), trained
 
 
 def test_a_tool_image_reaches_the_model(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:

@@ -25,6 +25,12 @@ PUBLISHED = {  # exact parameter counts the Hub publishes for each checkpoint (i
     "Qwen/Qwen2-VL-2B-Instruct": 2_208_985_600, "Qwen/Qwen2-VL-7B-Instruct": 8_291_375_616,
     "Qwen/Qwen2-VL-72B-Instruct": 73_405_560_320, "Qwen/Qwen2.5-7B-Instruct": 7_615_616_512,
     "Qwen/Qwen2.5-1.5B-Instruct": 1_543_714_304, "Qwen/Qwen2.5-0.5B-Instruct": 494_032_768,
+    "Qwen/Qwen3-VL-2B-Instruct": 2_127_532_032, "Qwen/Qwen3-VL-4B-Instruct": 4_437_815_808,
+    "Qwen/Qwen3-VL-8B-Instruct": 8_767_123_696, "Qwen/Qwen3-VL-32B-Instruct": 33_357_390_064,
+    "Qwen/Qwen3-VL-30B-A3B-Instruct": 31_070_754_032,
+    "OpenGVLab/InternVL3-8B-hf": 7_944_373_760, "OpenGVLab/InternVL3-38B-hf": 38_388_164_992,
+    "google/gemma-3-4b-it": 4_300_079_472, "google/gemma-3-12b-it": 12_187_325_040,
+    "google/gemma-3-27b-it": 27_432_406_640,
 }
 
 
@@ -53,8 +59,14 @@ def _model_config(path: str, cache: str, *extra: str) -> ModelConfig:
 def test_every_preset_has_its_published_parameter_count(name: str, cache: str) -> None:
     """What a rank other than 0 builds (the folder's config on the meta device) is the published model's size."""
     from easytrain.distributed.load import meta_model
+    from easytrain.models.families import TINY_FAMILIES, family_of
 
     config = _model_config(f"random:{name}", cache)
+    model_type = presets.model_presets()[name]["hf_config"]["model_type"]
+    if model_type not in TINY_FAMILIES:  # no tiny tokenizer of its family to pair the weights with: a clear error
+        with pytest.raises(ConfigError, match=rf"model.path='random:{name}': no tiny tokenizer of its family"):
+            model_folder(config)
+        return
     folder = model_folder(config)
     assert is_random_folder(folder) and not list(Path(folder).glob("*.safetensors"))
     model = meta_model(config, folder)
@@ -63,12 +75,14 @@ def test_every_preset_has_its_published_parameter_count(name: str, cache: str) -
     assert abs(sum(p.numel() for p in model.parameters()) - published) <= 1e-3 * published
     text = model.config.get_text_config()
     assert text.vocab_size > VOCAB_SIZE  # the model's vocabulary exceeds the tiny tokenizer's
-    ids = {tok: load_tokenizer(config, folder).convert_tokens_to_ids(tok) for tok in SPECIAL_TOKENS}
+    family = family_of(model)
+    ids = {tok: load_tokenizer(config, folder).convert_tokens_to_ids(tok) for tok in family.tiny_tokens}
     assert text.eos_token_id == model.generation_config.eos_token_id == ids["<|im_end|>"]
-    if model.config.model_type != "qwen2":
-        assert model.config.image_token_id == ids["<|image_pad|>"]
-        assert model.config.vision_start_token_id == ids["<|vision_start|>"]
-        assert load_image_processor(config, folder) is not None
+    if family.vision:
+        processor = load_image_processor(config, folder)
+        assert processor is not None
+        layout = family.layout(processor)
+        assert layout is not None and model.config.image_token_id == ids[layout.image_pad]
 
 
 def test_shape_and_planner_config_are_the_named_models() -> None:

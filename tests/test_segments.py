@@ -17,6 +17,7 @@ import torch
 from easytrain.models.segments import (ATTENTION, Block, attend, mask_outside_layouts, packed_blocks, segment_attention,
                                        segments, shared_blocks)
 from easytrain.workers.forward import log_probs_of
+from easytrain.models.families import family_of
 from easytrain.workers.shared_prompt import prompt_groups, shared_inputs
 
 from rl_batches import assert_same_pass, grads, planned, rl_config, rollout_batch
@@ -80,8 +81,8 @@ def test_shared_blocks_allow_what_the_shared_mask_allows(tmp_path: Path) -> None
     batch = rollout_batch(config)
     groups = prompt_groups(batch)
     for one_row in (False, True):
-        masked, _, _ = shared_inputs(batch, groups, True, torch.float32, eager=False, one_row=one_row)
-        blocked, _, _ = shared_inputs(batch, groups, True, torch.float32, eager=False, one_row=one_row, blocks=True)
+        masked, _, _ = shared_inputs(batch, groups, family_of({"model_type": "qwen2_5_vl"}), torch.float32, eager=False, one_row=one_row)
+        blocked, _, _ = shared_inputs(batch, groups, family_of({"model_type": "qwen2_5_vl"}), torch.float32, eager=False, one_row=one_row, blocks=True)
         mask = masked["attention_mask"][:, 0]
         length = mask.shape[-1]
         layout = blocked["layout"]

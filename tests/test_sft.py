@@ -14,6 +14,7 @@ from easytrain.data.images import BadSample
 from easytrain.data.sft import IGNORE, SFTDataset, conversation_turns, render_conversation
 from easytrain.distributed.batch import Batch, MicroBatch
 from easytrain.trainer.data import SFTData, sft_batch
+from easytrain.models.families import family_of
 from easytrain.workers.packed import flatten
 from easytrain.workers.sft import SFTWorker, accumulate_gradients, padded
 
@@ -119,10 +120,11 @@ def test_packed_equals_padded_and_is_padding_free(data: SFTData, recorded_attent
     pad_id = data.tokenizer.pad_token_id
     assert len(set(lengths)) > 1, lengths  # uneven, so the padded batch really holds padding
 
-    padded_loss, padded_tokens = accumulate_gradients(model, torch.Tensor.backward, [padded(batch)], 1.0, w.device)
+    padded_loss, padded_tokens = accumulate_gradients(model, torch.Tensor.backward, [padded(batch, family_of(model))], 1.0,
+                                                      w.device)
     padded_grads = grads(model)
     recorded_attention.clear()
-    packed = flatten(batch)
+    packed = flatten(batch, family_of(model))
     packed_loss, packed_tokens = accumulate_gradients(model, torch.Tensor.backward, [packed], 1.0, w.device)
     packed_grads = grads(model)
 
@@ -153,9 +155,10 @@ def test_gradient_accumulation_equals_one_big_batch(data: SFTData, tmp_path: Pat
     batch = uneven_batch(data, [0, 1, 2, 3])
     tokens = int((batch["targets"] != IGNORE).sum())
     for inputs in (padded, flatten):
-        one = accumulate_gradients(w.model, torch.Tensor.backward, [inputs(batch)], 1 / tokens, w.device)
+        family = family_of(w.model)
+        one = accumulate_gradients(w.model, torch.Tensor.backward, [inputs(batch, family)], 1 / tokens, w.device)
         big = grads(w.model)
-        micro = [inputs(batch.select(r)) for r in (range(0, 2), range(2, 4))]
+        micro = [inputs(batch.select(r), family) for r in (range(0, 2), range(2, 4))]
         two = accumulate_gradients(w.model, torch.Tensor.backward, micro, 1 / tokens, w.device)
         accumulated = grads(w.model)
         assert two[1] == one[1] and two[0] == pytest.approx(one[0], rel=1e-5)
@@ -205,7 +208,8 @@ def test_text_only_rows_pack_apart_on_a_vision_model(tmp_path: Path) -> None:
     w = worker(config)
     batch = uneven_batch(data, [0, 1, 2])
     assert "pixel_values" not in batch and batch["position_ids"].dim() == 2
-    padded_loss, _ = accumulate_gradients(w.model, torch.Tensor.backward, [padded(batch)], 1.0, w.device)
+    padded_loss, _ = accumulate_gradients(w.model, torch.Tensor.backward, [padded(batch, family_of(w.model))], 1.0,
+                                          w.device)
     padded_grads = grads(w.model)
     packed = w._inputs(MicroBatch(batch, packed=True))
     packed_loss, _ = accumulate_gradients(w.model, torch.Tensor.backward, [packed], 1.0, w.device)
@@ -228,10 +232,11 @@ def test_blank_image_sample_changes_no_loss_and_runs_the_vision_tower(data: SFTD
                                data.blank])
     no_images = {k: v for k, v in text_only.tensors.items() if k not in ("pixel_values", "image_grid_thw")}
     for inputs in (padded, flatten):
-        alone = accumulate_gradients(w.model, torch.Tensor.backward, [inputs(Batch(no_images, text_only.meta))],
-                                     1.0, w.device)
+        alone = accumulate_gradients(w.model, torch.Tensor.backward,
+                                     [inputs(Batch(no_images, text_only.meta), family_of(w.model))], 1.0, w.device)
         alone_grads = grads(w.model)
-        joined = accumulate_gradients(w.model, torch.Tensor.backward, [inputs(with_blank)], 1.0, w.device)
+        joined = accumulate_gradients(w.model, torch.Tensor.backward, [inputs(with_blank, family_of(w.model))], 1.0,
+                                      w.device)
         joined_grads = grads(w.model)
         assert joined[1] == alone[1] and joined[0] == pytest.approx(alone[0], rel=1e-5)
         visual = [n for n in joined_grads if ".visual." in n]

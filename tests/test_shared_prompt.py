@@ -18,6 +18,7 @@ import torch
 from easytrain.distributed.batch import Batch
 from easytrain.workers.actor import ActorWorker
 from easytrain.workers.forward import log_probs_of, response_log_probs
+from easytrain.models.families import family_of
 from easytrain.workers.shared_prompt import (prompt_and_response_tokens, prompt_groups, rows_pay_off, shared_inputs,
                                              text_config)
 
@@ -38,15 +39,21 @@ def actor_model(config: Any) -> torch.nn.Module:
 
 
 def vision_patches(model: torch.nn.Module) -> list[int]:
-    """Patch rows the vision tower is given, per call (records into the returned list)."""
+    """Rows of ``pixel_values`` (patch rows, or tiles) the vision tower is given per call, before image dedup's
+    hook picks the distinct ones (records into the returned list)."""
     seen: list[int] = []
-    visual = getattr(getattr(model, "model", model), "visual", None)
-    if visual is not None:
-        visual.register_forward_pre_hook(lambda m, args, kwargs: seen.append(int(args[0].shape[0])), with_kwargs=True)
+    tower = family_of(model).vision_tower(model)
+
+    def record(module: torch.nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+        pixels = args[0] if args else kwargs.get("pixel_values", kwargs.get("hidden_states"))
+        seen.append(int(pixels.shape[0]))
+
+    if tower is not None:
+        tower.register_forward_pre_hook(record, with_kwargs=True, prepend=True)
     return seen
 
 
-@pytest.mark.parametrize("family", ["qwen2_5_vl", "qwen2_vl", "qwen2"])
+@pytest.mark.parametrize("family", ["qwen2_5_vl", "qwen2_vl", "qwen3_vl", "internvl", "qwen2"])
 @pytest.mark.parametrize("packed", [False, True])
 def test_shared_prompt_equals_plain(family: str, packed: bool, tmp_path: Path,
                                     recorded_attention: list[dict[str, Any]]) -> None:
@@ -107,7 +114,7 @@ def test_responses_of_one_prompt_do_not_see_each_other(tmp_path: Path) -> None:
     assert not torch.equal(before[0][mask[0]], after[0][mask[0]])  # the changed response itself moved
     torch.testing.assert_close(after[1:][mask[1:]], before[1:][mask[1:]], rtol=0, atol=0)
 
-    inputs, _, _ = shared_inputs(batch, prompt_groups(batch), True, torch.float32, eager=False)
+    inputs, _, _ = shared_inputs(batch, prompt_groups(batch), family_of({"model_type": "qwen2_5_vl"}), torch.float32, eager=False)
     allowed = inputs["attention_mask"][0, 0]
     prompt_len = int(batch["attention_mask"][0, :batch["input_ids"].shape[1] - batch["responses"].shape[1]].sum())
     first = int(batch["attention_mask"][0, -batch["responses"].shape[1]:].sum())

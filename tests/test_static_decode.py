@@ -26,6 +26,7 @@ import torch
 import test_decode as dynamic_tests
 from easytrain.config import load
 from easytrain.distributed.batch import Batch
+from easytrain.models.families import family_of
 from easytrain.workers.forward import response_log_probs, suppressed_tokens
 from easytrain.workers.rollout.decode import decode
 from easytrain.workers.rollout.engine import SamplingParams
@@ -107,7 +108,7 @@ def test_static_sampled_log_probs_match_a_forward_after_rows_stop(family: str, t
     lengths = out["response_mask"].sum(-1)
     assert lengths.min() < lengths.max()  # rows finished while others went on decoding beside them
     assert set(rows[1:]) == {len(prompts) * params.n}
-    batch = assemble(prompts, out, params.n)
+    batch = assemble(prompts, out, params.n, family_of(model))
     forward, _ = response_log_probs(model.eval(), batch, params.temperature, CPU)
     mask = out["response_mask"].bool()
     torch.testing.assert_close(out["rollout_log_probs"][mask], forward[mask], rtol=1e-4, atol=1e-4)

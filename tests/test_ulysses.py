@@ -116,7 +116,7 @@ def run_vl_rank(rank: int, run_dir: str, family: str) -> None:
                        progress=False)
     samples = [chats[i] for i in range(len(chats))]
     assert [len(s.images) for s in samples] == [1, 2, 3] and len({len(s.ids) for s in samples}) == 3
-    inputs = pad_sequence(flatten(sft_batch(data.loader.collator(samples))), 2)
+    inputs = pad_sequence(flatten(sft_batch(data.loader.collator(samples)), data.family), 2)
     targets = inputs.pop("targets")
     trained = targets != IGNORE
     assert inputs["position_ids"].shape[0] == 4 and inputs["image_grid_thw"].shape[0] == 6

@@ -24,6 +24,7 @@ from easytrain.models.varlen import (FLASH_ATTN, REFERENCE, SDPA_BLOCKS, TORCH_V
                                      flash_attn_function, kernel_for, plan_layout, torch_varlen_function, varlen_call)
 from easytrain.trainer.mfu import (attended_pairs, attention_flops, causal_pairs, peak_bf16_flops, update_mfu)
 from easytrain.workers.packed import flatten, sample_positions
+from easytrain.models.families import family_of
 from easytrain.workers.shared_prompt import prompt_groups, shared_inputs
 
 from rl_batches import grads, planned, rl_config, rollout_batch
@@ -63,7 +64,7 @@ def padded_batch(lengths: list[int], width: int) -> Batch:
 
 def test_cu_seqlens_of_a_packed_micro_batch_are_its_rows_and_ulysses_samples() -> None:
     lengths = [5, 1, 9, 3]
-    inputs = flatten(padded_batch(lengths, 10), rope_rows=False)
+    inputs = flatten(padded_batch(lengths, 10), family_of({"model_type": "qwen2"}))
     positions = sample_positions(inputs)
     plan = plan_layout(packed_blocks(positions), positions.shape[-1])
     rows = inputs["input_ids"].shape[1]
@@ -81,7 +82,7 @@ def test_cu_seqlens_of_the_vision_rows_follow_the_text_position() -> None:
     """Qwen-VL's four rows of positions: the first (text) marks where samples start, the rope rows do not."""
     batch = padded_batch([4, 6], 6)
     rope = torch.stack([batch["position_ids"], batch["position_ids"] // 2, batch["position_ids"] * 0])
-    inputs = flatten(Batch({**batch.tensors, "position_ids": rope}))
+    inputs = flatten(Batch({**batch.tensors, "position_ids": rope}), family_of({"model_type": "qwen2_5_vl"}))
     assert inputs["position_ids"].shape == (4, 1, 10)
     plan = plan_layout(packed_blocks(sample_positions(inputs)), 10)
     assert plan.cu_seq_q.tolist() == [0, 4, 10]
@@ -102,8 +103,8 @@ def test_the_plan_of_real_shared_rows_allows_what_the_shared_mask_allows(tmp_pat
     batch = rollout_batch(config)
     groups = prompt_groups(batch)
     for one_row in (False, True):
-        masked, _, _ = shared_inputs(batch, groups, True, torch.float32, eager=False, one_row=one_row)
-        blocked, _, _ = shared_inputs(batch, groups, True, torch.float32, eager=False, one_row=one_row, blocks=True)
+        masked, _, _ = shared_inputs(batch, groups, family_of({"model_type": "qwen2_5_vl"}), torch.float32, eager=False, one_row=one_row)
+        blocked, _, _ = shared_inputs(batch, groups, family_of({"model_type": "qwen2_5_vl"}), torch.float32, eager=False, one_row=one_row, blocks=True)
         mask = masked["attention_mask"][:, 0]
         length = mask.shape[-1]
         allowed = allowed_by_plan(blocked["layout"], length)

@@ -18,8 +18,9 @@ import torch
 from PIL import Image
 
 from easytrain.config import load
-from easytrain.data.vision import MM_VIDEO, vision_kwargs
+from easytrain.data.vision import MM_VIDEO
 from easytrain.distributed.batch import Batch
+from easytrain.models.families import family_of
 from easytrain.trainer.data import RLData, to_batch
 from easytrain.workers.forward import log_probs_of, response_log_probs, takes_video_seconds
 from easytrain.workers.sequences import assemble
@@ -59,8 +60,7 @@ def with_responses(prompts: Batch, model: torch.nn.Module, seed: int = 0) -> Bat
     g = torch.Generator().manual_seed(seed)
     responses = torch.randint(20, 1000, (rows, 4), generator=g)
     mask = (torch.arange(4)[None] < torch.tensor([4, 2, 3, 1] * (rows // 4 + 1))[:rows, None]).long()
-    scale = getattr(model.config.vision_config, "tokens_per_second", None)
-    return assemble(prompts, Batch({"responses": responses * mask, "response_mask": mask}), N, 2, scale)
+    return assemble(prompts, Batch({"responses": responses * mask, "response_mask": mask}), N, family_of(model))
 
 
 @pytest.mark.parametrize("family", ["qwen2_5_vl", "qwen2_vl"])
@@ -70,7 +70,7 @@ def test_positions_equal_the_models_rope_index(family: str, tmp_path: Path) -> N
     config = video_config(tmp_path, family)
     prompts = prompts_with_both(config)
     model = actor_model(config)
-    inputs = vision_kwargs(prompts.tensors, seconds_arg=True)
+    inputs = family_of(model).visual_kwargs(prompts.tensors, seconds_arg=True)
     assert inputs["video_grid_thw"][:, 0].tolist() == [2] * len(inputs["video_grid_thw"])  # 4 frames: 2 patches
     extra = {"second_per_grid_ts": inputs["second_per_grid_ts"]} if takes_video_seconds(model) else {}
     want, _ = model.model.get_rope_index(prompts["input_ids"], prompts["mm_token_type_ids"],
@@ -136,7 +136,7 @@ def test_the_rollouts_log_probs_equal_the_training_pass(drop_finished: bool, sha
     model = actor_model(config)
     engine = HFEngine(model, [-1], 0, CPU, share_prefill=share, drop_finished=drop_finished)  # no stop: 4 tokens
     generated = engine.generate(prompts, SamplingParams(N, 1.0, 1.0, -1, 4, seed=5))
-    batch = assemble(prompts, generated, N, 2, model.config.vision_config.tokens_per_second)
+    batch = assemble(prompts, generated, N, family_of(model))
     lp, _ = response_log_probs(model, batch, 1.0, CPU)
     mask = batch["response_mask"].bool()
     assert mask.all()
@@ -234,8 +234,8 @@ def test_sft_padded_and_padding_free_passes_take_video_rows(tmp_path: Path) -> N
     assert (batch["visual_seconds"] > 0).all()
     model = load_model(config.model, model_folder(config.model)).eval()
     with torch.no_grad():
-        loss, tokens = token_loss_sum(model, padded(batch), CPU, None)
-        flat_loss, flat_tokens = token_loss_sum(model, flatten(batch), CPU, None)
+        loss, tokens = token_loss_sum(model, padded(batch, family_of(model)), CPU, None)
+        flat_loss, flat_tokens = token_loss_sum(model, flatten(batch, family_of(model)), CPU, None)
     assert tokens == flat_tokens > 0
     torch.testing.assert_close(loss, flat_loss, rtol=1e-5, atol=1e-5)
 

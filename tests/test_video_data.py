@@ -12,7 +12,7 @@ from PIL import Image
 
 from easytrain.data.images import BadSample, ImageFiles
 from easytrain.data.video import decode_video, fit_video, video_patches, video_tokens
-from easytrain.models.tiny import image_processor_class
+from easytrain.models.families import adapter_class
 
 PATCH = 14
 
@@ -28,7 +28,7 @@ def _by_frame(rows: torch.Tensor) -> torch.Tensor:
 
 
 def test_patches_match_the_image_processor_and_keep_frame_order() -> None:
-    processor = image_processor_class()()
+    processor = adapter_class("qwen2_vl").tiny_processor()
     a, b = _noise(84, 56, 0), _noise(84, 56, 1)  # non-square, on the 28-px grid: the processor keeps its size
     want_a = processor(images=[a], return_tensors="pt")
     want_b = processor(images=[b], return_tensors="pt")
@@ -50,7 +50,7 @@ def test_patches_match_the_image_processor_and_keep_frame_order() -> None:
 
 @pytest.mark.parametrize("count", [4, 3])
 def test_temporal_patches_and_token_count(count: int) -> None:
-    processor = image_processor_class()()
+    processor = adapter_class("qwen2_vl").tiny_processor()
     frames = fit_video([_noise(84, 56, seed) for seed in range(count)], 3136, 1003520)
     assert len(frames) == 4
     if count == 3:  # an odd count repeats the last frame

@@ -42,8 +42,9 @@ class LoraConfig:
 @dataclass
 class ModelConfig:
     path: str = "tiny:qwen2_5_vl"
-    """HF folder or hub id, tiny:qwen2_5_vl | tiny:qwen2_vl | tiny:qwen2 (built locally, random weights), or
-    random:<conf/model file stem>, e.g. random:qwen25vl_7b (that model's real shape, random weights, tiny tokenizer)."""
+    """HF folder or hub id, tiny:<model_type> of a family with a tiny model (qwen2_5_vl, qwen2_vl, qwen3_vl,
+    internvl, qwen2: built locally, random weights; the README's family table), or random:<conf/model file stem>,
+    e.g. random:qwen25vl_7b (that model's real shape, random weights, its family's tiny tokenizer)."""
     tiny_size: str = choice("tiny", "tiny", "small")
     """Size of a tiny: model: tiny (~0.2M parameters) or small (~4M)."""
     tiny_seed: int = 0

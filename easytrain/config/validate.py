@@ -370,9 +370,6 @@ def _check_model(cfg: Config) -> None:
     if m.dtype == "float16" and cfg.trainer.device == "cpu":
         raise ConfigError("model.dtype", m.dtype, "float16 training is not supported on CPU",
                           "use float32 or bfloat16")
-    if m.path.startswith("tiny:") and m.path[5:] not in ("qwen2_5_vl", "qwen2_vl", "qwen2"):
-        raise ConfigError("model.path", m.path, "unknown tiny model family",
-                          "use tiny:qwen2_5_vl, tiny:qwen2_vl or tiny:qwen2")
     if m.path.startswith(RANDOM_PREFIX):
         random_hf_config(m.path)  # an unknown name raises the error, listing conf/model/'s names
     betas = cfg.worker.actor.optim.betas

@@ -23,10 +23,11 @@ from PIL import Image
 from tqdm import tqdm
 
 from easytrain.config.schema import DataConfig
-from easytrain.data.images import FACTOR, BadSample, ImageFiles, decode_image, fit_image, vision_tokens
-from easytrain.data.prompts import build_messages, load_format_template, render_prompt
+from easytrain.data.images import BadSample, ImageFiles, decode_image, fit_image
+from easytrain.data.prompts import DEFAULT_LAYOUT, build_messages, load_format_template, render_prompt
 from easytrain.data.sources import DataError, RowSource, open_source, require_columns
 from easytrain.data.video import Clip, decode_video, fit_video, video_tokens
+from easytrain.data.vision import Layout
 
 logger = logging.getLogger(__name__)
 
@@ -90,8 +91,10 @@ class PromptDataset:
 
     def __init__(self, files: Sequence[str], cfg: DataConfig, tokenizer: Any, split: str = "train",
                  seed: int = 0, vision: bool = True, cache_dir: Optional[str] = None, progress: bool = True,
-                 tools: Sequence[dict[str, Any]] = ()) -> None:
+                 tools: Sequence[dict[str, Any]] = (), layout: Layout = DEFAULT_LAYOUT) -> None:
         self.cfg, self.tokenizer, self.split = cfg, tokenizer, split
+        self.layout = layout
+        """How the model's family sizes images and writes their placeholders (its adapter's)."""
         self.tools = list(tools)
         """JSON schemas of the tools the prompts show (worker.rollout.multi_turn); empty: none."""
         self.image_key = cfg.image_key if vision else None
@@ -170,12 +173,11 @@ class PromptDataset:
         if self.template is not None:
             problem = self.template.render(content=problem)
         decoded = self._decoded_images(s, row, where)
-        images = [fit_image(im, cfg.min_pixels, cfg.max_pixels) for im in decoded]
+        images = self.fit(decoded, cfg.min_pixels, cfg.max_pixels)
         videos = self._videos(s, row, where)
         messages = build_messages(problem, len(images), len(videos))
         frames = [video_tokens(v.frames) for v in videos]
-        rendered = render_prompt(self.tokenizer, messages, [vision_tokens(im.height, im.width) for im in images],
-                                 self.tools, frames)
+        rendered = render_prompt(self.tokenizer, messages, self.image_tokens(images), self.tools, frames, self.layout)
         downscaled = len(rendered.input_ids) > cfg.max_prompt_length
         if downscaled:
             if not (cfg.downscale_images_to_fit and images):
@@ -204,6 +206,13 @@ class PromptDataset:
             clips.append(Clip(fit_video(frames, cfg.min_pixels, cfg.max_pixels), fps))
         return clips
 
+    def fit(self, decoded: Sequence[Image.Image], min_pixels: int, max_pixels: int) -> list[Image.Image]:
+        """Images resized onto the family's grid within [min_pixels, max_pixels]."""
+        return [fit_image(im, min_pixels, max_pixels, self.layout.factor) for im in decoded]
+
+    def image_tokens(self, images: Sequence[Image.Image]) -> list[int]:
+        return [self.layout.image_tokens(im.height, im.width) for im in images]
+
     def _decoded_images(self, s: int, row: dict[str, Any], where: str) -> list[Image.Image]:
         """The row's images (of source ``s``), decoded to RGB (blanked to white when data.blank_images)."""
         decoded = [decode_image(v, self.image_files[s], f"{where} image {i}")
@@ -231,11 +240,10 @@ class PromptDataset:
         if share < 1:
             raise BadSample("prompt_too_long", f"the text alone takes {text_tokens} tokens "
                             f"of data.max_prompt_length={self.cfg.max_prompt_length}")
-        max_pixels = share * FACTOR * FACTOR
+        max_pixels = self.layout.pixels_for(share)
         min_pixels = min(self.cfg.min_pixels, max_pixels)
-        images = [fit_image(im, min_pixels, max_pixels) for im in decoded]
-        rendered = render_prompt(self.tokenizer, messages, [vision_tokens(im.height, im.width) for im in images],
-                                 self.tools, frames)
+        images = self.fit(decoded, min_pixels, max_pixels)
+        rendered = render_prompt(self.tokenizer, messages, self.image_tokens(images), self.tools, frames, self.layout)
         return images, rendered
 
     def write_skip_report(self, folder: str | Path) -> Path:

@@ -236,12 +236,13 @@ def to_rgb(image: Image.Image) -> Image.Image:
     return image.convert("RGB")
 
 
-def fit_image(image: Image.Image, min_pixels: int, max_pixels: int) -> Image.Image:
-    """RGB image resized (bicubic) onto the token grid within [min_pixels, max_pixels]."""
+def fit_image(image: Image.Image, min_pixels: int, max_pixels: int, factor: int = FACTOR) -> Image.Image:
+    """RGB image resized (bicubic) onto the ``factor``-px grid (a family's :class:`easytrain.data.vision.Layout`)
+    within [min_pixels, max_pixels]."""
     if min(image.size) < MIN_SIDE:
         raise BadSample("image_too_small", f"{image.width}x{image.height} (sides under {MIN_SIDE} px)")
     rgb = to_rgb(image)
-    height, width = smart_resize(rgb.height, rgb.width, min_pixels, max_pixels)
+    height, width = smart_resize(rgb.height, rgb.width, min_pixels, max_pixels, factor)
     if (height, width) != (rgb.height, rgb.width):
         rgb = rgb.resize((width, height), Image.Resampling.BICUBIC)
     return rgb

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from typing import Any, Optional, Sequence
 
 from easytrain.data.images import BadSample
-from easytrain.data.vision import IMAGE_PAD, VIDEO_PAD, expand_image_placeholders
+from easytrain.data.vision import Layout
 
 IMAGE_PLACEHOLDER = "<image>"
 """How datasets (geometry3k and most RL sets) mark where an image goes in the prompt text."""
@@ -57,9 +57,13 @@ def build_messages(problem: str, num_images: int, num_videos: int = 0) -> list[d
     return [{"role": "user", "content": content}]
 
 
-def expand_visuals(text: str, image_tokens: Sequence[int], video_tokens: Sequence[int] = ()) -> str:
+DEFAULT_LAYOUT = Layout()
+
+
+def expand_visuals(text: str, image_tokens: Sequence[int], video_tokens: Sequence[int] = (),
+                   layout: Layout = DEFAULT_LAYOUT) -> str:
     """``text`` with each image and video pad expanded to its visual's token count (in order of appearance)."""
-    return expand_image_placeholders(expand_image_placeholders(text, image_tokens), video_tokens, VIDEO_PAD)
+    return layout.expand(text, image_tokens, video_tokens)
 
 
 @dataclass
@@ -74,15 +78,15 @@ class RenderedPrompt:
 
 def render_prompt(tokenizer: Any, messages: list[dict[str, Any]], image_tokens: Sequence[int],
                   tools: Optional[Sequence[dict[str, Any]]] = None,
-                  video_tokens: Sequence[int] = ()) -> RenderedPrompt:
+                  video_tokens: Sequence[int] = (), layout: Layout = DEFAULT_LAYOUT) -> RenderedPrompt:
     """Apply the chat template once and derive the vLLM and HF forms from it. ``tools``: the JSON schemas of
     the tools a multi-turn rollout may call, which the template shows the model (Qwen: in the system turn).
     ``video_tokens``: vision tokens per video, expanded like the images'."""
     text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True,
                                          **({"tools": list(tools)} if tools else {}))
-    for pad, counts, kind in ((IMAGE_PAD, image_tokens, "image"), (VIDEO_PAD, video_tokens, "video")):
+    for pad, counts, kind in ((layout.image_pad, image_tokens, "image"), (layout.video_pad, video_tokens, "video")):
         if text.count(pad) != len(counts):
             raise BadSample("placeholder_mismatch",
                             f"the chat template wrote {text.count(pad)} {kind} slots for {len(counts)} {kind}s")
-    ids = tokenizer(expand_visuals(text, image_tokens, video_tokens), add_special_tokens=False)["input_ids"]
+    ids = tokenizer(layout.expand(text, image_tokens, video_tokens), add_special_tokens=False)["input_ids"]
     return RenderedPrompt(vllm_text=text, input_ids=list(ids), image_tokens=list(image_tokens))

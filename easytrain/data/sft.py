@@ -26,13 +26,13 @@ from typing import Any, Optional, Sequence
 
 import torch
 
-from easytrain.data.collate import rope_positions, text_positions, vision_stream
+from easytrain.data.collate import Visuals, text_positions, vision_inputs
 from easytrain.data.dataset import Prompt, PromptDataset, _text
-from easytrain.data.images import BadSample, fit_image, vision_tokens
-from easytrain.data.prompts import IMAGE_PLACEHOLDER, VIDEO_PLACEHOLDER, build_messages, expand_visuals
+from easytrain.data.images import BadSample
+from easytrain.data.prompts import DEFAULT_LAYOUT, IMAGE_PLACEHOLDER, VIDEO_PLACEHOLDER, build_messages
 from easytrain.data.sources import DataError, RowSource, require_columns
 from easytrain.data.video import Clip, video_tokens
-from easytrain.data.vision import IMAGE_PAD, VIDEO_PAD, mm_token_type_ids, visual_order
+from easytrain.data.vision import Layout
 
 logger = logging.getLogger(__name__)
 
@@ -104,7 +104,7 @@ class RenderedConversation:
 
 
 def render_conversation(tokenizer: Any, turns: list[dict[str, Any]], image_tokens: Sequence[int],
-                        video_tokens: Sequence[int] = ()) -> RenderedConversation:
+                        video_tokens: Sequence[int] = (), layout: Layout = DEFAULT_LAYOUT) -> RenderedConversation:
     """Token ids and labels of a conversation: assistant words and end-of-turn trained, the rest context."""
     pieces: list[tuple[str, bool]] = []
     done = ""
@@ -131,10 +131,10 @@ def render_conversation(tokenizer: Any, turns: list[dict[str, Any]], image_token
     for n, (text, trained) in enumerate(pieces):
         if not text:
             continue
-        here, here_videos = text.count(IMAGE_PAD), text.count(VIDEO_PAD)
+        here, here_videos = text.count(layout.image_pad), text.count(layout.video_pad)
         if used + here > len(counts) or used_videos + here_videos > len(frames):
             break  # more slots than visuals: reported below
-        piece = tokenizer(expand_visuals(text, counts[used:used + here], frames[used_videos:used_videos + here_videos]),
+        piece = tokenizer(layout.expand(text, counts[used:used + here], frames[used_videos:used_videos + here_videos]),
                           add_special_tokens=False)["input_ids"]
         if n == last_answer:  # the last assistant turn: what came before is the prompt
             prompt_len, prompt_images, prompt_videos = len(ids), used, used_videos
@@ -143,7 +143,7 @@ def render_conversation(tokenizer: Any, turns: list[dict[str, Any]], image_token
         used_videos += here_videos
         ids += piece
         labels += piece if trained else [IGNORE] * len(piece)
-    for pad, count, kind in ((IMAGE_PAD, len(counts), "image"), (VIDEO_PAD, len(frames), "video")):
+    for pad, count, kind in ((layout.image_pad, len(counts), "image"), (layout.video_pad, len(frames), "video")):
         slots = sum(text.count(pad) for text, _ in pieces)
         if slots != count:
             raise BadSample("placeholder_mismatch", f"the chat template wrote {slots} {kind} slots for {count} {kind}s")
@@ -162,7 +162,7 @@ class SFTDataset(PromptDataset):
     def _build(self, s: int, r: int) -> SFTSample:
         cfg = self.cfg
         row, where = self._row(s, r)
-        images = [fit_image(im, cfg.min_pixels, cfg.max_pixels) for im in self._decoded_images(s, row, where)]
+        images = self.fit(self._decoded_images(s, row, where), cfg.min_pixels, cfg.max_pixels)
         videos = self._videos(s, row, where)
         frames = [video_tokens(v.frames) for v in videos]
         if cfg.messages_key in row:
@@ -174,8 +174,7 @@ class SFTDataset(PromptDataset):
             answer = _text(row.get(cfg.answer_key), "answer")
             turns = build_messages(problem, len(images), len(videos)) + [{"role": "assistant",
                                                               "content": [{"type": "text", "text": answer}]}]
-        rendered = render_conversation(self.tokenizer, turns, [vision_tokens(im.height, im.width) for im in images],
-                                       frames)
+        rendered = render_conversation(self.tokenizer, turns, self.image_tokens(images), frames, self.layout)
         limit = cfg.max_prompt_length + cfg.max_response_length
         if len(rendered.ids) > limit:
             raise BadSample("too_long", f"{len(rendered.ids)} tokens > data.max_prompt_length + "
@@ -184,7 +183,7 @@ class SFTDataset(PromptDataset):
         answer = "".join(p.get("text", "") for p in last["content"])
         prompt_images = images[:rendered.prompt_images]
         return SFTSample(uid=where, input_ids=rendered.ids[:rendered.prompt_len], vllm_text=rendered.prompt_text,
-                         images=prompt_images, image_tokens=[vision_tokens(im.height, im.width) for im in prompt_images],
+                         images=prompt_images, image_tokens=self.image_tokens(prompt_images),
                          answer=answer, ids=rendered.ids, labels=rendered.labels, all_images=images,
                          videos=videos[:rendered.prompt_videos], all_videos=videos)
 
@@ -199,11 +198,8 @@ class SFTCollator:
     """
 
     pad_token_id: int
-    image_processor: Any = None
-    image_token_id: int = -1
-    video_token_id: int = -1
-    tokens_per_second: Optional[float] = None
-    """The model's video time scale (see :class:`easytrain.data.collate.PromptCollator`)."""
+    visuals: Optional[Visuals] = None
+    """The model family's vision inputs (see :class:`easytrain.data.collate.PromptCollator`)."""
 
     def __call__(self, samples: Sequence[SFTSample]) -> dict[str, Any]:
         longest = max(len(s.ids) for s in samples)
@@ -219,15 +215,10 @@ class SFTCollator:
         batch: dict[str, Any] = {"input_ids": input_ids, "attention_mask": attention_mask, "targets": targets,
                                  "uids": [s.uid for s in samples], "images": [s.all_images for s in samples],
                                  "visual_counts": [len(s.all_images) + len(s.all_videos) for s in samples]}
-        if self.image_processor is None:
+        if self.visuals is None:
             batch["position_ids"] = text_positions(attention_mask)
             return batch
-        types = mm_token_type_ids(input_ids, self.image_token_id, self.video_token_id)
-        batch["mm_token_type_ids"] = types
-        batch.update(vision_stream(self.image_processor, [s.all_images for s in samples],
-                                   [s.all_videos for s in samples], visual_order(types, attention_mask)))
-        batch["position_ids"] = rope_positions(input_ids, types, batch.get("image_grid_thw"), attention_mask,
-                                               getattr(self.image_processor, "merge_size", 2),
-                                               batch.get("visual_seconds"), self.tokens_per_second)
+        batch.update(vision_inputs(self.visuals, input_ids, attention_mask, [s.all_images for s in samples],
+                                   [s.all_videos for s in samples]))
         return batch
 

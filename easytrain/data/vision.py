@@ -17,6 +17,7 @@ arguments, so selecting, packing and sharing prompts handle videos as images.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Mapping, Sequence
 
 import torch
@@ -29,19 +30,55 @@ MM_TEXT, MM_IMAGE, MM_VIDEO = 0, 1, 2
 """Values of ``mm_token_type_ids``: which tokens are text, image or video."""
 
 
+@dataclass(frozen=True)
+class Layout:
+    """How a model family sees an image, as far as the data pipeline needs to know: onto which grid an image is
+    resized, how many vision tokens it then takes, and how its placeholder is written out. The family's adapter
+    (:mod:`easytrain.models.families`) builds it; the defaults are the 28-px grid of 14-px patches merged 2x2."""
+
+    factor: int = 28
+    """An image is resized to multiples of this many pixels per side (a cell)."""
+    tokens_per_cell: int = 1
+    """Vision tokens per ``factor x factor`` cell."""
+    thumbnail: bool = False
+    """An image of more than one cell also takes one cell of itself downscaled (tiled families)."""
+    image_pad: str = IMAGE_PAD
+    """The token the chat template writes once per image, expanded to one per vision token."""
+    video_pad: str = VIDEO_PAD
+    image_open: str = ""
+    """Text written before each image's expanded pads (where the template leaves it to the processor)."""
+    image_close: str = ""
+
+    def image_tokens(self, height: int, width: int) -> int:
+        """Vision tokens of an image already resized onto the grid."""
+        cells = (height // self.factor) * (width // self.factor)
+        return (cells + int(self.thumbnail and cells > 1)) * self.tokens_per_cell
+
+    def pixels_for(self, tokens: int) -> int:
+        """The most pixels an image may have to take at most ``tokens`` vision tokens (thumbnail aside)."""
+        return tokens * self.factor * self.factor // self.tokens_per_cell
+
+    def expand(self, text: str, image_tokens: Sequence[int], video_tokens: Sequence[int] = ()) -> str:
+        """``text`` with each image and video placeholder expanded to its visual's token count, in order."""
+        text = expand_image_placeholders(text, image_tokens, self.image_pad, self.image_open, self.image_close)
+        return expand_image_placeholders(text, video_tokens, self.video_pad)
+
+
 def image_token_counts(image_grid_thw: torch.Tensor, merge_size: int) -> list[int]:
     """Tokens each image occupies: t * h * w patches / merge_size**2."""
     return [int(n) for n in (image_grid_thw.prod(dim=-1) // (merge_size * merge_size)).tolist()]
 
 
-def expand_image_placeholders(text: str, counts: Sequence[int], placeholder: str = IMAGE_PAD) -> str:
-    """Replace the i-th placeholder with ``counts[i]`` copies; the counts must match the placeholders."""
+def expand_image_placeholders(text: str, counts: Sequence[int], placeholder: str = IMAGE_PAD, before: str = "",
+                              after: str = "") -> str:
+    """Replace the i-th placeholder with ``counts[i]`` copies (between ``before`` and ``after``); the counts must
+    match the placeholders."""
     parts = text.split(placeholder)
     if len(parts) - 1 != len(counts):
         raise ValueError(f"text has {len(parts) - 1} image placeholders but {len(counts)} images were given")
     out = [parts[0]]
     for count, rest in zip(counts, parts[1:]):
-        out.append(placeholder * count)
+        out.append(before + placeholder * count + after)
         out.append(rest)
     return "".join(out)
 

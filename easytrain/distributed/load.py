@@ -29,7 +29,7 @@ from torch import nn
 from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
 
 from easytrain.config.schema import ModelConfig
-from easytrain.models.hf import load_model, model_family
+from easytrain.models.hf import family, load_model
 from easytrain.models.tiny import model_class_for
 
 logger = logging.getLogger(__name__)
@@ -41,7 +41,7 @@ def meta_model(model_cfg: ModelConfig, folder: str) -> nn.Module:
     from transformers import AutoConfig, GenerationConfig
 
     hf_config = AutoConfig.from_pretrained(folder, trust_remote_code=model_cfg.trust_remote_code)
-    cls = model_class_for(model_family(folder))
+    cls = family(folder).model_class()
     with torch.device("meta"):
         model = cls._from_config(hf_config, dtype=torch.float32,  # noqa: SLF001 - transformers' own constructor
                                  attn_implementation=model_cfg.attn_implementation)

@@ -11,10 +11,14 @@ attention, no dropout), per token and layer, in the compute dtype:
   copy that o_proj keeps (2q); the residual sum and the second norm's output
   (2h); the MLP's gate, SiLU, up and product (4i). Qwen-VL's 3-D rope adds its
   per-layer cos/sin (2 x head_dim). ``eager`` attention adds the attention
-  weights (2 x heads x s per token).
-- vision block (per patch, before the 2x2 merge): two norms (4 hv), the fused
-  qkv output that v still views (3 hv), roped q and k (2 hv), the attention
-  output and its copy (2 hv), and the MLP (4 iv gated, 2 iv for Qwen2-VL's).
+  weights (2 x heads x s per token). Qwen3 and Gemma 3 normalise q and k per
+  head (their inputs: q + kv); Gemma 3 also normalises each sub-layer's
+  output (2h). A mixture-of-experts MLP counts as the experts a token is
+  routed to (``num_experts_per_tok x moe_intermediate_size`` wide).
+- vision block (per patch, before the merge): two norms (4 hv), the qkv
+  output that v still views (3 hv), q and k as attention takes them (2 hv),
+  the attention output and its copy (2 hv), and the MLP (4 iv gated as
+  Qwen2.5-VL's, 2 iv for the others' fc1 / activation / fc2).
 - gradient checkpointing keeps only each layer's input (h per token and layer)
   plus one layer recomputed during backward.
 - without gradients (log-prob passes) only one layer's working set is alive.
@@ -33,7 +37,16 @@ from typing import Any
 from easytrain.memory.states import FP32
 
 PATCH_VALUES = 3 * 2 * 14 * 14
-"""Floats of one vision patch in ``pixel_values`` (RGB x 2 frames x 14 x 14)."""
+"""Floats of one Qwen2-VL / Qwen2.5-VL vision patch in ``pixel_values`` (RGB x 2 frames x 14 x 14); a model's own
+is :attr:`ModelDims.values_per_token` / merge^2 (:mod:`easytrain.memory.vision`)."""
+MROPE_TYPES = ("qwen2_vl", "qwen2_5_vl", "qwen3_vl", "qwen3_vl_moe")
+"""Model types whose language model takes 3-D (multimodal) rope positions, with cos/sin per layer."""
+GATED_VISION_TYPES = ("qwen2_5_vl",)
+"""Model types whose vision blocks have a gated (SwiGLU) MLP."""
+QK_NORM_TYPES = ("qwen3", "qwen3_moe", "qwen3_vl", "qwen3_vl_moe", "gemma3", "gemma3_text")
+"""Model types whose attention normalises q and k per head."""
+SANDWICH_NORM_TYPES = ("gemma3", "gemma3_text")
+"""Model types that also normalise each attention / MLP output before the residual add (Gemma 3)."""
 
 
 @dataclass(frozen=True)
@@ -54,6 +67,35 @@ class ModelDims:
     vision_intermediate: int = 0
     vision_gated: bool = True
     merge: int = 2
+    """Patches per language-model token along a side (the vision tower sees merge^2 patches per token)."""
+    values_per_token: int = 4 * PATCH_VALUES
+    """fp32 ``pixel_values`` values behind one image token (its merge^2 patches)."""
+    qk_norm: bool = False
+    sandwich_norm: bool = False
+
+
+def mlp_width(text: Any) -> int:
+    """Intermediate width of the MLP one token runs: a dense MLP's ``intermediate_size``, or for a
+    mixture-of-experts model (every layer sparse) the ``num_experts_per_tok`` experts it is routed to."""
+    experts = getattr(text, "num_experts", None) or getattr(text, "num_local_experts", None)
+    chosen = getattr(text, "num_experts_per_tok", None)
+    moe = getattr(text, "moe_intermediate_size", None)
+    dense_layers = getattr(text, "mlp_only_layers", None) or []
+    if experts and chosen and moe and not dense_layers and getattr(text, "decoder_sparse_step", 1) == 1:
+        return chosen * moe
+    return text.intermediate_size
+
+
+def _vision_dims(model_type: str, vision: Any) -> dict[str, Any]:
+    """The vision tower's width, depth and MLP width: Qwen2-VL's ``embed_dim`` / ``depth`` / ``mlp_ratio``
+    (its ``hidden_size`` is the merger's output), Qwen2.5-VL's and Qwen3-VL's ``hidden_size`` / ``depth`` /
+    ``intermediate_size``, InternViT's and SigLIP's ``hidden_size`` / ``num_hidden_layers`` /
+    ``intermediate_size``."""
+    if hasattr(vision, "embed_dim") and hasattr(vision, "mlp_ratio"):  # Qwen2-VL
+        width = vision.embed_dim
+        return dict(vision_hidden=width, vision_layers=vision.depth, vision_intermediate=int(width * vision.mlp_ratio))
+    layers = getattr(vision, "depth", None) or vision.num_hidden_layers
+    return dict(vision_hidden=vision.hidden_size, vision_layers=layers, vision_intermediate=vision.intermediate_size)
 
 
 @lru_cache(maxsize=64)
@@ -61,20 +103,22 @@ def _dims(key: str) -> ModelDims:
     import json
 
     from easytrain.memory.params import hf_config_object
+    from easytrain.memory.vision import vision_geometry
 
-    config = hf_config_object(json.loads(key))
+    hf_config = json.loads(key)
+    config = hf_config_object(hf_config)
     text = config.get_text_config()
     head_dim = getattr(text, "head_dim", None) or text.hidden_size // text.num_attention_heads
     vision = getattr(config, "vision_config", None)
+    model_type = config.model_type
     dims = dict(hidden=text.hidden_size, layers=text.num_hidden_layers, heads=text.num_attention_heads,
                 q=text.num_attention_heads * head_dim, kv=text.num_key_value_heads * head_dim, head_dim=head_dim,
-                intermediate=text.intermediate_size, vocab=text.vocab_size, mrope=vision is not None)
-    if vision is not None:
-        gated = hasattr(vision, "intermediate_size") and hasattr(vision, "out_hidden_size")  # Qwen2.5-VL
-        width = vision.hidden_size if gated else vision.embed_dim  # Qwen2-VL: hidden_size is the merger's output
-        dims.update(vision_hidden=width, vision_layers=vision.depth,
-                    vision_intermediate=vision.intermediate_size if gated else int(width * vision.mlp_ratio),
-                    vision_gated=gated, merge=vision.spatial_merge_size)
+                intermediate=mlp_width(text), vocab=text.vocab_size, mrope=model_type in MROPE_TYPES,
+                qk_norm=model_type in QK_NORM_TYPES, sandwich_norm=model_type in SANDWICH_NORM_TYPES)
+    geometry = vision_geometry(hf_config)
+    if vision is not None and geometry is not None:
+        dims.update(_vision_dims(model_type, vision), vision_gated=model_type in GATED_VISION_TYPES,
+                    merge=geometry.merge, values_per_token=geometry.values_per_token)
     return ModelDims(**dims)
 
 
@@ -87,7 +131,8 @@ def model_dims(hf_config: dict[str, Any]) -> ModelDims:
 def layer_saved(d: ModelDims) -> int:
     """Elements one decoder layer keeps per token for backward."""
     rope = 2 * d.head_dim if d.mrope else 0
-    return 4 * d.hidden + 3 * d.q + 2 * d.kv + 4 * d.intermediate + rope
+    norms = (d.q + d.kv if d.qk_norm else 0) + (2 * d.hidden if d.sandwich_norm else 0)
+    return 4 * d.hidden + 3 * d.q + 2 * d.kv + 4 * d.intermediate + rope + norms
 
 
 def layer_working(d: ModelDims) -> int:
@@ -112,7 +157,7 @@ class MicroShape:
     images: int
     """Images per sequence."""
     image_tokens: int
-    """Language-model tokens per image (after the 2x2 merge)."""
+    """Language-model tokens per image, after the merge (:mod:`easytrain.memory.vision`)."""
 
 
 def packed_micro(budget: int, sample_tokens: int, response: int, images: int, image_tokens: int) -> MicroShape:
@@ -130,7 +175,7 @@ def activation_bytes(d: ModelDims, mb: MicroShape, dtype_bytes: int, *, grad: bo
     tokens = mb.sequences * mb.tokens
     patches = mb.sequences * mb.images * mb.image_tokens * d.merge * d.merge
     attention = 2 * d.heads * mb.tokens if eager else 0  # weights + softmax per token, per layer
-    pixels = patches * PATCH_VALUES * FP32
+    pixels = mb.sequences * mb.images * mb.image_tokens * d.values_per_token * FP32
     if not grad:
         text = tokens * (layer_working(d) + 2 * d.hidden + attention)  # + embeddings and the final norm
         vision = patches * (6 * d.vision_hidden + 3 * d.vision_intermediate) if patches else 0
@@ -178,5 +223,7 @@ def shard_units(hf_config: dict[str, Any]) -> tuple[int, int]:
 
     dims = model_dims(hf_config)
     counts = count_parameters(hf_config)
-    return (counts.embeddings + counts.lm_head + counts.projector,
-            4 * dims.hidden * dims.hidden + 3 * dims.hidden * dims.intermediate)
+    block = 4 * dims.hidden * dims.hidden + 3 * dims.hidden * dims.intermediate
+    if counts.experts:  # a mixture-of-experts block holds every expert, not the ones a token uses
+        block = max(block, counts.language_model // dims.layers)
+    return counts.embeddings + counts.lm_head + counts.projector, block

@@ -14,7 +14,8 @@ from easytrain.memory.params import hf_config_object
 from easytrain.memory.states import DTYPE_BYTES, FP32
 
 PATCH = 14
-"""Qwen2-VL / Qwen2.5-VL vision patch side (pixels)."""
+"""Qwen2-VL / Qwen2.5-VL vision patch side (pixels): :func:`image_tokens`' default; a model's own geometry is
+:func:`easytrain.memory.vision.vision_geometry` (Qwen3-VL's 16-px patches, InternVL's tiles, Gemma 3's fixed image)."""
 
 
 def video_patches(data: Any) -> int:
@@ -24,10 +25,20 @@ def video_patches(data: Any) -> int:
     return data.limit_videos * -(-data.max_frames // 2) if data.video_key else 0
 
 
-def image_tokens(max_pixels: int, merge: int = 2) -> int:
-    """Language-model tokens of one image at ``data.max_pixels``: a 14x14 patch per 196 pixels, merged
-    ``merge`` x ``merge`` into one token."""
-    return max_pixels // (PATCH * PATCH * merge * merge)
+def image_tokens(max_pixels: int, merge: int = 2, patch: int = PATCH) -> int:
+    """Language-model tokens of one image at ``data.max_pixels`` under dynamic resolution: a ``patch`` x
+    ``patch`` patch per patch^2 pixels (14 px: Qwen2-VL, Qwen2.5-VL), merged ``merge`` x ``merge`` into one
+    token."""
+    return max_pixels // (patch * patch * merge * merge)
+
+
+def tokens_per_image(hf_config: dict[str, Any], max_pixels: int) -> int:
+    """Language-model tokens of one image at ``max_pixels`` for the model ``hf_config`` describes (its patch
+    size, merge, tiles or fixed image: :mod:`easytrain.memory.vision`); 0 for a text-only model."""
+    from easytrain.memory.vision import vision_geometry
+
+    geometry = vision_geometry(hf_config)
+    return geometry.image_tokens(max_pixels) if geometry is not None else 0
 
 
 @dataclass(frozen=True)
@@ -58,7 +69,7 @@ def sequence_shape(config: Any, hf_config: dict[str, Any]) -> SequenceShape:
     turns = config.worker.rollout.multi_turn
     tool_images = turns.max_tool_images if turns.enable and config.trainer.task == "rl" else 0
     images = d.limit_images + tool_images + video_patches(d) if vision is not None else 0
-    per_image = image_tokens(d.max_pixels, vision.spatial_merge_size) if vision is not None else 0
+    per_image = tokens_per_image(hf_config, d.max_pixels) if vision is not None else 0
     if images:
         per_image = min(per_image, d.max_prompt_length // images)
     text = d.max_prompt_length - images * per_image

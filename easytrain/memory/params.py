@@ -4,9 +4,15 @@ The model is built from its transformers class on torch's meta device:
 names and shapes are the real ones, nothing is allocated and no weights are
 read, so a 72B model is counted in seconds on a laptop. Components are the
 ones the planner prices separately: the vision tower, the projector (the
-merger that maps vision features into the language model), the token
+merger or multi-modal projector that maps vision features into the language
+model; Qwen3-VL's DeepStack mergers too), the token
 embeddings, the language model's blocks and norms, and the LM head (zero
 when tied to the embeddings: a tied weight is one tensor).
+
+Mixture-of-experts language models (Qwen3-VL-30B-A3B) also report their
+routed experts' weights and the share of them one token uses
+(``num_experts_per_tok`` of ``num_experts``): ``ParamCounts.active`` is what
+a token's forward multiplies, ``ParamCounts.total`` what the states hold.
 """
 
 from __future__ import annotations
@@ -17,6 +23,12 @@ from functools import lru_cache
 from typing import Any
 
 COMPONENTS = ("vision_tower", "projector", "embeddings", "language_model", "lm_head")
+PROJECTOR_PARTS = (".visual.merger.", ".visual.deepstack_merger_list.", ".multi_modal_projector.")
+"""Name parts of the projector: Qwen-VL's merger (and Qwen3-VL's DeepStack mergers), InternVL's and Gemma 3's
+multi-modal projector."""
+VISION_PARTS = (".visual.", ".vision_tower.")
+"""Name parts of the vision tower (what is not projector under them): Qwen-VL's ``visual``, InternVL's and
+Gemma 3's ``vision_tower``."""
 
 
 @dataclass(frozen=True)
@@ -26,26 +38,50 @@ class ParamCounts:
     embeddings: int
     language_model: int
     lm_head: int
+    experts: int = 0
+    """Routed expert weights of a mixture-of-experts language model (part of ``language_model``)."""
+    active_experts: int = 0
+    """Of ``experts``, what one token uses: ``num_experts_per_tok / num_experts`` of them."""
 
     @property
     def total(self) -> int:
         return self.vision_tower + self.projector + self.embeddings + self.language_model + self.lm_head
+
+    @property
+    def active(self) -> int:
+        """Parameters one token's forward uses: all but the experts it is not routed to (= total when dense)."""
+        return self.total - self.experts + self.active_experts
 
     def as_dict(self) -> dict[str, int]:
         return {name: getattr(self, name) for name in COMPONENTS}
 
 
 def component_of(name: str) -> str:
-    """Which component a parameter name (HF naming, Qwen2 / Qwen2-VL / Qwen2.5-VL) belongs to."""
-    if ".visual.merger." in f".{name}" or name.startswith("visual.merger."):
+    """Which component a parameter name (HF naming: Qwen2, Qwen2-VL, Qwen2.5-VL, Qwen3-VL, InternVL, Gemma 3)
+    belongs to."""
+    dotted = f".{name}"
+    if any(part in dotted for part in PROJECTOR_PARTS):
         return "projector"
-    if ".visual." in f".{name}":
+    if any(part in dotted for part in VISION_PARTS):
         return "vision_tower"
     if "embed_tokens" in name:
         return "embeddings"
     if name.startswith("lm_head"):
         return "lm_head"
     return "language_model"
+
+
+def is_expert(name: str) -> bool:
+    """Whether a parameter is a routed expert's weight (``mlp.experts.*``, fused or one module per expert)."""
+    return ".experts." in f".{name}"
+
+
+def experts_per_token(hf_config: dict[str, Any]) -> float:
+    """The share of a mixture-of-experts model's routed experts one token uses (1.0 for a dense model)."""
+    text = hf_config_object(hf_config).get_text_config()
+    experts = getattr(text, "num_experts", None) or getattr(text, "num_local_experts", None)
+    chosen = getattr(text, "num_experts_per_tok", None)
+    return chosen / experts if experts and chosen else 1.0
 
 
 def hf_config_object(hf_config: dict[str, Any]) -> Any:
@@ -58,14 +94,16 @@ def hf_config_object(hf_config: dict[str, Any]) -> Any:
 
 
 def meta_model(hf_config: dict[str, Any]) -> Any:
-    """The model ``hf_config`` describes, on the meta device."""
+    """The model ``hf_config`` describes, on the meta device: transformers' image-text-to-text class for a
+    model with a vision tower, its causal-LM class otherwise (what ``from_pretrained`` builds for either)."""
     import torch
-
-    from easytrain.models.tiny import model_class_for
+    import transformers
 
     config = hf_config_object(hf_config)
+    vision = getattr(config, "vision_config", None) is not None
+    auto = transformers.AutoModelForImageTextToText if vision else transformers.AutoModelForCausalLM
     with torch.device("meta"):
-        return model_class_for(hf_config["model_type"])._from_config(config)
+        return auto.from_config(config)
 
 
 def count_parameters(hf_config: dict[str, Any]) -> ParamCounts:
@@ -75,10 +113,14 @@ def count_parameters(hf_config: dict[str, Any]) -> ParamCounts:
 
 @lru_cache(maxsize=64)
 def _count_parameters(key: str) -> ParamCounts:
+    hf_config = json.loads(key)
     counts = dict.fromkeys(COMPONENTS, 0)
-    for name, parameter in meta_model(json.loads(key)).named_parameters():  # a tied weight appears once
+    experts = 0
+    for name, parameter in meta_model(hf_config).named_parameters():  # a tied weight appears once
         counts[component_of(name)] += parameter.numel()
-    return ParamCounts(**counts)
+        experts += parameter.numel() if is_expert(name) else 0
+    active = round(experts * experts_per_token(hf_config)) if experts else 0
+    return ParamCounts(**counts, experts=experts, active_experts=active)
 
 
 def largest_module(hf_config: dict[str, Any]) -> int:

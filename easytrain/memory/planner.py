@@ -53,7 +53,7 @@ from dataclasses import dataclass
 from typing import Any, Optional
 
 from easytrain.config.schema import Config
-from easytrain.memory.activations import PATCH_VALUES, MicroShape, activation_bytes, logits_bytes, model_dims
+from easytrain.memory.activations import MicroShape, activation_bytes, logits_bytes, model_dims
 from easytrain.memory.budget import engine_budget, kv_bytes_per_token
 from easytrain.memory.capacity import (CUDA_CONTEXT_BYTES, GB, Capacity, Plan, Row, capacity_of, gpu_process_device,
                                        sum_parts)
@@ -364,7 +364,7 @@ def batch_bytes(config: Config, s: Shape) -> int:
     and the pixel values of its images (each of a prompt's n samples carries its own copy)."""
     sequences = config.data.rollout_batch_size * config.worker.rollout.n
     per_sequence = s.seq_tokens * 8 * 6 + s.response * (8 + 8 + 4 * 4)
-    pixels = s.images * s.image_tokens * 4 * PATCH_VALUES * FP32
+    pixels = s.images * s.image_tokens * s.values_per_token * FP32
     return sequences * (per_sequence + pixels)
 
 
@@ -412,7 +412,7 @@ def _notes(config: Config, s: Shape, hf_config: dict[str, Any], capacity: Capaci
             notes.append("vLLM: the weights do not fit in gpu_memory_utilization x GPU: no room for a KV cache")
     batch = batch_bytes(config, s)
     if batch > GB:
-        pixels = config.data.rollout_batch_size * r.n * s.images * s.image_tokens * 4 * PATCH_VALUES * FP32
+        pixels = config.data.rollout_batch_size * r.n * s.images * s.image_tokens * s.values_per_token * FP32
         notes.append(f"step batch: {batch / GB:.1f} GB per copy, {pixels / GB:.1f} GB of it pixel values "
                      f"({s.images} image(s) of {s.image_tokens} tokens per sequence, each of the n={r.n} samples "
                      "of a prompt carrying its own copy)")

@@ -35,7 +35,8 @@ def render(config: Config, p: Plan, hf_config: dict[str, Any], advice: list[Sugg
     roles = (f"SFT: the actor only, {strategy}" if t.task == "sft"
              else f"fused workers: one process per {'GPU' if p.on_gpu else 'CPU worker'} hosting actor, reference "
              "and rollout" if t.colocate else "a device pool per role: each role its own processes")
-    lines = [f"model {config.model.path}: {counts.total / 1e9:.2f}B parameters; {where}, {roles}",
+    active = f" ({counts.active / 1e9:.2f}B active per token)" if counts.experts else ""  # mixture of experts
+    lines = [f"model {config.model.path}: {counts.total / 1e9:.2f}B parameters{active}; {where}, {roles}",
              f"checked against: {'GPU ' + _gb(c.gpu_bytes) + ' GB, ' if c.gpu_bytes else ''}node RAM {_gb(c.node_ram)} GB"
              f" x Ray memory threshold {c.ray_threshold:.2f} = {_gb(c.host_limit)} GB ({c.source})",
              f"fits means the peaks plus a {c.margin_source or 'margin of 0'}", "",

@@ -41,6 +41,8 @@ class Shape:
     """A KL term with LoRA: the actor, adapters disabled, computes the reference log-probs."""
     old_log_probs: bool
     on_gpu: bool
+    values_per_token: int
+    """fp32 ``pixel_values`` values behind one image token (:attr:`ModelDims.values_per_token`)."""
 
 
 def shape_of(config: Config, hf_config: dict[str, Any]) -> Shape:
@@ -48,15 +50,17 @@ def shape_of(config: Config, hf_config: dict[str, Any]) -> Shape:
     seq = sequence_shape(config, hf_config)
     on_policy = a.ppo_epochs == 1 and d.rollout_batch_size == a.global_batch_size
     kl = config.algorithm.kl_coef > 0
+    dims = model_dims(hf_config)
     return Shape(world=t.nnodes * t.workers_per_node, per_node=t.workers_per_node,
                  total_params=count_parameters(hf_config).total,
                  trainable=trainable_by_component(hf_config, config.model),
                  largest_trainable=largest_trainable(hf_config, config.model),
                  largest_module=largest_module(hf_config),
                  seq_tokens=seq.total, response=seq.response, images=seq.images, image_tokens=seq.image_tokens,
-                 hidden=model_dims(hf_config).hidden, dtype_bytes=DTYPE_BYTES[config.model.dtype],
+                 hidden=dims.hidden, dtype_bytes=DTYPE_BYTES[config.model.dtype],
                  with_ref=kl and config.model.lora.rank == 0, ref_by_actor=kl and config.model.lora.rank > 0,
-                 old_log_probs=not (on_policy and a.reuse_log_probs_on_policy), on_gpu=t.device == "cuda")
+                 old_log_probs=not (on_policy and a.reuse_log_probs_on_policy), on_gpu=t.device == "cuda",
+                 values_per_token=dims.values_per_token)
 
 
 def per_rank(config: Config, s: Shape, role: str, prompts: int) -> int:

@@ -35,7 +35,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from easytrain.config.schema import Config
-from easytrain.memory.activations import (PATCH_VALUES, MicroShape, activation_bytes, model_dims, packed_micro,
+from easytrain.memory.activations import (MicroShape, activation_bytes, model_dims, packed_micro,
                                           sft_logits_bytes, shard_units)
 from easytrain.memory.budget import kv_bytes_per_token
 from easytrain.memory.capacity import CUDA_WORKSPACE_BYTES, Capacity, Plan, Row, gpu_process_device, sum_parts
@@ -75,20 +75,22 @@ class SFTShape:
     """Whether a rank runs more than one micro batch per optimizer step (gradients wait between them)."""
     dtype_bytes: int
     on_gpu: bool
+    values_per_token: int
+    """fp32 ``pixel_values`` values behind one image token (:attr:`ModelDims.values_per_token`)."""
 
 
 def sample_images(config: Config, hf_config: dict[str, Any]) -> tuple[int, int]:
     """(images, tokens per image) of the longest sample: ``data.limit_images`` at ``data.max_pixels`` (and
     the videos' temporal patches, priced as images: :func:`easytrain.memory.budget.video_patches`), each
     image taking at most its share of the whole sample's budget (a longer sample is refused)."""
-    from easytrain.memory.budget import image_tokens, video_patches
+    from easytrain.memory.budget import tokens_per_image, video_patches
 
     d = config.data
     vision = getattr(hf_config_object(hf_config), "vision_config", None) if d.image_key else None
     images = d.limit_images + video_patches(d)
     if vision is None or not images:
         return 0, 0
-    per_image = image_tokens(d.max_pixels, vision.spatial_merge_size)
+    per_image = tokens_per_image(hf_config, d.max_pixels)
     return images, min(per_image, (d.max_prompt_length + d.max_response_length) // images)
 
 
@@ -112,7 +114,8 @@ def sft_shape(config: Config, hf_config: dict[str, Any]) -> SFTShape:
                     largest_trainable=largest_trainable(hf_config, config.model),
                     largest_module=largest_module(hf_config), sample_tokens=tokens,
                     images=images, image_tokens=per_image, micro=micro, accumulates=accumulates,
-                    dtype_bytes=DTYPE_BYTES[config.model.dtype], on_gpu=t.device == "cuda")
+                    dtype_bytes=DTYPE_BYTES[config.model.dtype], on_gpu=t.device == "cuda",
+                    values_per_token=model_dims(hf_config).values_per_token)
 
 
 # ----------------------------------------------------------------------------- the actor's states
@@ -270,7 +273,7 @@ def setup_device(config: Config, s: SFTShape, st: ActorStates) -> dict[str, int]
 def batch_bytes(config: Config, s: SFTShape) -> int:
     """An optimizer step's global batch as the driver holds it: per token the int64 tensors, per sample the
     fp32 pixel values of its images."""
-    pixels = s.images * s.image_tokens * 4 * PATCH_VALUES * FP32
+    pixels = s.images * s.image_tokens * s.values_per_token * FP32
     return config.worker.actor.global_batch_size * (s.sample_tokens * 8 * TOKEN_TENSORS + pixels)
 
 

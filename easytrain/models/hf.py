@@ -18,7 +18,8 @@ from typing import Any, Iterator, Optional
 from easytrain.config.errors import ConfigError
 from easytrain.config.presets import RANDOM_PREFIX
 from easytrain.config.schema import ModelConfig
-from easytrain.models.tiny import build_tiny, image_processor_class, model_class_for
+from easytrain.models.families import Family, family_of_folder
+from easytrain.models.tiny import build_tiny
 
 logger = logging.getLogger(__name__)
 
@@ -53,23 +54,13 @@ def loading(key: str, path: str, what: str) -> Iterator[None]:
 
 def model_family(folder: str, key: str = "model.path") -> str:
     """The HF ``model_type`` of a folder (or hub id, via AutoConfig)."""
+    return family(folder, key).model_type
+
+
+def family(folder: str, key: str = "model.path") -> Family:
+    """The family adapter of a model folder or hub id (:mod:`easytrain.models.families`)."""
     with loading(key, folder, "model config"):
-        config_file = Path(folder) / "config.json"
-        if config_file.is_file():
-            return str(json.loads(config_file.read_text())["model_type"])
-        from transformers import AutoConfig
-
-        return str(AutoConfig.from_pretrained(folder).model_type)
-
-
-def video_time_scale(folder: str) -> Optional[float]:
-    """Rope positions per second of video: Qwen2.5-VL's ``vision_config.tokens_per_second`` (its video tokens'
-    temporal positions follow real time); None for a family whose temporal positions count patches (Qwen2-VL)."""
-    if model_family(folder) != "qwen2_5_vl":
-        return None
-    from transformers import AutoConfig
-
-    return float(AutoConfig.from_pretrained(folder).vision_config.tokens_per_second)
+        return family_of_folder(folder)
 
 
 def load_tokenizer(model: ModelConfig, folder: Optional[str] = None) -> Any:
@@ -81,13 +72,14 @@ def load_tokenizer(model: ModelConfig, folder: Optional[str] = None) -> Any:
 
 
 def load_image_processor(model: ModelConfig, folder: Optional[str] = None) -> Any:
-    """Qwen's image processor (PIL backend); None for text-only models."""
+    """The family's image processor (PIL backend); None for text-only models."""
     folder = folder or model_folder(model)
-    if model_family(folder) not in ("qwen2_5_vl", "qwen2_vl"):
+    adapter = family(folder)
+    if not adapter.vision:
         return None
     source = model.tokenizer_path or folder
     with loading("model.tokenizer_path" if model.tokenizer_path else "model.path", source, "image processor"):
-        return image_processor_class().from_pretrained(source)
+        return adapter.image_processor(source)
 
 
 def load_model(model: ModelConfig, folder: Optional[str] = None, device: str = "cpu",
@@ -102,7 +94,7 @@ def load_model(model: ModelConfig, folder: Optional[str] = None, device: str = "
     if is_random_folder(folder):  # no weights to read: built and initialised on the device itself
         return random_model(folder, torch_dtype, model.attn_implementation, device)
     with loading("model.path", folder, "model"):
-        cls = model_class_for(model_family(folder))
+        cls = family(folder).model_class()
         loaded = cls.from_pretrained(
             folder, dtype=torch_dtype, attn_implementation=model.attn_implementation,
             trust_remote_code=model.trust_remote_code,

@@ -3,8 +3,9 @@
 A GRPO batch holds every prompt ``n`` times (one row per sampled response),
 and with it every image ``n`` times: the rollout's prefill, the reference and
 the actor would run the vision tower ``n`` times over the same pixels. Hooks
-on the tower (Qwen2-VL and Qwen2.5-VL: ``visual(pixel_values, grid_thw)``
-returning the merged features as ``pooler_output``) find identical images
+on the tower (:func:`dedupe_patch_rows` for a tower that takes every
+image's patch rows and grid, :func:`dedupe_batched` for one that takes a
+batch of tiles; the family's adapter picks) find identical images
 (same grid, equal pixels, verified with ``torch.equal``), run the tower on
 the distinct ones only and hand every image its features by index: the same
 values (each image is attended to on its own inside the tower, so batching
@@ -59,27 +60,19 @@ def distinct_images(pixel_values: torch.Tensor, grid_thw: torch.Tensor) -> tuple
     return firsts, owner
 
 
-def vision_tower(model: nn.Module) -> Optional[nn.Module]:
-    """The ``visual`` module of a Qwen-VL model (through PEFT wrappers), or None for a text model."""
-    inner: Any = model
-    for _ in range(4):
-        visual = getattr(getattr(inner, "model", None), "visual", None) or getattr(inner, "visual", None)
-        if visual is not None:
-            return visual
-        inner = getattr(inner, "base_model", None) or getattr(inner, "model", None)
-        if inner is None:
-            return None
-    return None
-
-
 def dedupe_images(model: nn.Module) -> Optional[DedupStats]:
-    """Install the hooks on ``model``'s vision tower (in place); returns their counters, None for a text model."""
-    visual = vision_tower(model)
-    if visual is None:
-        return None
+    """Install the hooks on ``model``'s vision tower (in place), the way its family's adapter says; returns their
+    counters, None for a text model or a family without dedup."""
+    from easytrain.models.families import family_of
+
+    return family_of(model).dedupe_images(model)
+
+
+def dedupe_patch_rows(visual: nn.Module, merge: int) -> DedupStats:
+    """Hooks for a tower called ``visual(pixel_rows, grid_thw)`` that returns every image's merged features back
+    to back as ``pooler_output`` (and, Qwen3-VL, per-layer ``deepstack_features`` alike)."""
     stats = DedupStats()
     pending: list[tuple[torch.Tensor, int]] = []
-    merge = int(getattr(visual, "spatial_merge_size", 2))
 
     def before(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Optional[tuple[Any, Any]]:
         pixels = args[0] if args else kwargs["hidden_states"]
@@ -119,8 +112,56 @@ def dedupe_images(model: nn.Module) -> Optional[DedupStats]:
         if index.numel() == 0:
             return output
         output.pooler_output = output.pooler_output.index_select(0, index.to(output.pooler_output.device))
+        deepstack = getattr(output, "deepstack_features", None)
+        if deepstack:
+            output.deepstack_features = [f.index_select(0, index.to(f.device)) for f in deepstack]
         return output
 
     visual.register_forward_pre_hook(before, with_kwargs=True)
     visual.register_forward_hook(after, with_kwargs=True)
+    return stats
+
+
+def dedupe_batched(tower: nn.Module) -> DedupStats:
+    """Hooks for a tower called on a batch of equal-sized images or tiles, ``tower(pixel_values=(N, C, H, W))``,
+    each attended to on its own (InternVL's, SigLIP): the distinct ones run, and every output with a batch
+    dimension (``last_hidden_state``, ``pooler_output``, ``hidden_states``) is handed back per input."""
+    stats = DedupStats()
+    pending: list[Optional[torch.Tensor]] = []
+
+    def before(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Optional[tuple[Any, Any]]:
+        pixels = args[0] if args else kwargs.get("pixel_values")
+        if pixels is None or pixels.shape[0] < 2:
+            pending.append(None)
+            return None
+        flat = pixels.reshape(pixels.shape[0], -1)
+        firsts, owner = distinct_images(flat, torch.ones(pixels.shape[0], 3, dtype=torch.long))
+        stats.images += pixels.shape[0]
+        stats.computed += len(firsts)
+        stats.calls.append((pixels.shape[0], len(firsts)))
+        if len(firsts) == pixels.shape[0]:
+            pending.append(None)
+            return None
+        pending.append(torch.tensor(owner))
+        unique = pixels.index_select(0, torch.tensor(firsts, device=pixels.device))
+        if args:
+            return (unique, *args[1:]), kwargs
+        kwargs["pixel_values"] = unique
+        return args, kwargs
+
+    def after(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], output: Any) -> Any:
+        index = pending.pop()
+        if index is None:
+            return output
+        for name in ("last_hidden_state", "pooler_output"):
+            value = getattr(output, name, None)
+            if isinstance(value, torch.Tensor):
+                setattr(output, name, value.index_select(0, index.to(value.device)))
+        states = getattr(output, "hidden_states", None)
+        if states is not None:
+            output.hidden_states = tuple(h.index_select(0, index.to(h.device)) for h in states)
+        return output
+
+    tower.register_forward_pre_hook(before, with_kwargs=True)
+    tower.register_forward_hook(after, with_kwargs=True)
     return stats

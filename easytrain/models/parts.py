@@ -7,6 +7,8 @@ from typing import Any
 
 from torch import nn
 
+from easytrain.models.families import family_of
+
 LINEAR_NAMES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 
 
@@ -19,8 +21,7 @@ def apply_lora(model: nn.Module, lora: Any) -> nn.Module:
     from peft import LoraConfig, get_peft_model
 
     if list(lora.target_modules) == ["all-linear"]:
-        scope = r".*language_model\." if hasattr(getattr(model, "model", model), "language_model") else r".*layers\."
-        targets: Any = scope + r".*\.(" + "|".join(LINEAR_NAMES) + r")$"
+        targets: Any = family_of(model).lora_scope(model) + r".*\.(" + "|".join(LINEAR_NAMES) + r")$"
     else:
         targets = list(lora.target_modules)
     config = LoraConfig(r=lora.rank, lora_alpha=lora.alpha, lora_dropout=lora.dropout, target_modules=targets,
@@ -29,17 +30,6 @@ def apply_lora(model: nn.Module, lora: Any) -> nn.Module:
 
 
 def freeze_parts(model: nn.Module, vision: bool, aligner: bool, llm: bool) -> None:
-    """Turn off gradients of the vision tower, the projector (merger) and/or the language model."""
-    inner: Any = getattr(model, "model", model)
-    visual = getattr(inner, "visual", None)
-    if visual is not None:
-        for name, param in visual.named_parameters():
-            is_merger = name.startswith("merger.")
-            if (is_merger and aligner) or (not is_merger and vision):
-                param.requires_grad_(False)
-    if llm:
-        language = getattr(inner, "language_model", inner if visual is None else None)
-        if language is not None:
-            language.requires_grad_(False)
-        if hasattr(model, "lm_head") and not getattr(model.config, "tie_word_embeddings", False):
-            model.lm_head.requires_grad_(False)
+    """Turn off gradients of the vision tower, the projector and/or the language model (where the model's family
+    adapter says they are)."""
+    family_of(model).freeze(model, vision, aligner, llm)

@@ -29,6 +29,8 @@ from typing import Any, Union
 import torch
 
 from easytrain.config.presets import RANDOM_PREFIX, random_hf_config
+from easytrain.config.errors import ConfigError
+from easytrain.models.tiny import FAMILIES as TINY_FAMILIES
 from easytrain.models.tiny import build_once, build_tiny, default_cache_dir, model_class_for
 
 logger = logging.getLogger(__name__)
@@ -37,8 +39,6 @@ MARKER = "random_init.json"
 """Stands in a random: folder where the weights would be: its name and seed."""
 FACTORY_VERSION = 1
 """Bump when the folder's contents change, so cached folders from older builds are not reused."""
-TINY_FAMILY = {"qwen2_5_vl": "qwen2_5_vl", "qwen2_vl": "qwen2_vl", "qwen2": "qwen2"}
-"""model_type of a conf/model preset -> the tiny family whose tokenizer and image processor it takes."""
 WEIGHT_SUFFIXES = (".safetensors", ".bin", ".safetensors.index.json", ".bin.index.json")
 
 
@@ -47,7 +47,11 @@ def build_random(name: str, seed: int = 0, cache_dir: Union[str, Path, None] = N
     import transformers
 
     shape = random_hf_config(RANDOM_PREFIX + name)
-    tiny = build_tiny(TINY_FAMILY[shape["model_type"]], "tiny", seed, cache_dir)
+    if shape["model_type"] not in TINY_FAMILIES:
+        raise ConfigError("model.path", RANDOM_PREFIX + name, f"no tiny tokenizer of its family "
+                          f"({shape['model_type']}) to pair the random weights with",
+                          "use a conf/model preset of a family with a tiny model: " + ", ".join(TINY_FAMILIES))
+    tiny = build_tiny(shape["model_type"], "tiny", seed, cache_dir)
     cache = Path(cache_dir).expanduser() if cache_dir else default_cache_dir()
     key = json.dumps([FACTORY_VERSION, name, shape, seed, tiny.name, transformers.__version__], sort_keys=True)
     target = cache / "random" / f"{name}-seed{seed}-{hashlib.sha1(key.encode()).hexdigest()[:10]}"

@@ -18,13 +18,11 @@ from pathlib import Path
 from typing import Any, Optional
 
 from easytrain.config.presets import RANDOM_PREFIX, known_hf_configs, random_hf_config
+from easytrain.config.errors import ConfigError
 from easytrain.config.schema import ModelConfig
 from easytrain.config.validate import ModelShape
 
 logger = logging.getLogger(__name__)
-
-VISION_FAMILIES = ("qwen2_5_vl", "qwen2_vl")
-
 
 def shape_from_hf_config(hf: dict[str, Any]) -> ModelShape:
     """Read a ModelShape from a ``config.json`` dict (flat or with ``text_config``)."""
@@ -40,17 +38,26 @@ def shape_from_hf_config(hf: dict[str, Any]) -> ModelShape:
         num_hidden_layers=int(text["num_hidden_layers"]),
         vocab_size=int(text["vocab_size"]),
         max_position_embeddings=int(text.get("max_position_embeddings") or 32768),
-        is_vision="vision_config" in hf or family in VISION_FAMILIES,
+        is_vision="vision_config" in hf,
     )
+
+
+def tiny_config(model: ModelConfig) -> dict[str, Any]:
+    """The HF config of ``model.path=tiny:<family>``; a ConfigError for a family without a tiny model."""
+    from easytrain.models.tiny import FAMILIES, tiny_hf_config
+
+    family = model.path[len("tiny:"):]
+    if family not in FAMILIES:
+        raise ConfigError("model.path", model.path, "unknown tiny model family",
+                          "use " + ", ".join(f"tiny:{name}" for name in FAMILIES))
+    return tiny_hf_config(family, model.tiny_size)
 
 
 def resolve_shape(model: ModelConfig) -> Optional[ModelShape]:
     """The shape of ``model.path``, or None when it cannot be known offline."""
     path = model.path
     if path.startswith("tiny:"):
-        from easytrain.models.tiny import tiny_hf_config
-
-        return shape_from_hf_config(tiny_hf_config(path[5:], model.tiny_size))
+        return shape_from_hf_config(tiny_config(model))
     if path.startswith(RANDOM_PREFIX):
         return shape_from_hf_config(random_hf_config(path))
     config_file = Path(path).expanduser() / "config.json"
@@ -68,9 +75,7 @@ def hf_config_for(model: ModelConfig) -> Optional[dict[str, Any]]:
     random:<name>, a local folder's config.json, or ``conf/model/`` by hub id; None when unknown offline."""
     path = model.path
     if path.startswith("tiny:"):
-        from easytrain.models.tiny import tiny_hf_config
-
-        return tiny_hf_config(path[5:], model.tiny_size)
+        return tiny_config(model)
     if path.startswith(RANDOM_PREFIX):
         return random_hf_config(path)
     config_file = Path(path).expanduser() / "config.json"

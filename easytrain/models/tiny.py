@@ -1,9 +1,10 @@
-"""Tiny random-initialised Qwen models for tests and the default run.
+"""Tiny random-initialised models for tests and the default run.
 
 ``build_tiny("qwen2_5_vl", "tiny", seed=0)`` builds, deterministically from
-the seed, a real transformers Qwen2.5-VL / Qwen2-VL / Qwen2 with a byte-level
-BPE tokenizer trained here (Qwen's special tokens and chat template) and, for
-the VL families, Qwen's image processor; it saves them with
+the seed, a real transformers model of a family with a tiny adapter
+(:data:`easytrain.models.families.TINY_FAMILIES`) with a byte-level BPE
+tokenizer trained here (the family's special tokens and chat template, from
+its adapter) and, for the VL families, the family's image processor; it saves them with
 ``save_pretrained`` into a cache folder and returns the folder, which then
 loads through the same ``from_pretrained`` path as a real checkpoint.
 
@@ -21,66 +22,28 @@ import os
 import random
 import shutil
 import uuid
-from dataclasses import asdict, dataclass
+from dataclasses import asdict
 from pathlib import Path
 from typing import Any, Callable, Optional, Union
 
+from easytrain.models.families import ADAPTERS, TINY_FAMILIES, TinySpec, adapter_class
+
 logger = logging.getLogger(__name__)
 
-FAMILIES = ("qwen2_5_vl", "qwen2_vl", "qwen2")
+FAMILIES = TINY_FAMILIES
 SIZES = ("tiny", "small")
 FACTORY_VERSION = 3
 """Bump when the build changes, so cached folders from older builds are not reused."""
 
-SPECIAL_TOKENS = (
-    "<|endoftext|>", "<|im_start|>", "<|im_end|>",
-    "<|vision_start|>", "<|vision_end|>", "<|vision_pad|>", "<|image_pad|>", "<|video_pad|>",
-)
 VOCAB_SIZE = 1024
-
-# Qwen-VL style chat template: images (videos) in a message's content list become
-# <|vision_start|><|image_pad|><|vision_end|> (<|video_pad|>), which easytrain expands
-# to one pad per vision token.
-CHAT_TEMPLATE = (  # no whitespace control: the string holds no incidental whitespace
-    "{% for message in messages %}"
-    "{% if loop.first and message['role'] != 'system' %}"
-    "<|im_start|>system\nYou are a helpful assistant.<|im_end|>\n"
-    "{% endif %}"
-    "<|im_start|>{{ message['role'] }}\n"
-    "{% if message['content'] is string %}{{ message['content'] }}"
-    "{% else %}{% for part in message['content'] %}"
-    "{% if part['type'] == 'image' %}<|vision_start|><|image_pad|><|vision_end|>"
-    "{% elif part['type'] == 'video' %}<|vision_start|><|video_pad|><|vision_end|>"
-    "{% elif part['type'] == 'text' %}{{ part['text'] }}{% endif %}"
-    "{% endfor %}{% endif %}"
-    "<|im_end|>\n"
-    "{% endfor %}"
-    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
-)
-
-
-@dataclass(frozen=True)
-class TinySpec:
-    hidden: int
-    layers: int
-    heads: int
-    kv_heads: int
-    intermediate: int
-    vision_depth: int
-    vision_hidden: int
-    vision_heads: int
-    vision_intermediate: int
-
-    @property
-    def head_dim(self) -> int:
-        return self.hidden // self.heads
-
+SPECIAL_TOKENS = ADAPTERS[0].tiny_tokens
+"""The default family's special tokens (the first ids of its tiny vocabulary)."""
 
 SPECS = {
     "tiny": TinySpec(hidden=64, layers=2, heads=2, kv_heads=1, intermediate=128,
-                     vision_depth=2, vision_hidden=32, vision_heads=1, vision_intermediate=64),
+                     vision_depth=2, vision_hidden=32, vision_heads=1, vision_intermediate=64, vocab=VOCAB_SIZE),
     "small": TinySpec(hidden=256, layers=4, heads=4, kv_heads=2, intermediate=704,
-                      vision_depth=4, vision_hidden=128, vision_heads=2, vision_intermediate=256),
+                      vision_depth=4, vision_hidden=128, vision_heads=2, vision_intermediate=256, vocab=VOCAB_SIZE),
 }
 
 
@@ -92,46 +55,10 @@ def _check(family: str, size: str) -> TinySpec:
     return SPECS[size]
 
 
-def _mrope_section(head_dim: int) -> list[int]:
-    """Temporal/height/width split of the rotary half-dim (sums to head_dim // 2), Qwen's 1:1.5:1.5."""
-    half = head_dim // 2
-    t = half // 4
-    h = (half - t) // 2
-    return [t, h, half - t - h]
-
-
 def tiny_hf_config(family: str, size: str = "tiny", token_ids: Optional[dict[str, int]] = None) -> dict[str, Any]:
     """The HF config dict of a tiny model (shape only unless ``token_ids`` are given)."""
     spec = _check(family, size)
-    ids = token_ids or {}
-    text: dict[str, Any] = {
-        "vocab_size": VOCAB_SIZE, "hidden_size": spec.hidden, "intermediate_size": spec.intermediate,
-        "num_hidden_layers": spec.layers, "num_attention_heads": spec.heads,
-        "num_key_value_heads": spec.kv_heads, "max_position_embeddings": 4096,
-        "rms_norm_eps": 1e-6, "hidden_act": "silu", "use_cache": True,
-        "bos_token_id": ids.get("<|endoftext|>"), "eos_token_id": ids.get("<|im_end|>"),
-        "pad_token_id": ids.get("<|endoftext|>"),
-        "rope_parameters": {"rope_type": "default", "rope_theta": 1_000_000.0},
-    }
-    if family == "qwen2":
-        return {"model_type": "qwen2", "tie_word_embeddings": True, **text}
-    text["rope_parameters"]["mrope_section"] = _mrope_section(spec.head_dim)
-    if family == "qwen2_5_vl":
-        vision: dict[str, Any] = {
-            "depth": spec.vision_depth, "hidden_size": spec.vision_hidden, "num_heads": spec.vision_heads,
-            "intermediate_size": spec.vision_intermediate, "out_hidden_size": spec.hidden,
-            "window_size": 112, "fullatt_block_indexes": list(range(1, spec.vision_depth, 2)),
-        }
-    else:
-        vision = {
-            "depth": spec.vision_depth, "embed_dim": spec.vision_hidden, "num_heads": spec.vision_heads,
-            "mlp_ratio": spec.vision_intermediate // spec.vision_hidden, "hidden_size": spec.hidden,
-        }
-    return {
-        "model_type": family, "text_config": text, "vision_config": vision, "tie_word_embeddings": True,
-        "image_token_id": ids.get("<|image_pad|>"), "video_token_id": ids.get("<|video_pad|>"),
-        "vision_start_token_id": ids.get("<|vision_start|>"), "vision_end_token_id": ids.get("<|vision_end|>"),
-    }
+    return adapter_class(family).tiny_config(spec, token_ids or {})
 
 
 # ----------------------------------------------------------------------------- tokenizer
@@ -163,23 +90,25 @@ def _corpus(seed: int, lines: int = 3000) -> list[str]:
     return out
 
 
-def build_tokenizer(seed: int = 0) -> Any:
-    """A byte-level BPE tokenizer with Qwen's special tokens and chat template."""
+def build_tokenizer(seed: int = 0, family: str = "qwen2_5_vl") -> Any:
+    """A byte-level BPE tokenizer with the family's special tokens and chat template (ChatML turns)."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast
 
+    adapter = adapter_class(family)
+    specials = adapter.tiny_tokens
     bpe = Tokenizer(models.BPE())
     bpe.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     bpe.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(
-        vocab_size=VOCAB_SIZE, special_tokens=list(SPECIAL_TOKENS), show_progress=False,
+        vocab_size=VOCAB_SIZE, special_tokens=list(specials), show_progress=False,
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
     )
     bpe.train_from_iterator(_corpus(seed), trainer)
     return PreTrainedTokenizerFast(
         tokenizer_object=bpe, eos_token="<|im_end|>", pad_token="<|endoftext|>",
-        additional_special_tokens=[t for t in SPECIAL_TOKENS if t not in ("<|im_end|>", "<|endoftext|>")],
-        chat_template=CHAT_TEMPLATE, model_max_length=4096, padding_side="left",
+        additional_special_tokens=[t for t in specials if t not in ("<|im_end|>", "<|endoftext|>")],
+        chat_template=adapter.tiny_template, model_max_length=4096, padding_side="left",
     )
 
 
@@ -252,8 +181,8 @@ def _build_into(folder: Path, family: str, size: str, seed: int) -> None:
     import torch
     import transformers
 
-    tokenizer = build_tokenizer(seed)
-    ids = {tok: tokenizer.convert_tokens_to_ids(tok) for tok in SPECIAL_TOKENS}
+    tokenizer = build_tokenizer(seed, family)
+    ids = {tok: tokenizer.convert_tokens_to_ids(tok) for tok in adapter_class(family).tiny_tokens}
     raw = tiny_hf_config(family, size, ids)
     model_type = raw.pop("model_type")
     config = transformers.AutoConfig.for_model(model_type, **raw)
@@ -269,29 +198,14 @@ def _build_into(folder: Path, family: str, size: str, seed: int) -> None:
     model.should_save_on_this_rank = lambda is_main_process: True
     model.save_pretrained(folder)
     tokenizer.save_pretrained(folder)
-    if family != "qwen2":
-        image_processor_class()().save_pretrained(folder)
+    processor = adapter_class(family).tiny_processor()
+    if processor is not None:
+        processor.save_pretrained(folder)
 
 
 def model_class_for(family: str) -> Any:
     """The transformers class for a model family (what ``from_pretrained`` is called on)."""
-    import transformers
-
-    classes = {
-        "qwen2_5_vl": transformers.Qwen2_5_VLForConditionalGeneration,
-        "qwen2_vl": transformers.Qwen2VLForConditionalGeneration,
-        "qwen2": transformers.Qwen2ForCausalLM,
-    }
-    if family not in classes:
-        raise ValueError(f"unsupported model family {family!r}; supported: {', '.join(classes)}")
-    return classes[family]
-
-
-def image_processor_class() -> Any:
-    """Qwen's image processor with the PIL backend (the default one needs torchvision)."""
-    from transformers.models.qwen2_vl import Qwen2VLImageProcessorPil
-
-    return Qwen2VLImageProcessorPil
+    return adapter_class(family)({"model_type": family}).model_class()
 
 
 def count_parameters(folder: Union[str, Path]) -> int:

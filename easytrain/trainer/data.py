@@ -13,9 +13,10 @@ from easytrain.data.dataset import PromptDataset
 from easytrain.data.loader import PromptLoader
 from easytrain.data.sft import SFTCollator, SFTDataset
 from easytrain.data.sources import DataError
-from easytrain.data.vision import IMAGE_PAD, VIDEO_PAD, VISUAL_KEYS, expand_image_placeholders
+from easytrain.data.vision import VISUAL_KEYS
 from easytrain.distributed.batch import Batch
-from easytrain.models.hf import load_image_processor, load_tokenizer, model_folder, video_time_scale
+from easytrain.models.families.base import Bound
+from easytrain.models.hf import family, load_image_processor, load_tokenizer, model_folder
 
 logger = logging.getLogger(__name__)
 
@@ -30,11 +31,16 @@ class RLData:
         d, m = config.data, config.model
         folder = model_folder(m)
         self.tokenizer = load_tokenizer(m, folder)
+        self.family = family(folder)
         self.processor = load_image_processor(m, folder)
         self.vision = vision = self.processor is not None and d.image_key is not None
-        if self.processor is not None:  # images are sized by the dataset; keep the processor's bounds in step
+        if self.processor is not None and "shortest_edge" in (getattr(self.processor, "size", None) or {}):
+            # images are sized by the dataset; keep a resizing processor's bounds in step
             self.processor.size = {"shortest_edge": d.min_pixels, "longest_edge": d.max_pixels}
+        self.layout = self.family.layout(self.processor) if vision else None
         cache, make, options = m.cache_dir, self.dataset_class, self.dataset_options()
+        if self.layout is not None:
+            options["layout"] = self.layout
         self.train = make(split_files(d.train_files), d, self.tokenizer, "train", config.trainer.seed, vision, cache,
                           **options)
         self.val = make(split_files(d.val_files), d, self.tokenizer, "val", config.trainer.seed, vision,
@@ -43,16 +49,15 @@ class RLData:
             if dataset is not None:
                 dataset.write_skip_report(config.trainer.output_dir)
         self.check_enough_rows()
-        self.collator = PromptCollator(self.tokenizer.pad_token_id, self.processor if vision else None,
-                                       *self.vision_tokens(folder))
+        self.collator = PromptCollator(self.tokenizer.pad_token_id, self.visuals())
         self.loader = PromptLoader(self.train, self.batch_size(), self.train_collator(), d.shuffle,
                                    config.trainer.seed, d.num_workers)
 
-    def vision_tokens(self, folder: str) -> tuple[int, int, Optional[float]]:
-        """The collators' image and video token ids, and the model's video time scale."""
-        ids = self.tokenizer.convert_tokens_to_ids
-        scale = video_time_scale(folder) if self.vision and self.config.data.video_key else None
-        return ids(IMAGE_PAD), ids(VIDEO_PAD), scale
+    def visuals(self) -> Optional[Bound]:
+        """The collators' vision inputs: the family's adapter with the image processor and placeholder ids."""
+        if not self.vision or self.layout is None:
+            return None
+        return Bound.of(self.family, self.processor, self.tokenizer)
 
     def batch_size(self) -> int:
         return self.config.data.rollout_batch_size
@@ -144,13 +149,14 @@ class SFTData(RLData):
     def blank_sample(self) -> Batch:
         from PIL import Image
 
-        from easytrain.data.images import fit_image, vision_tokens
+        from easytrain.data.images import fit_image
         from easytrain.data.sft import IGNORE, SFTSample
 
-        d = self.config.data
-        image = fit_image(Image.new("RGB", (56, 56), (255, 255, 255)), d.min_pixels, d.max_pixels)
-        tokens = vision_tokens(image.height, image.width)
-        text = f"<|vision_start|>{expand_image_placeholders(IMAGE_PAD, [tokens])}<|vision_end|>"
+        d, layout = self.config.data, self.layout
+        assert layout is not None
+        image = fit_image(Image.new("RGB", (56, 56), (255, 255, 255)), d.min_pixels, d.max_pixels, layout.factor)
+        tokens = layout.image_tokens(image.height, image.width)
+        text = layout.expand(layout.image_pad, [tokens])
         ids = self.tokenizer(text, add_special_tokens=False)["input_ids"]
         sample = SFTSample(uid="blank", input_ids=ids, vllm_text="", images=[image], image_tokens=[tokens], answer="",
                            ids=ids, labels=[IGNORE] * len(ids), all_images=[image])
@@ -162,8 +168,7 @@ class SFTData(RLData):
     batch_key = "worker.actor.global_batch_size"
 
     def train_collator(self) -> Any:
-        return SFTCollator(self.tokenizer.pad_token_id, self.processor if self.vision else None,
-                           *self.vision_tokens(model_folder(self.config.model)))
+        return SFTCollator(self.tokenizer.pad_token_id, self.visuals())
 
     def train_batches(self) -> Iterator[Batch]:
         while True:

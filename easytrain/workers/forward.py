@@ -8,29 +8,36 @@ import torch
 from torch import nn
 
 from easytrain.algorithms.losses import entropy_from_logits, gather_log_probs, sampling_logits
-from easytrain.data.vision import VISUAL_KEYS, vision_kwargs
+from easytrain.data.vision import VISUAL_KEYS
 from easytrain.distributed.batch import Batch, MicroBatch
 from easytrain.distributed.ulysses import SequenceParallel
+from easytrain.models.families import Family, family_of
 from easytrain.workers.packed import packed_response_log_probs
 from easytrain.workers.shared_prompt import shared_response_log_probs
 
 MODEL_INPUTS = ("input_ids", "attention_mask", "position_ids", *VISUAL_KEYS, "mm_token_type_ids")
 
 
-def model_inputs(batch: Batch, device: torch.device, keys: tuple[str, ...] = MODEL_INPUTS,
+TOKEN_TYPES = "mm_token_type_ids"
+
+
+def model_inputs(batch: Batch, device: torch.device, family: Family, keys: tuple[str, ...] = MODEL_INPUTS,
                  seconds_arg: bool = False) -> dict[str, torch.Tensor]:
-    """``batch``'s ``keys`` on ``device`` as the model's arguments: the vision stream split into images and videos
-    (:func:`easytrain.data.vision.vision_kwargs`; ``seconds_arg`` where the model computes positions itself)."""
-    inputs = {k: batch[k].to(device) for k in keys if k in batch and k not in VISUAL_KEYS}
+    """``batch``'s ``keys`` on ``device`` as the model's arguments: the vision stream (and the token types) as the
+    ``family``'s adapter says the model takes them (``seconds_arg`` where the model computes positions itself)."""
+    inputs = {k: batch[k].to(device) for k in keys if k in batch and k not in VISUAL_KEYS and k != TOKEN_TYPES}
     if any(k in VISUAL_KEYS for k in keys):
-        inputs.update({k: v.to(device) for k, v in vision_kwargs(batch.tensors, seconds_arg).items()})
+        extra = family.model_kwargs(batch.tensors, seconds_arg)
+        if TOKEN_TYPES not in keys:
+            extra.pop(TOKEN_TYPES, None)
+        inputs.update({k: v.to(device) for k, v in extra.items()})
     return inputs
 
 
 def takes_video_seconds(model: nn.Module) -> bool:
-    """Whether the model spaces video positions by time (Qwen2.5-VL: ``second_per_grid_ts``), so generation passes
-    each video's seconds per temporal patch."""
-    return getattr(getattr(model.config, "vision_config", None), "tokens_per_second", None) is not None
+    """Whether the model spaces video positions by time, so generation passes each video's seconds per temporal
+    patch."""
+    return family_of(model).time_scale() is not None
 
 
 def suppressed_tokens(config: Any) -> list[int]:
@@ -49,7 +56,8 @@ def response_log_probs(model: nn.Module, batch: Batch, temperature: float, devic
     """
     responses = batch["responses"].to(device)
     length = responses.shape[1]
-    logits = model(**model_inputs(batch, device), logits_to_keep=length + 1, use_cache=False).logits[:, :-1]
+    inputs = model_inputs(batch, device, family_of(model))
+    logits = model(**inputs, logits_to_keep=length + 1, use_cache=False).logits[:, :-1]
     scaled = sampling_logits(logits, temperature, suppressed_tokens(model.config))
     log_probs = gather_log_probs(scaled, responses)
     entropy = entropy_from_logits(scaled) if with_entropy else None

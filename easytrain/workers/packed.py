@@ -27,20 +27,22 @@ from torch import nn
 
 from easytrain.algorithms.losses import entropy_from_logits, gather_log_probs, sampling_logits
 from easytrain.data.sft import IGNORE
-from easytrain.data.vision import vision_kwargs
 from easytrain.distributed.batch import Batch
 from easytrain.distributed.ulysses import SequenceParallel, gather_sequence, sequence
+from easytrain.models.families import Family, family_of
 from easytrain.models.segments import packed_blocks, segments, uses_segments
 
 
 def is_vision_model(model: nn.Module) -> bool:
-    return getattr(getattr(model, "config", None), "vision_config", None) is not None
+    """Whether the model takes multimodal rotary position rows (its family's adapter says)."""
+    return family_of(model).rope_rows
 
 
-def flatten(batch: Batch, rope_rows: bool = True) -> dict[str, torch.Tensor]:
+def flatten(batch: Batch, family: Family) -> dict[str, torch.Tensor]:
     """Model inputs (and ``targets``, when the batch has them) of ``batch`` as one padding-free sequence (batch
-    dimension 1). ``rope_rows``: the model takes Qwen-VL's multi-row positions (only a 4-row form tells it where
-    samples start, even for text-only data)."""
+    dimension 1), as the model ``family`` takes them. A family with multimodal rotary rows takes four rows of
+    positions here (only a 4-row form tells it where samples start, even for text-only data)."""
+    rope_rows = family.rope_rows
     mask = batch["attention_mask"].bool()
     out = {"input_ids": batch["input_ids"][mask][None]}
     if "targets" in batch:
@@ -53,9 +55,9 @@ def flatten(batch: Batch, rope_rows: bool = True) -> dict[str, torch.Tensor]:
         out["position_ids"] = text[None, None].expand(4, 1, -1)
     else:
         out["position_ids"] = positions[mask][None]
-    if "mm_token_type_ids" in batch:
+    out.update(family.visual_kwargs(batch.tensors))
+    if "mm_token_type_ids" in batch and family.takes_token_types():
         out["mm_token_type_ids"] = batch["mm_token_type_ids"][mask][None]
-    out.update(vision_kwargs(batch.tensors))
     return out
 
 
@@ -116,7 +118,7 @@ def packed_response_log_probs(model: nn.Module, batch: Batch, temperature: float
     valid = batch["response_mask"].bool() & mask[:, width - length:]
     flat_index = (mask.reshape(-1).long().cumsum(0) - 1).view(rows, width)
     source = flat_index[:, width - length:][valid] - 1  # the position whose logits predict each response token
-    inputs = flatten(batch, rope_rows=is_vision_model(model))
+    inputs = flatten(batch, family_of(model))
     inputs = pad_sequence(inputs, sp.size if sp is not None else 1)
     keep = torch.zeros(inputs["input_ids"].shape[1], dtype=torch.bool)
     keep[source] = True

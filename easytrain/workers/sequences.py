@@ -6,29 +6,30 @@ from typing import Optional
 
 import torch
 
-from easytrain.data.collate import rope_positions, text_positions
+from easytrain.data.collate import text_positions
 from easytrain.data.vision import VISUAL_KEYS
 from easytrain.distributed.batch import Batch
+from easytrain.models.families import Family
 
 
 def continue_after_prompt(positions: torch.Tensor, attention_mask: torch.Tensor, prompt_width: int) -> None:
     """Give each row's response tokens (columns from ``prompt_width``) the positions generation gave them, in place:
     one past the prompt's largest position, then one more per token. After text or an image that is where the
     text would go on anyway; a video's time-scaled temporal positions can reach past it (a long clip, or few
-    tokens after one), and the engine continued from there (Qwen-VL's rope offset is the prompt's maximum + 1)."""
+    tokens after one), and the engine continued from there (a multimodal rotary offset is the prompt's maximum + 1)."""
     start = positions[:, :, :prompt_width].amax(dim=(0, 2)) + 1
     present = attention_mask[:, prompt_width:]
     steps = (present.cumsum(-1) - 1).clamp(min=0)
     positions[:, :, prompt_width:] = ((start[:, None] + steps) * present)[None]
 
 
-def assemble(prompts: Batch, generated: Batch, n: int, merge_size: int = 2,
-             tokens_per_second: Optional[float] = None) -> Batch:
+def assemble(prompts: Batch, generated: Batch, n: int, family: Optional[Family] = None) -> Batch:
     """Join each prompt (repeated ``n`` times) with its responses: ids, masks, positions, image tensors.
 
     Prompts are left-padded and responses right-padded, so every response
-    starts at the same column. Position ids are Qwen-VL's 3-D rope positions
-    when the prompts carry ``mm_token_type_ids``, else 1-D positions. A
+    starts at the same column. Position ids are the model ``family``'s (its
+    adapter's: multimodal rotary rows, or 1-D) when the prompts carry
+    ``mm_token_type_ids``, else 1-D positions. A
     multi-turn response attends to every token it holds
     (``response_attention_mask``: tool turns too), while ``response_mask``
     marks the model's own, which are trained.
@@ -47,9 +48,10 @@ def assemble(prompts: Batch, generated: Batch, n: int, merge_size: int = 2,
     if "mm_token_type_ids" in rows:
         types = torch.cat([rows["mm_token_type_ids"], response_types.to(rows["mm_token_type_ids"].dtype)], dim=1)
         tensors["mm_token_type_ids"] = types
-        positions = rope_positions(input_ids, types, images.tensors.get("image_grid_thw"), attention_mask,
-                                   merge_size, images.tensors.get("visual_seconds"), tokens_per_second)
-        if not response_types.any():
+        if family is None:
+            raise ValueError("a batch with vision tokens needs its model family to place positions")
+        positions = family.positions(input_ids, types, images.tensors, attention_mask)
+        if positions.dim() == 3 and not response_types.any():
             continue_after_prompt(positions, attention_mask, prompt_ids.shape[1])
         tensors["position_ids"] = positions
     else:

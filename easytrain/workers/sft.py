@@ -27,21 +27,23 @@ from torch import nn
 from easytrain.data.sft import IGNORE
 from easytrain.distributed.batch import Batch, MicroBatch
 from easytrain.distributed.fsdp import gathered
-from easytrain.data.vision import VISUAL_KEYS, vision_kwargs
+from easytrain.data.vision import VISUAL_KEYS
 from easytrain.distributed.group import Dispatch, dispatch
 from easytrain.workers.actor import ActorWorker
 from easytrain.distributed.ulysses import SequenceParallel
 from easytrain.workers.forward import MODEL_INPUTS, model_inputs, suppressed_tokens, takes_video_seconds
-from easytrain.workers.packed import flatten, is_vision_model, pad_sequence, token_loss_sum
+from easytrain.models.families import Family, family_of
+from easytrain.workers.packed import flatten, pad_sequence, token_loss_sum
 
 logger = logging.getLogger(__name__)
 
 
-def padded(batch: Batch) -> dict[str, torch.Tensor]:
+def padded(batch: Batch, family: Family) -> dict[str, torch.Tensor]:
     """Model inputs and targets of ``batch``, right-padded to its own longest sample, with the attention mask."""
     width = int(batch["attention_mask"].sum(-1).max())
-    out = {k: batch[k] for k in (*MODEL_INPUTS, "targets") if k in batch and k not in VISUAL_KEYS}
-    out.update(vision_kwargs(batch.tensors))  # images and videos as the model's own arguments
+    out = {k: batch[k] for k in (*MODEL_INPUTS, "targets")
+           if k in batch and k not in VISUAL_KEYS and k != "mm_token_type_ids"}
+    out.update(family.model_kwargs(batch.tensors))  # images and videos as the model's own arguments
     for key in ("input_ids", "attention_mask", "targets", "mm_token_type_ids", "position_ids"):
         if key in out:
             out[key] = out[key][..., :width]
@@ -73,8 +75,8 @@ class SFTWorker(ActorWorker):
     def _inputs(self, micro: MicroBatch) -> dict[str, torch.Tensor]:
         """The model inputs of a micro batch as the driver planned it: padded rows, or one flattened sequence."""
         if not micro.packed:
-            return padded(micro.batch)
-        inputs = flatten(micro.batch, rope_rows=is_vision_model(self.model))
+            return padded(micro.batch, family_of(self.model))
+        inputs = flatten(micro.batch, family_of(self.model))
         return pad_sequence(inputs, self.sp.size) if self.sp is not None else inputs
 
     @dispatch(Dispatch.EACH)
@@ -111,8 +113,8 @@ class SFTWorker(ActorWorker):
         """Greedy responses to left-padded prompts. Every rank decodes in step (``synced_gpus``): the sharded
         model's collectives need all ranks in every forward."""
         self.model.eval()
-        inputs = model_inputs(prompts, self.device, tuple(k for k in MODEL_INPUTS if k != "position_ids"),
-                              takes_video_seconds(self.model))
+        inputs = model_inputs(prompts, self.device, family_of(self.model),
+                              tuple(k for k in MODEL_INPUTS if k != "position_ids"), takes_video_seconds(self.model))
         with gathered(self.model, self.cfg.fsdp.full_shard):
             out = self.model.generate(**inputs, do_sample=False, max_new_tokens=max_new_tokens,
                                       eos_token_id=stop_ids, pad_token_id=pad_id, use_cache=True,

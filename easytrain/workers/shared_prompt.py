@@ -40,11 +40,10 @@ from torch import nn
 
 from easytrain.algorithms.losses import entropy_from_logits, gather_log_probs, sampling_logits
 from easytrain.config.schema import MASKED_ATTENTION
-from easytrain.data.vision import vision_kwargs
 from easytrain.distributed.batch import Batch
 from easytrain.models.segments import ATTENTION as SEGMENTS
 from easytrain.models.segments import segments, shared_blocks, uses_segments
-from easytrain.workers.packed import is_vision_model
+from easytrain.models.families import Family, family_of
 
 
 
@@ -54,9 +53,10 @@ def text_config(model: nn.Module) -> Any:
 
 
 def supports_shared_prompt(model: nn.Module) -> bool:
-    """Whether the model's attention takes an explicit 4-D mask (and no sliding window, which this mask would
-    not express)."""
-    return (getattr(text_config(model), "_attn_implementation", None) in (*MASKED_ATTENTION, SEGMENTS)
+    """Whether the model's family serves prompt sharing and its attention takes an explicit 4-D mask (and no sliding
+    window, which this mask would not express)."""
+    return (family_of(model).unsupported("shared_prompt") is None
+            and getattr(text_config(model), "_attn_implementation", None) in (*MASKED_ATTENTION, SEGMENTS)
             and not getattr(text_config(model), "use_sliding_window", False))
 
 
@@ -148,7 +148,7 @@ def _append(parts: dict[str, list[torch.Tensor]], segment: int, unit: int, is_pr
     return segment + 1
 
 
-def shared_inputs(batch: Batch, groups: list[list[int]], vision: bool, dtype: torch.dtype, eager: bool,
+def shared_inputs(batch: Batch, groups: list[list[int]], family: Family, dtype: torch.dtype, eager: bool,
                   one_row: bool = False, blocks: bool = False) -> tuple[dict[str, Any], torch.Tensor, torch.Tensor]:
     """Model inputs of ``groups`` laid out prompt-once (a row per prompt, or all of them back to back in one row:
     ``one_row``, the padding-free form), the (row, column) that predicts each kept response token, and that
@@ -156,6 +156,7 @@ def shared_inputs(batch: Batch, groups: list[list[int]], vision: bool, dtype: to
     of :mod:`easytrain.models.segments` under ``"layout"`` (no mask).
 
     Kept tokens are those with ``response_mask`` (and ``attention_mask``) set, as in the plain passes."""
+    vision = family.rope_rows
     mask = batch["attention_mask"].bool()
     length = batch["responses"].shape[1]
     prompt_width = mask.shape[1] - length
@@ -209,11 +210,11 @@ def shared_inputs(batch: Batch, groups: list[list[int]], vision: bool, dtype: to
         inputs["attention_mask"] = _attention_mask(stack("seg", -1), units, stack("prompt", 0).bool(), dtype, eager)
     pos = torch.stack([nn.functional.pad(r["pos"], (0, width - r["pos"].shape[-1])) for r in flat], dim=1)
     inputs["position_ids"] = pos if vision else pos[0]
-    if has_types:
+    if has_types and family.takes_token_types():
         inputs["mm_token_type_ids"] = stack("types", 0)
     if batch.image_counts is not None and "pixel_values" in batch:
         leads = batch.select([m[0] for m in groups])
-        inputs.update(vision_kwargs(leads.tensors))
+        inputs.update(family.visual_kwargs(leads.tensors))
     return inputs, torch.cat(sources), torch.cat(targets)
 
 
@@ -223,19 +224,19 @@ def shared_response_log_probs(model: nn.Module, batch: Batch, groups: list[list[
     """Response log-probs (and entropy) of ``batch`` from one prompt-shared forward, (B, R) like the plain passes';
     0 where ``response_mask`` is 0. ``one_row``: every prompt with its responses back to back in a single row
     (padding-free: exactly the batch's tokens with each prompt once)."""
-    vision = is_vision_model(model)
+    family = family_of(model)
     eager = model.config._attn_implementation == "eager"
     dtype = next(model.parameters()).dtype
     segmented = uses_segments(model)
-    inputs, sources, targets = shared_inputs(batch, groups, vision, dtype, eager, one_row, blocks=segmented)
+    inputs, sources, targets = shared_inputs(batch, groups, family, dtype, eager, one_row, blocks=segmented)
     columns = torch.unique(sources[:, 1])  # sorted; logits only where some response token is predicted
     layout = inputs.pop("layout", None)
     layer_mask = inputs.pop("attention_mask", None)
     model_inputs = {k: v.to(device) for k, v in inputs.items()}
     if layer_mask is not None:
         layer_mask = layer_mask.to(device)
-        # a prepared mask per layer type skips transformers' own mask building (which would add padding/causality)
-        model_inputs["attention_mask"] = {"full_attention": layer_mask, "sliding_attention": layer_mask}
+        # a prepared 4-D mask skips transformers' own mask building (which would add padding/causality)
+        model_inputs["attention_mask"] = layer_mask
     with segments(layout) if layout is not None else nullcontext():  # a prompt and each response: no L x L mask
         logits = model(**model_inputs, logits_to_keep=columns.to(device), use_cache=False).logits
     where = torch.searchsorted(columns, sources[:, 1].contiguous())

@@ -32,6 +32,7 @@ from easytrain.data.vision import VISUAL_KEYS
 from easytrain.workers.forward import model_inputs, suppressed_tokens, takes_video_seconds
 from easytrain.distributed.batch import Batch
 from easytrain.memory.flag import MemoryStop, PressureFlag
+from easytrain.models.families import family_of
 from easytrain.models.image_dedup import dedupe_images
 from easytrain.workers.rollout.decode import decode, generate_positions
 from easytrain.workers.rollout.engine import EngineSpec, RolloutEngine, SamplingParams, response_mask
@@ -237,7 +238,8 @@ class HFEngine(RolloutEngine):
 
     def _inputs(self, batch: Batch) -> dict[str, torch.Tensor]:
         """What generation feeds the model from ``batch``, on this engine's device (videos split from images)."""
-        return model_inputs(batch, self.device, GENERATE_INPUTS, takes_video_seconds(self.model))
+        return model_inputs(batch, self.device, family_of(self.model), GENERATE_INPUTS,
+                            takes_video_seconds(self.model))
 
     def _prefilled(self, prompts: Batch, n: int, expanded: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         """Prefill every prompt but its last token once, then hand ``generate`` the cache repeated for the

@@ -16,6 +16,7 @@ from easytrain.config.schema import Config
 from easytrain.distributed.batch import Batch
 from easytrain.distributed.group import Dispatch, dispatch
 from easytrain.memory.flag import PressureFlag
+from easytrain.models.families import family_of
 from easytrain.models.hf import load_tokenizer
 from easytrain.workers.base import DTYPES, WorkerBase
 from easytrain.workers.rollout.engine import EngineSpec, RolloutEngine, SamplingParams, engine_class
@@ -91,10 +92,8 @@ class RolloutWorker(WorkerBase):
             self.engine.pressure = PressureFlag.of_this_job()
         if r.multi_turn.enable:
             self.multi_turn = self._multi_turn(tokenizer)
-        vision = getattr(AutoConfig.from_pretrained(self.folder), "vision_config", None)
-        self.merge_size = int(getattr(vision, "spatial_merge_size", 2))
-        self.tokens_per_second = getattr(vision, "tokens_per_second", None)
-        """Qwen2.5-VL's video time scale (the prompt positions the collator built used the same)."""
+        self.family = family_of(AutoConfig.from_pretrained(self.folder))
+        """The model's family adapter: response positions follow its rules, as the collator's prompt positions did."""
         return {"engine": r.engine, "stop_ids": spec.stop_ids, "can_sleep": self.engine.can_sleep}
 
     def _multi_turn(self, tokenizer: Any) -> Any:
@@ -128,7 +127,7 @@ class RolloutWorker(WorkerBase):
             generated = self.multi_turn.generate(self.engine, prompts, params)
         else:
             generated = self.engine.generate(prompts, params)
-        return assemble(prompts, generated, params.n, self.merge_size, self.tokens_per_second)
+        return assemble(prompts, generated, params.n, self.family)
 
     @dispatch(Dispatch.BROADCAST)
     def sleep(self) -> int:

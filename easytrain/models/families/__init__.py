@@ -1,0 +1,57 @@
+"""One adapter per model family (see :mod:`easytrain.models.families.base`).
+
+``family_of(config)`` answers for a model's HF config (a ``config.json`` dict,
+a transformers config or a loaded model); a ``model_type`` without an adapter
+of its own gets the generic one, with the features that need family
+knowledge off. Adding a family is a module here, its line in
+:data:`ADAPTERS`, its ``conf/model/`` presets and its docs.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any, Mapping, Union
+
+from easytrain.models.families.base import FEATURES, Family, TinySpec
+from easytrain.models.families.internvl import InternVL
+from easytrain.models.families.qwen import Qwen2, Qwen2VL, Qwen3VL, Qwen25VL
+
+ADAPTERS: tuple[type[Family], ...] = (Qwen25VL, Qwen2VL, Qwen3VL, InternVL, Qwen2)
+"""Every family with an adapter of its own, the default model's first."""
+BY_TYPE: dict[str, type[Family]] = {t: cls for cls in ADAPTERS for t in cls.model_types}
+TINY_FAMILIES: tuple[str, ...] = tuple(t for cls in ADAPTERS if cls.tiny_tokens for t in cls.model_types)
+"""The names ``tiny:<name>`` builds (each family's HF ``model_type``)."""
+
+__all__ = ["ADAPTERS", "BY_TYPE", "FEATURES", "Family", "TINY_FAMILIES", "TinySpec", "adapter_class", "family_of",
+           "family_of_folder"]
+
+
+def adapter_class(model_type: str) -> type[Family]:
+    """The adapter class of ``model_type`` (the generic :class:`Family` when it has none of its own)."""
+    return BY_TYPE.get(model_type, Family)
+
+
+def family_of(config: Union[Mapping[str, Any], Any]) -> Family:
+    """The adapter of a model: ``config`` is a ``config.json`` dict, a transformers config, or a model (whose
+    adapter is made once and kept on it)."""
+    if isinstance(config, Mapping):
+        return adapter_class(str(config.get("model_type", "")))(config)
+    cached = getattr(config, "_easytrain_family", None)
+    if cached is not None:
+        return cached
+    hf = getattr(config, "config", config)  # a model, or its config
+    family = adapter_class(str(getattr(hf, "model_type", "")))(hf.to_dict())
+    if hasattr(config, "config"):
+        object.__setattr__(config, "_easytrain_family", family)
+    return family
+
+
+def family_of_folder(folder: Union[str, Path]) -> Family:
+    """The adapter of a model folder (its ``config.json``) or hub id (through AutoConfig)."""
+    config_file = Path(folder) / "config.json"
+    if config_file.is_file():
+        return family_of(json.loads(config_file.read_text()))
+    from transformers import AutoConfig
+
+    return family_of(AutoConfig.from_pretrained(str(folder)).to_dict())

@@ -1,0 +1,145 @@
+"""InternVL (3.x, the transformers-format checkpoints): tiles, pixel shuffle, plain positions.
+
+An image is cut into square tiles of ``vision_config.image_size`` pixels (448
+for the published models) on the grid its aspect ratio picks, plus one
+thumbnail tile of the whole image when there is more than one; each tile
+becomes ``(image_size / patch * downsample_ratio) ** 2`` tokens (256 at 448
+px). The chat template writes ``<IMG_CONTEXT>`` once per image; easytrain
+expands it to ``<img>`` + one ``<IMG_CONTEXT>`` per token + ``</img>``, as
+InternVL's processor does. The language model (Qwen2.5 for InternVL3) takes
+plain positions.
+
+In the vision stream a tile is one row of ``pixel_values`` (its ``3 x S x S``
+values flattened) and an image's ``image_grid_thw`` row is ``(tiles, 1, 1)``,
+so selecting, packing and sharing prompts move an image's tiles as they move
+a Qwen image's patch rows.
+"""
+
+from __future__ import annotations
+
+from typing import Any, ClassVar, Mapping, Sequence
+
+import torch
+from torch import nn
+
+from easytrain.data.vision import Layout
+from easytrain.models.families.base import Family, TinySpec
+from easytrain.models.families.qwen import CHATML_TOKENS, text_config
+
+IMAGE_CONTEXT = "<IMG_CONTEXT>"
+
+CHAT_TEMPLATE = (
+    "{% for message in messages %}"
+    "{% if loop.first and message['role'] != 'system' %}"
+    "<|im_start|>system\nYou are a helpful assistant.<|im_end|>\n"
+    "{% endif %}"
+    "<|im_start|>{{ message['role'] }}\n"
+    "{% if message['content'] is string %}{{ message['content'] }}"
+    "{% else %}{% for part in message['content'] %}"
+    "{% if part['type'] == 'image' %}<IMG_CONTEXT>\n"
+    "{% elif part['type'] == 'text' %}{{ part['text'] }}{% endif %}"
+    "{% endfor %}{% endif %}"
+    "<|im_end|>\n"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+
+TINY_TILE = 56
+"""Tile side of the tiny model: 4 x 4 patches of 14 px, 2 x 2 tokens after the pixel shuffle."""
+
+
+def _pair(value: Any) -> int:
+    return int(value[0] if isinstance(value, (list, tuple)) else value)
+
+
+class InternVL(Family):
+    model_types = ("internvl",)
+    label = "InternVL (3.x)"
+    features = frozenset({"padding_free", "image_dedup", "shared_prompt"})
+    tower_path = "vision_tower"
+    projector_paths = ("multi_modal_projector",)
+    tiny_tokens: ClassVar[tuple[str, ...]] = CHATML_TOKENS + ("<img>", "</img>", IMAGE_CONTEXT)
+    tiny_template: ClassVar[str] = CHAT_TEMPLATE
+
+    @property
+    def tile(self) -> int:
+        """Tile side in pixels (``vision_config.image_size``)."""
+        return _pair((self.hf_config.get("vision_config") or {}).get("image_size", 448))
+
+    @property
+    def tile_tokens(self) -> int:
+        vision = self.hf_config.get("vision_config") or {}
+        side = self.tile // _pair(vision.get("patch_size", 14))
+        return int(round(side * float(self.hf_config.get("downsample_ratio", 0.5)))) ** 2
+
+    def model_class(self) -> Any:
+        import transformers
+
+        return transformers.InternVLForConditionalGeneration
+
+    def image_processor(self, folder: str) -> Any:
+        from transformers.models.got_ocr2 import GotOcr2ImageProcessorPil
+
+        return GotOcr2ImageProcessorPil.from_pretrained(folder)
+
+    @classmethod
+    def tiny_processor(cls) -> Any:
+        from transformers.models.got_ocr2 import GotOcr2ImageProcessorPil
+
+        return GotOcr2ImageProcessorPil(size={"height": TINY_TILE, "width": TINY_TILE}, crop_to_patches=True,
+                                        image_mean=[0.485, 0.456, 0.406], image_std=[0.229, 0.224, 0.225])
+
+    @classmethod
+    def tiny_config(cls, spec: TinySpec, ids: Mapping[str, int]) -> dict[str, Any]:
+        text = {"model_type": "qwen2", **text_config(spec, ids)}
+        vision = {"hidden_size": spec.vision_hidden, "num_hidden_layers": spec.vision_depth,
+                  "num_attention_heads": spec.vision_heads, "intermediate_size": spec.vision_intermediate,
+                  "image_size": [TINY_TILE, TINY_TILE], "patch_size": [14, 14]}
+        return {"model_type": "internvl", "text_config": text, "vision_config": vision, "tie_word_embeddings": True,
+                "image_token_id": ids.get(IMAGE_CONTEXT), "downsample_ratio": 0.5,
+                "image_seq_length": (TINY_TILE // 14 // 2) ** 2}
+
+    def layout(self, processor: Any = None) -> Layout:
+        return Layout(factor=self.tile, tokens_per_cell=self.tile_tokens, thumbnail=True, image_pad=IMAGE_CONTEXT,
+                      image_open="<img>", image_close="</img>")
+
+    def vision_stream(self, processor: Any, images: Sequence[Sequence[Any]], videos: Sequence[Sequence[Any]],
+                      order: Sequence[Sequence[int]]) -> dict[str, torch.Tensor]:
+        """Each image's tiles from the image processor, called per image with at most the tiles the image's
+        size (already on the tile grid) holds, so it picks that grid."""
+        if any(videos):
+            raise ValueError(f"{self.label} takes no videos in easytrain")
+        flat = [im for sample in images for im in sample]
+        if not flat:
+            return {}
+        rows, grids = [], []
+        for image in flat:
+            cells = (image.height // self.tile) * (image.width // self.tile)
+            if cells < 1 or image.height % self.tile or image.width % self.tile:
+                raise ValueError(f"an image of {image.width}x{image.height} px is not on the {self.tile}-px tile "
+                                 "grid; the dataset sizes images with the family's layout first")
+            out = processor(images=[image], return_tensors="pt", crop_to_patches=cells > 1, min_patches=1,
+                            max_patches=cells)
+            tiles = out["pixel_values"]
+            expected = cells + int(cells > 1)
+            if tiles.shape[0] != expected:
+                raise ValueError(f"the image processor cut a {image.width}x{image.height} image into "
+                                 f"{tiles.shape[0]} tiles, the layout counted {expected}")
+            rows.append(tiles.reshape(tiles.shape[0], -1))
+            grids.append(torch.tensor([tiles.shape[0], 1, 1]))
+        return {"pixel_values": torch.cat(rows).float(), "image_grid_thw": torch.stack(grids),
+                "visual_seconds": torch.zeros(len(grids), dtype=torch.float32)}
+
+    def visual_kwargs(self, tensors: Mapping[str, torch.Tensor], seconds_arg: bool = False) -> dict[str, torch.Tensor]:
+        if "pixel_values" not in tensors:
+            return {}
+        return {"pixel_values": tensors["pixel_values"].reshape(-1, 3, self.tile, self.tile)}
+
+    def visual_tokens(self, grid: torch.Tensor) -> list[int]:
+        return [int(n) * self.tile_tokens for n in grid[:, 0].tolist()]
+
+    def dedupe_images(self, model: nn.Module) -> Any:
+        from easytrain.models.image_dedup import dedupe_batched
+
+        tower = self.vision_tower(model)
+        return dedupe_batched(tower) if tower is not None else None

@@ -1,0 +1,172 @@
+"""Issue 33: one adapter per model family. Each family with a tiny model goes through the data pipeline into its
+real transformers class; positions, image tokens, tiles, freezes, LoRA, the planner and the feature checks follow
+the family's adapter. (Packing, prompt sharing, image dedup and the parameter counts are checked per family in
+their own test files, parametrised over the same families.)"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from PIL import Image
+
+from easytrain.config import ConfigError, compose, with_default_preset
+from easytrain.data.images import fit_image
+from easytrain.main import resolve
+from easytrain.models.families import ADAPTERS, TINY_FAMILIES, family_of
+from easytrain.models.families.base import Bound
+from easytrain.models.hf import load_image_processor, load_model, model_folder
+from easytrain.trainer.data import RLData
+
+from rl_batches import rl_config
+
+VL_FAMILIES = [f for f in TINY_FAMILIES if f != "qwen2"]
+
+
+def prompt_batch(tmp_path: Path, family: str, *extra: str) -> tuple[RLData, dict[str, Any], torch.nn.Module]:
+    """The family's data, a collated batch of four prompts (with their positions) and the model."""
+    data = RLData(rl_config(tmp_path, f"model.path=tiny:{family}", *extra))
+    model = load_model(data.config.model, model_folder(data.config.model)).eval()
+    return data, data.collator([data.train[i] for i in range(4)]), model
+
+
+def test_every_family_with_an_adapter_is_listed_once_and_the_tiny_ones_build() -> None:
+    types = [t for cls in ADAPTERS for t in cls.model_types]
+    assert len(types) == len(set(types))
+    assert {"qwen2_5_vl", "qwen2_vl", "qwen3_vl", "internvl", "qwen2"} <= set(TINY_FAMILIES)
+    assert family_of({"model_type": "llama"}).features == frozenset()  # the generic adapter: no family features
+
+
+@pytest.mark.parametrize("family", VL_FAMILIES)
+def test_image_tokens_equal_the_towers_features_and_the_forward_runs(family: str, tmp_path: Path) -> None:
+    data, prompts, model = prompt_batch(tmp_path, family)
+    adapter = family_of(model)
+    image_id = int(model.config.image_token_id)
+    tokens = adapter.visual_tokens(prompts["image_grid_thw"])
+    assert sum(tokens) == int((prompts["input_ids"] == image_id).sum()) > 0
+    assert [int(n) for n in (prompts["input_ids"] == image_id).sum(-1)] == tokens  # one image per prompt
+    assert int(adapter.visual_rows(prompts["image_grid_thw"]).sum()) == prompts["pixel_values"].shape[0]
+    inputs = {k: prompts[k] for k in ("input_ids", "attention_mask", "position_ids")}
+    with torch.no_grad():
+        logits = model(**inputs, **adapter.model_kwargs(prompts)).logits
+    assert torch.isfinite(logits).all()
+    assert prompts["position_ids"].dim() == (3 if adapter.rope_rows else 2)
+
+
+@pytest.mark.parametrize("family", ["qwen3_vl", "qwen2_5_vl"])
+def test_qwen_positions_equal_the_models_rope_index(family: str, tmp_path: Path) -> None:
+    _, prompts, model = prompt_batch(tmp_path, family)
+    kwargs = family_of(model).visual_kwargs(prompts)
+    want, _ = model.model.get_rope_index(prompts["input_ids"], prompts["mm_token_type_ids"], kwargs["image_grid_thw"],
+                                         None, attention_mask=prompts["attention_mask"])
+    mask = prompts["attention_mask"].bool()
+    assert torch.equal(prompts["position_ids"][:, mask], want[:, mask])
+
+
+@pytest.mark.parametrize("size", [(56, 56), (112, 112), (168, 56), (56, 168), (100, 120), (30, 200), (224, 112)])
+def test_internvl_tiles_follow_the_layout_and_equal_the_processors_own(size: tuple[int, int],
+                                                                      tiny_model: Any) -> None:
+    """The dataset sizes an image onto the tile grid; the image processor then cuts exactly the tiles (and the
+    thumbnail) the layout counted, with the processor's own pixel values."""
+    folder = str(tiny_model("internvl"))
+    adapter = family_of(json.loads((Path(folder) / "config.json").read_text()))
+    processor = adapter.image_processor(folder)
+    layout = adapter.layout(processor)
+    image = fit_image(Image.effect_noise(size, 40).convert("RGB"), 3136, 4 * 3136, layout.factor)
+    cells = (image.height // layout.factor) * (image.width // layout.factor)
+    assert 1 <= cells <= 4 and image.height % 56 == 0 and image.width % 56 == 0
+    stream = adapter.vision_stream(processor, [[image]], [[]], [[1]])
+    tiles = cells + (cells > 1)
+    assert stream["image_grid_thw"].tolist() == [[tiles, 1, 1]]
+    assert adapter.visual_tokens(stream["image_grid_thw"]) == [layout.image_tokens(image.height, image.width)]
+    own = processor(images=[image], return_tensors="pt", crop_to_patches=cells > 1, max_patches=cells)
+    assert torch.equal(stream["pixel_values"], own["pixel_values"].reshape(tiles, -1).float())
+
+
+@pytest.mark.parametrize("family", VL_FAMILIES)
+def test_freezes_and_lora_follow_the_adapters_module_paths(family: str, tmp_path: Path) -> None:
+    from easytrain.models.parts import apply_lora, freeze_parts
+
+    config = rl_config(tmp_path, f"model.path=tiny:{family}", "model.lora.rank=4",
+                       "model.lora.target_modules=[all-linear]")
+    folder = model_folder(config.model)
+
+    def fresh() -> torch.nn.Module:
+        return load_model(config.model, folder)
+
+    model = fresh()
+    adapter = family_of(model)
+    tower = {id(p) for p in adapter.vision_tower(model).parameters()}
+    projector = {id(p) for m in adapter.projectors(model) for p in m.parameters()}
+    assert projector and projector < tower or projector.isdisjoint(tower)
+    freeze_parts(model, vision=True, aligner=False, llm=False)
+    trains = {id(p) for p in model.parameters() if p.requires_grad}
+    assert trains & tower == projector & tower and projector <= trains  # the projector trains, the tower does not
+    model = fresh()
+    freeze_parts(model, vision=False, aligner=True, llm=False)
+    assert not {id(p) for p in model.parameters() if p.requires_grad} & projector
+    model = fresh()
+    language = {id(p) for p in adapter.language_model(model).parameters()}
+    freeze_parts(model, vision=False, aligner=False, llm=True)
+    assert not {id(p) for p in model.parameters() if p.requires_grad} & language
+    lora = apply_lora(fresh(), config.model.lora)
+    adapted = [n for n, _ in lora.named_parameters() if "lora_" in n]
+    assert adapted and all("language_model" in n for n in adapted)
+    assert all(not p.requires_grad for n, p in lora.named_parameters() if "lora_" not in n)
+
+
+@pytest.mark.parametrize("family", TINY_FAMILIES)
+def test_plan_runs_for_every_tiny_family(family: str) -> None:
+    out = subprocess.run([sys.executable, "-m", "easytrain.cli", "plan", "--format", "json",
+                          f"model.path=tiny:{family}"], capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-2000:]
+    report = json.loads(out.stdout)
+    assert report["device_peak_bytes"] > 0 and report["phases"]
+
+
+@pytest.mark.parametrize("overrides,message", [
+    (["model.path=tiny:qwen3_vl", "worker.actor.ulysses_size=2", "worker.actor.padding_free=true"],
+     "worker.actor.ulysses_size=2: Qwen3-VL (qwen3_vl) does not support ulysses"),
+    (["model.path=tiny:internvl", "worker.rollout.engine=vllm", "trainer.device=cuda", "model.dtype=bfloat16"],
+     "worker.rollout.engine='vllm': InternVL (3.x) (internvl) does not support vllm"),
+    (["+exp=tiny_video", "model.path=tiny:qwen3_vl"], "data.video_key='videos': Qwen3-VL (qwen3_vl) does not support"),
+    (["model.path=tiny:internvl", "+exp=tiny_sft", "worker.actor.padding_free=true",
+      "worker.actor.ulysses_size=2"], "worker.actor.ulysses_size=2"),
+])
+def test_a_feature_the_family_cannot_serve_is_a_one_line_config_error(overrides: list[str], message: str,
+                                                                      tmp_path: Path) -> None:
+    with pytest.raises(ConfigError) as info:
+        resolve(compose(with_default_preset([f"trainer.output_dir={tmp_path}", *overrides])))
+    text = str(info.value)
+    assert "\n" not in text and text.startswith(message), text
+    assert "use a model of a family that supports it" in text
+
+
+def test_a_family_without_an_adapter_trains_text_and_refuses_images(tmp_path: Path, tiny_model: Any) -> None:
+    """A model_type easytrain has no adapter for gets the generic one: images are a config error naming the key."""
+    folder = tmp_path / "other"
+    folder.mkdir()
+    config = json.loads((tiny_model("qwen2") / "config.json").read_text())
+    (folder / "config.json").write_text(json.dumps({**config, "model_type": "mistral3", "vision_config": {}}))
+    with pytest.raises(ConfigError, match=r"^data.image_key='images': easytrain has no image adapter for "
+                                          r"model_type=mistral3"):
+        resolve(compose(with_default_preset([f"trainer.output_dir={tmp_path}", f"model.path={folder}"])))
+
+
+def test_a_bound_family_builds_the_collators_vision_inputs(tiny_model: Any) -> None:
+    """Bound.of finds the layout's placeholder ids in the tokenizer (what the trainer hands its collators)."""
+    from easytrain.config.schema import ModelConfig
+    from easytrain.models.hf import load_tokenizer
+
+    folder = str(tiny_model("internvl"))
+    cfg = ModelConfig(path=folder)
+    tokenizer = load_tokenizer(cfg)
+    bound = Bound.of(family_of(json.loads((Path(folder) / "config.json").read_text())), load_image_processor(cfg),
+                     tokenizer)
+    assert bound.image_token_id == tokenizer.convert_tokens_to_ids("<IMG_CONTEXT>") >= 0
+    assert bound.video_token_id == -1
