@@ -71,7 +71,14 @@ def test_gen_docs_check_names_the_stale_page(tmp_path: Path) -> None:
     (tmp_path / "docs").mkdir()
     (tmp_path / "docs" / "config.md").write_text(reference.markdown())
     (tmp_path / "docs" / "metrics.md").write_text("old\n")
+    from easytrain.models.families import table
+
+    readme = f"# hand-written\n\n{table.BEGIN}\n| an old table |\n{table.END}\n\nmore by hand\n"
+    (tmp_path / "README.md").write_text(readme)
+    assert module.stale(tmp_path) == ["docs/metrics.md", "README.md"]
+    (tmp_path / "README.md").write_text(table.with_table(readme))  # the generated block only: the rest is kept
     assert module.stale(tmp_path) == ["docs/metrics.md"]
+    assert (tmp_path / "README.md").read_text().startswith("# hand-written") and "| Gemma 3 |" in table.markdown()
     assert module.main(["--check"]) == 0  # the checkout's own pages are fresh
 
 

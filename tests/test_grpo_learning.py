@@ -53,7 +53,7 @@ def test_the_default_run_learns_to_read_the_colour_from_the_image(default_run: P
     assert_learned(default_run)
 
 
-@pytest.mark.parametrize("family", ["qwen3_vl", "internvl"])
+@pytest.mark.parametrize("family", ["qwen3_vl", "internvl", "gemma3"])
 def test_other_families_learn_the_default_task(family: str, tmp_path: Path) -> None:
     """Issue 33: ``python -m easytrain.main model.path=tiny:<family>``, everything else as the default run."""
     from conftest import run_main

@@ -208,6 +208,10 @@ class PromptDataset:
 
     def fit(self, decoded: Sequence[Image.Image], min_pixels: int, max_pixels: int) -> list[Image.Image]:
         """Images resized onto the family's grid within [min_pixels, max_pixels]."""
+        if self.layout.fixed_size:
+            side = self.layout.factor
+            return [fit_image(im, side * side, side * side, side).resize((side, side), Image.Resampling.BICUBIC)
+                    for im in decoded]
         return [fit_image(im, min_pixels, max_pixels, self.layout.factor) for im in decoded]
 
     def image_tokens(self, images: Sequence[Image.Image]) -> list[int]:

@@ -42,15 +42,26 @@ class Layout:
     """Vision tokens per ``factor x factor`` cell."""
     thumbnail: bool = False
     """An image of more than one cell also takes one cell of itself downscaled (tiled families)."""
+    fixed_size: bool = False
+    """Every image is resized to exactly one cell, its aspect ratio not kept (the family's tower takes one size)."""
     image_pad: str = IMAGE_PAD
     """The token the chat template writes once per image, expanded to one per vision token."""
+    image_fill: str = ""
+    """The token repeated once per vision token where it is not ``image_pad`` itself (Gemma 3's soft tokens)."""
     video_pad: str = VIDEO_PAD
     image_open: str = ""
     """Text written before each image's expanded pads (where the template leaves it to the processor)."""
     image_close: str = ""
 
+    @property
+    def image_token(self) -> str:
+        """The token the model finds its image features at (one per vision token)."""
+        return self.image_fill or self.image_pad
+
     def image_tokens(self, height: int, width: int) -> int:
         """Vision tokens of an image already resized onto the grid."""
+        if self.fixed_size:
+            return self.tokens_per_cell
         cells = (height // self.factor) * (width // self.factor)
         return (cells + int(self.thumbnail and cells > 1)) * self.tokens_per_cell
 
@@ -60,7 +71,8 @@ class Layout:
 
     def expand(self, text: str, image_tokens: Sequence[int], video_tokens: Sequence[int] = ()) -> str:
         """``text`` with each image and video placeholder expanded to its visual's token count, in order."""
-        text = expand_image_placeholders(text, image_tokens, self.image_pad, self.image_open, self.image_close)
+        text = expand_image_placeholders(text, image_tokens, self.image_pad, self.image_open, self.image_close,
+                                         self.image_fill)
         return expand_image_placeholders(text, video_tokens, self.video_pad)
 
 
@@ -70,15 +82,15 @@ def image_token_counts(image_grid_thw: torch.Tensor, merge_size: int) -> list[in
 
 
 def expand_image_placeholders(text: str, counts: Sequence[int], placeholder: str = IMAGE_PAD, before: str = "",
-                              after: str = "") -> str:
-    """Replace the i-th placeholder with ``counts[i]`` copies (between ``before`` and ``after``); the counts must
-    match the placeholders."""
+                              after: str = "", fill: str = "") -> str:
+    """Replace the i-th placeholder with ``counts[i]`` copies of it (of ``fill`` where given), between ``before``
+    and ``after``; the counts must match the placeholders."""
     parts = text.split(placeholder)
     if len(parts) - 1 != len(counts):
         raise ValueError(f"text has {len(parts) - 1} image placeholders but {len(counts)} images were given")
     out = [parts[0]]
     for count, rest in zip(counts, parts[1:]):
-        out.append(before + placeholder * count + after)
+        out.append(before + (fill or placeholder) * count + after)
         out.append(rest)
     return "".join(out)
 

@@ -149,12 +149,11 @@ class SFTData(RLData):
     def blank_sample(self) -> Batch:
         from PIL import Image
 
-        from easytrain.data.images import fit_image
         from easytrain.data.sft import IGNORE, SFTSample
 
         d, layout = self.config.data, self.layout
         assert layout is not None
-        image = fit_image(Image.new("RGB", (56, 56), (255, 255, 255)), d.min_pixels, d.max_pixels, layout.factor)
+        image = self.train.fit([Image.new("RGB", (56, 56), (255, 255, 255))], d.min_pixels, d.max_pixels)[0]
         tokens = layout.image_tokens(image.height, image.width)
         text = layout.expand(layout.image_pad, [tokens])
         ids = self.tokenizer(text, add_special_tokens=False)["input_ids"]

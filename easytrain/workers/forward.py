@@ -43,7 +43,8 @@ def takes_video_seconds(model: nn.Module) -> bool:
 def suppressed_tokens(config: Any) -> list[int]:
     """Tokens a response may never contain: the vision placeholders (an image token in a response
     would not match any image feature). Generation suppresses them and log-probs exclude them."""
-    names = ("image_token_id", "video_token_id", "vision_start_token_id", "vision_end_token_id")
+    names = ("image_token_id", "video_token_id", "vision_start_token_id", "vision_end_token_id", "boi_token_id",
+             "eoi_token_id")
     return sorted({int(getattr(config, n)) for n in names if getattr(config, n, None) is not None})
 
 

@@ -242,7 +242,7 @@ class Bound:
         if layout is None:
             raise ValueError(f"{family} has no image layout")
         vocab = tokenizer.get_vocab()
-        return cls(family, processor, int(vocab.get(layout.image_pad, -1)), int(vocab.get(layout.video_pad, -1)))
+        return cls(family, processor, int(vocab.get(layout.image_token, -1)), int(vocab.get(layout.video_pad, -1)))
 
     def stream(self, images: Sequence[Sequence[Any]], videos: Sequence[Sequence[Any]],
                order: Sequence[Sequence[int]]) -> dict[str, torch.Tensor]:

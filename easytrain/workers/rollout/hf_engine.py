@@ -46,6 +46,8 @@ def has_video(batch: Batch) -> bool:
     return seconds is not None and bool((seconds > 0).any())
 
 
+PER_TOKEN = ("input_ids", "attention_mask", "mm_token_type_ids", "token_type_ids")
+"""Model inputs with a column per token (a prefill of all but the last token cuts them)."""
 GENERATE_INPUTS = ("input_ids", "attention_mask", *VISUAL_KEYS, "mm_token_type_ids")
 
 
@@ -248,9 +250,8 @@ class HFEngine(RolloutEngine):
         from transformers import DynamicCache
 
         once = self._inputs(prompts)
-        head = {k: v[:, :-1] if k in ("input_ids", "attention_mask", "mm_token_type_ids") else v
-                for k, v in once.items()}
-        if "mm_token_type_ids" not in head:  # text model: positions that skip the left padding, as generate's
+        head = {k: v[:, :-1] if k in PER_TOKEN else v for k, v in once.items()}
+        if "mm_token_type_ids" not in head:  # plain positions: ones that skip the left padding, as generate's
             head["position_ids"] = generate_positions(head["attention_mask"])
         cache = DynamicCache(config=self.model.config)
         inner: Any = getattr(self.model, "model", None)

@@ -1,0 +1,132 @@
+"""Gemma 3: one fixed-size image, SigLIP tower, pooled to a fixed token count, bidirectional image attention.
+
+Every image is resized to ``vision_config.image_size`` square (896 px for the
+published models; no pan-and-scan crops) and becomes ``mm_tokens_per_image``
+tokens (256): the SigLIP tower's patches average-pooled. The chat template
+writes ``<start_of_image>`` once per image; easytrain expands it as Gemma's
+processor does, to ``\\n\\n<start_of_image>`` + one ``<image_soft_token>`` per
+token + ``<end_of_image>\\n\\n``. Positions are plain. The tokens of one image
+attend to each other both ways (``token_type_ids``), which the padded passes
+give the model; the padding-free and prompt-sharing passes build causal
+masks, so they are off for this family.
+
+In the vision stream an image is one row of ``pixel_values`` (its ``3 x S x
+S`` values) with ``image_grid_thw`` ``(1, 1, 1)``.
+"""
+
+from __future__ import annotations
+
+from typing import Any, ClassVar, Mapping, Sequence
+
+import torch
+from torch import nn
+
+from easytrain.data.vision import MM_IMAGE, Layout
+from easytrain.models.families.base import Family, TinySpec
+from easytrain.models.families.qwen import CHATML_TOKENS
+
+BOI, EOI, SOFT = "<start_of_image>", "<end_of_image>", "<image_soft_token>"
+
+CHAT_TEMPLATE = (  # ChatML turns (the tiny tokenizer's), Gemma's image placeholder
+    "{% for message in messages %}"
+    "<|im_start|>{{ message['role'] }}\n"
+    "{% if message['content'] is string %}{{ message['content'] }}"
+    "{% else %}{% for part in message['content'] %}"
+    "{% if part['type'] == 'image' %}<start_of_image>"
+    "{% elif part['type'] == 'text' %}{{ part['text'] }}{% endif %}"
+    "{% endfor %}{% endif %}"
+    "<|im_end|>\n"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+
+TINY_IMAGE = 112
+"""Image side of the tiny model: 8 x 8 patches of 14 px, pooled 2 x 2 into 16 tokens."""
+
+
+class Gemma3(Family):
+    model_types = ("gemma3",)
+    label = "Gemma 3"
+    features = frozenset({"image_dedup"})
+    tower_path = "vision_tower"
+    projector_paths = ("multi_modal_projector",)
+    tiny_tokens: ClassVar[tuple[str, ...]] = CHATML_TOKENS + (BOI, EOI, SOFT)
+    tiny_template: ClassVar[str] = CHAT_TEMPLATE
+
+    @property
+    def side(self) -> int:
+        return int((self.hf_config.get("vision_config") or {}).get("image_size", 896))
+
+    @property
+    def image_tokens(self) -> int:
+        return int(self.hf_config.get("mm_tokens_per_image") or 256)
+
+    def model_class(self) -> Any:
+        import transformers
+
+        return transformers.Gemma3ForConditionalGeneration
+
+    def image_processor(self, folder: str) -> Any:
+        from transformers.models.gemma3 import Gemma3ImageProcessorPil
+
+        return Gemma3ImageProcessorPil.from_pretrained(folder)
+
+    @classmethod
+    def tiny_processor(cls) -> Any:
+        from transformers.models.gemma3 import Gemma3ImageProcessorPil
+
+        return Gemma3ImageProcessorPil(size={"height": TINY_IMAGE, "width": TINY_IMAGE}, do_pan_and_scan=False)
+
+    @classmethod
+    def tiny_config(cls, spec: TinySpec, ids: Mapping[str, int]) -> dict[str, Any]:
+        text = {"model_type": "gemma3_text", "vocab_size": spec.vocab, "hidden_size": spec.hidden,
+                "intermediate_size": spec.intermediate, "num_hidden_layers": spec.layers,
+                "num_attention_heads": spec.heads, "num_key_value_heads": spec.kv_heads, "head_dim": spec.head_dim,
+                "query_pre_attn_scalar": spec.head_dim, "sliding_window": 512, "max_position_embeddings": 4096,
+                "layer_types": ["sliding_attention" if (i + 1) % 2 else "full_attention" for i in range(spec.layers)],
+                "bos_token_id": ids.get("<|endoftext|>"), "eos_token_id": ids.get("<|im_end|>"),
+                "pad_token_id": ids.get("<|endoftext|>")}
+        vision = {"model_type": "siglip_vision_model", "hidden_size": spec.vision_hidden,
+                  "intermediate_size": spec.vision_intermediate, "num_hidden_layers": spec.vision_depth,
+                  "num_attention_heads": spec.vision_heads, "image_size": TINY_IMAGE, "patch_size": 14,
+                  "vision_use_head": False}
+        return {"model_type": "gemma3", "text_config": text, "vision_config": vision, "tie_word_embeddings": True,
+                "mm_tokens_per_image": (TINY_IMAGE // 14 // 2) ** 2, "boi_token_index": ids.get(BOI),
+                "eoi_token_index": ids.get(EOI), "image_token_index": ids.get(SOFT)}
+
+    def layout(self, processor: Any = None) -> Layout:
+        return Layout(factor=self.side, tokens_per_cell=self.image_tokens, fixed_size=True, image_pad=BOI,
+                      image_fill=SOFT, image_open=f"\n\n{BOI}", image_close=f"{EOI}\n\n")
+
+    def vision_stream(self, processor: Any, images: Sequence[Sequence[Any]], videos: Sequence[Sequence[Any]],
+                      order: Sequence[Sequence[int]]) -> dict[str, torch.Tensor]:
+        if any(videos):
+            raise ValueError(f"{self.label} takes no videos in easytrain")
+        flat = [im for sample in images for im in sample]
+        if not flat:
+            return {}
+        pixels = processor(images=flat, return_tensors="pt", do_pan_and_scan=False)["pixel_values"]
+        return {"pixel_values": pixels.reshape(len(flat), -1).float(),
+                "image_grid_thw": torch.ones(len(flat), 3, dtype=torch.long),
+                "visual_seconds": torch.zeros(len(flat), dtype=torch.float32)}
+
+    def visual_kwargs(self, tensors: Mapping[str, torch.Tensor], seconds_arg: bool = False) -> dict[str, torch.Tensor]:
+        if "pixel_values" not in tensors:
+            return {}
+        return {"pixel_values": tensors["pixel_values"].reshape(-1, 3, self.side, self.side)}
+
+    def model_kwargs(self, tensors: Mapping[str, torch.Tensor], seconds_arg: bool = False) -> dict[str, torch.Tensor]:
+        """The images, and ``token_type_ids`` (1 at image tokens): each image's tokens attend to each other."""
+        out = self.visual_kwargs(tensors, seconds_arg)
+        if "mm_token_type_ids" in tensors:
+            out["token_type_ids"] = (tensors["mm_token_type_ids"] == MM_IMAGE).long()
+        return out
+
+    def visual_tokens(self, grid: torch.Tensor) -> list[int]:
+        return [self.image_tokens] * int(grid.shape[0])
+
+    def dedupe_images(self, model: nn.Module) -> Any:
+        from easytrain.models.image_dedup import dedupe_batched
+
+        tower = self.vision_tower(model)
+        return dedupe_batched(tower) if tower is not None else None
