@@ -59,11 +59,11 @@ def _model_config(path: str, cache: str, *extra: str) -> ModelConfig:
 def test_every_preset_has_its_published_parameter_count(name: str, cache: str) -> None:
     """What a rank other than 0 builds (the folder's config on the meta device) is the published model's size."""
     from easytrain.distributed.load import meta_model
-    from easytrain.models.families import TINY_FAMILIES, family_of
+    from easytrain.models.families import TINY_FAMILIES, adapter_class, family_of
 
     config = _model_config(f"random:{name}", cache)
     model_type = presets.model_presets()[name]["hf_config"]["model_type"]
-    if model_type not in TINY_FAMILIES:  # no tiny tokenizer of its family to pair the weights with: a clear error
+    if adapter_class(model_type).tiny_family() not in TINY_FAMILIES:  # no tiny tokenizer to pair: a clear error
         with pytest.raises(ConfigError, match=rf"model.path='random:{name}': no tiny tokenizer of its family"):
             model_folder(config)
         return
@@ -76,13 +76,14 @@ def test_every_preset_has_its_published_parameter_count(name: str, cache: str) -
     text = model.config.get_text_config()
     assert text.vocab_size > VOCAB_SIZE  # the model's vocabulary exceeds the tiny tokenizer's
     family = family_of(model)
-    ids = {tok: load_tokenizer(config, folder).convert_tokens_to_ids(tok) for tok in family.tiny_tokens}
+    tokens = adapter_class(family.tiny_family()).tiny_tokens
+    ids = {tok: load_tokenizer(config, folder).convert_tokens_to_ids(tok) for tok in tokens}
     assert text.eos_token_id == model.generation_config.eos_token_id == ids["<|im_end|>"]
     if family.vision:
         processor = load_image_processor(config, folder)
         assert processor is not None
         layout = family.layout(processor)
-        assert layout is not None and model.config.image_token_id == ids[layout.image_pad]
+        assert layout is not None and model.config.image_token_id == ids[layout.image_token]
 
 
 def test_shape_and_planner_config_are_the_named_models() -> None:

@@ -24,16 +24,9 @@ An image at ``data.max_pixels`` takes :meth:`VisionGeometry.image_tokens` tokens
 from __future__ import annotations
 
 import json
-import math
 from dataclasses import dataclass
 from functools import lru_cache
 from typing import Any, Optional
-
-TILED_TYPES = ("internvl",)
-"""Model types that cut an image into fixed tiles (plus a thumbnail)."""
-FIXED_IMAGE_TYPES = ("gemma3",)
-"""Model types that resize every image to one fixed square and pool it to ``mm_tokens_per_image`` tokens."""
-
 
 @dataclass(frozen=True)
 class VisionGeometry:
@@ -72,39 +65,25 @@ class VisionGeometry:
         return self.merge * self.merge * self.patch_values
 
 
-def _side(value: Any) -> int:
-    """A size given as one number or an (height, width) pair."""
-    return int(value[0] if isinstance(value, (list, tuple)) else value)
-
-
 def vision_geometry(hf_config: dict[str, Any]) -> Optional[VisionGeometry]:
-    """The image geometry of the model ``hf_config`` describes; None for a text-only model."""
+    """The image geometry of the model ``hf_config`` describes, as its family's adapter gives it (its data
+    layout and its tower's patches); None for a text-only model or a family without an image layout."""
     return _geometry(json.dumps(hf_config, sort_keys=True))
 
 
 @lru_cache(maxsize=64)
 def _geometry(key: str) -> Optional[VisionGeometry]:
     from easytrain.memory.params import hf_config_object
+    from easytrain.models.families import family_of
 
-    config = hf_config_object(json.loads(key))
-    vision = getattr(config, "vision_config", None)
-    if vision is None:
+    config = hf_config_object(json.loads(key)).to_dict()  # settings left out take the model class's defaults
+    family = family_of(config)
+    layout = family.layout() if family.vision else None
+    if layout is None:
         return None
-    model_type = config.model_type
-    patch = _side(getattr(vision, "patch_size", 14))
-    if model_type in TILED_TYPES:
-        tile = _side(vision.image_size)
-        ratio = float(getattr(config, "downsample_ratio", 0.5))
-        merge = round(1 / ratio)
-        return VisionGeometry(patch=patch, merge=merge, temporal=1, cell=tile,
-                              tokens_per_cell=(tile // patch // merge) ** 2, thumbnail=True,
-                              channels=int(getattr(vision, "num_channels", 3)))
-    if model_type in FIXED_IMAGE_TYPES:
-        side = _side(vision.image_size)
-        tokens = int(config.mm_tokens_per_image)
-        merge = (side // patch) // math.isqrt(tokens)  # Gemma 3: 64 x 64 patches average-pooled to 16 x 16 tokens
-        return VisionGeometry(patch=patch, merge=merge, temporal=1, cell=side, tokens_per_cell=tokens, fixed_cells=1,
-                              channels=int(getattr(vision, "num_channels", 3)))
-    merge = int(getattr(vision, "spatial_merge_size", 1))
-    return VisionGeometry(patch=patch, merge=merge, temporal=int(getattr(vision, "temporal_patch_size", 1)),
-                          cell=patch * merge, tokens_per_cell=1, channels=int(getattr(vision, "in_channels", 3)))
+    patch, merge, temporal = family.patch_geometry()
+    channels = (config.get("vision_config") or {})
+    return VisionGeometry(patch=patch, merge=merge, temporal=temporal, cell=layout.factor,
+                          tokens_per_cell=layout.tokens_per_cell, thumbnail=layout.thumbnail,
+                          fixed_cells=int(layout.fixed_size),
+                          channels=int(channels.get("num_channels") or channels.get("in_channels") or 3))

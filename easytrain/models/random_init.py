@@ -30,6 +30,7 @@ import torch
 
 from easytrain.config.presets import RANDOM_PREFIX, random_hf_config
 from easytrain.config.errors import ConfigError
+from easytrain.models.families import adapter_class
 from easytrain.models.tiny import FAMILIES as TINY_FAMILIES
 from easytrain.models.tiny import build_once, build_tiny, default_cache_dir, model_class_for
 
@@ -39,6 +40,8 @@ MARKER = "random_init.json"
 """Stands in a random: folder where the weights would be: its name and seed."""
 FACTORY_VERSION = 1
 """Bump when the folder's contents change, so cached folders from older builds are not reused."""
+TOKEN_ID_KEYS = ("_token_id", "_token_index")
+"""Config keys that hold a special token's id (Gemma 3 names its image tokens ``*_token_index``)."""
 WEIGHT_SUFFIXES = (".safetensors", ".bin", ".safetensors.index.json", ".bin.index.json")
 
 
@@ -47,11 +50,12 @@ def build_random(name: str, seed: int = 0, cache_dir: Union[str, Path, None] = N
     import transformers
 
     shape = random_hf_config(RANDOM_PREFIX + name)
-    if shape["model_type"] not in TINY_FAMILIES:
+    source = adapter_class(shape["model_type"]).tiny_family()
+    if source not in TINY_FAMILIES:
         raise ConfigError("model.path", RANDOM_PREFIX + name, f"no tiny tokenizer of its family "
                           f"({shape['model_type']}) to pair the random weights with",
                           "use a conf/model preset of a family with a tiny model: " + ", ".join(TINY_FAMILIES))
-    tiny = build_tiny(shape["model_type"], "tiny", seed, cache_dir)
+    tiny = build_tiny(source, "tiny", seed, cache_dir)
     cache = Path(cache_dir).expanduser() if cache_dir else default_cache_dir()
     key = json.dumps([FACTORY_VERSION, name, shape, seed, tiny.name, transformers.__version__], sort_keys=True)
     target = cache / "random" / f"{name}-seed{seed}-{hashlib.sha1(key.encode()).hexdigest()[:10]}"
@@ -79,10 +83,10 @@ def with_token_ids(shape: dict[str, Any], tiny_config: dict[str, Any]) -> dict[s
     """``shape`` with the special-token ids (image, video, vision start/end, bos, eos, pad) of the tiny model's
     config, at the same level (top or ``text_config``) as there."""
     out = copy.deepcopy(shape)
-    out.update({k: v for k, v in tiny_config.items() if k.endswith("_token_id")})
+    out.update({k: v for k, v in tiny_config.items() if k.endswith(TOKEN_ID_KEYS)})
     if "text_config" in out:
         tiny_text = tiny_config["text_config"]  # a VL shape pairs with the VL tiny model, which nests it too
-        out["text_config"].update({k: v for k, v in tiny_text.items() if k.endswith("_token_id")})
+        out["text_config"].update({k: v for k, v in tiny_text.items() if k.endswith(TOKEN_ID_KEYS)})
     return out
 
 

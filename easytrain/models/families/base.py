@@ -80,10 +80,18 @@ class Family:
         """The HF config dict of a tiny model of this family (``ids``: the tiny tokenizer's special tokens)."""
         raise NotImplementedError(f"no tiny model of {cls.label}")
 
+    tiny_source: ClassVar[str] = ""
+    """A family without a tiny model of its own: the tiny family whose tokenizer ``random:`` models borrow."""
+
     @classmethod
     def tiny_processor(cls) -> Any:
         """The image processor saved beside a tiny model (None: a text family)."""
         return None
+
+    @classmethod
+    def tiny_family(cls) -> str:
+        """The tiny family whose tokenizer and processor a ``random:`` model of this family takes ("" for none)."""
+        return cls.model_types[0] if cls.tiny_tokens and cls.model_types else cls.tiny_source
 
     def __init__(self, hf_config: Mapping[str, Any]) -> None:
         self.hf_config = dict(hf_config)
@@ -209,6 +217,13 @@ class Family:
         if self.takes_token_types() and "mm_token_type_ids" in tensors:
             out["mm_token_type_ids"] = tensors["mm_token_type_ids"]
         return out
+
+    def patch_geometry(self) -> tuple[int, int, int]:
+        """(patch side in pixels, patches per token along a side, frames per patch) of the vision tower: what the
+        planner prices ``pixel_values`` and the tower's activations by."""
+        vision = self.hf_config.get("vision_config") or {}
+        patch = vision.get("patch_size", 14)
+        return int(patch[0] if isinstance(patch, (list, tuple)) else patch), 1, 1
 
     def visual_rows(self, grid: torch.Tensor) -> torch.Tensor:
         """Rows of ``pixel_values`` per visual (``grid``: the stream's ``image_grid_thw``)."""

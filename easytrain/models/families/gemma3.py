@@ -16,6 +16,7 @@ S`` values) with ``image_grid_thw`` ``(1, 1, 1)``.
 
 from __future__ import annotations
 
+import math
 from typing import Any, ClassVar, Mapping, Sequence
 
 import torch
@@ -124,6 +125,10 @@ class Gemma3(Family):
 
     def visual_tokens(self, grid: torch.Tensor) -> list[int]:
         return [self.image_tokens] * int(grid.shape[0])
+
+    def patch_geometry(self) -> tuple[int, int, int]:
+        patch = super().patch_geometry()[0]
+        return patch, (self.side // patch) // math.isqrt(self.image_tokens), 1  # patches average-pooled per token
 
     def dedupe_images(self, model: nn.Module) -> Any:
         from easytrain.models.image_dedup import dedupe_batched

@@ -138,6 +138,10 @@ class InternVL(Family):
     def visual_tokens(self, grid: torch.Tensor) -> list[int]:
         return [int(n) * self.tile_tokens for n in grid[:, 0].tolist()]
 
+    def patch_geometry(self) -> tuple[int, int, int]:
+        patch = super().patch_geometry()[0]
+        return patch, round(1 / float(self.hf_config.get("downsample_ratio", 0.5))), 1
+
     def dedupe_images(self, model: nn.Module) -> Any:
         from easytrain.models.image_dedup import dedupe_batched
 

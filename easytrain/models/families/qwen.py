@@ -191,6 +191,9 @@ class Qwen2VL(Family):
     def takes_token_types(self) -> bool:
         return True
 
+    def patch_geometry(self) -> tuple[int, int, int]:
+        return self.patch, self.merge, int(self.vision_settings.get("temporal_patch_size") or 2)
+
     def layout(self, processor: Any = None) -> Layout:
         patch = int(getattr(processor, "patch_size", None) or self.patch)
         merge = int(getattr(processor, "merge_size", None) or self.merge)
@@ -329,3 +332,18 @@ class Qwen3VL(Qwen2VL):
         config["text_config"]["head_dim"] = spec.head_dim
         config["text_config"]["rope_parameters"]["mrope_interleaved"] = True
         return config
+
+
+class Qwen3VLMoe(Qwen3VL):
+    """Qwen3-VL's mixture-of-experts language model (30B-A3B): the dense family's inputs; no tiny model of its
+    own (``random:`` presets take tiny Qwen3-VL's tokenizer)."""
+
+    model_types = ("qwen3_vl_moe",)
+    label = "Qwen3-VL MoE"
+    tiny_tokens = ()
+    tiny_source = "qwen3_vl"
+
+    def model_class(self) -> Any:
+        import transformers
+
+        return transformers.Qwen3VLMoeForConditionalGeneration
