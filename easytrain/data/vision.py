@@ -104,28 +104,6 @@ def mm_token_type_ids(input_ids: torch.Tensor, image_token_id: int, video_token_
     return types
 
 
-def vision_kwargs(tensors: Mapping[str, torch.Tensor], seconds_arg: bool = False) -> dict[str, torch.Tensor]:
-    """The model's keyword arguments for a batch's vision stream: ``pixel_values``/``image_grid_thw`` for the
-    still images and ``pixel_values_videos``/``video_grid_thw`` for the videos, each in stream order (the model
-    scatters them onto its image and video tokens in text order). ``seconds_arg``: also pass
-    ``second_per_grid_ts`` (Qwen2.5-VL's temporal rope spacing, used where the model computes positions itself:
-    a generation's prefill)."""
-    if "pixel_values" not in tensors:
-        return {}
-    pixels, grid = tensors["pixel_values"], tensors["image_grid_thw"]
-    seconds = tensors.get("visual_seconds")
-    if seconds is None or not bool((seconds > 0).any()):
-        return {"pixel_values": pixels, "image_grid_thw": grid}
-    video = seconds > 0
-    rows = video.to(grid.device).repeat_interleave(grid.prod(-1))
-    out = {"pixel_values_videos": pixels[rows.to(pixels.device)], "video_grid_thw": grid[video.to(grid.device)]}
-    if seconds_arg:
-        out["second_per_grid_ts"] = seconds[video]
-    if not bool(video.all()):
-        out.update(pixel_values=pixels[~rows.to(pixels.device)], image_grid_thw=grid[~video.to(grid.device)])
-    return out
-
-
 def visual_order(token_types: torch.Tensor, attention_mask: torch.Tensor) -> list[list[int]]:
     """Per sample, the kinds of its visuals in text order (MM_IMAGE or MM_VIDEO, one per placeholder run)."""
     out = []

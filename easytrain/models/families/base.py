@@ -80,13 +80,26 @@ class Family:
         """The HF config dict of a tiny model of this family (``ids``: the tiny tokenizer's special tokens)."""
         raise NotImplementedError(f"no tiny model of {cls.label}")
 
+    class_name: ClassVar[str] = ""
+    """The transformers model class (by name); empty: the Auto class for image-text or causal LM models."""
+    processor_class_path: ClassVar[str] = ""
+    """``module:Class`` of the family's image processor (its PIL backend); empty: ``AutoImageProcessor``."""
+    tiny_processor_settings: ClassVar[dict[str, Any]] = {}
+    """The tiny model's image processor settings."""
     tiny_source: ClassVar[str] = ""
     """A family without a tiny model of its own: the tiny family whose tokenizer ``random:`` models borrow."""
 
     @classmethod
+    def processor_class(cls) -> Any:
+        import importlib
+
+        module, name = cls.processor_class_path.split(":")
+        return getattr(importlib.import_module(module), name)
+
+    @classmethod
     def tiny_processor(cls) -> Any:
         """The image processor saved beside a tiny model (None: a text family)."""
-        return None
+        return cls.processor_class()(**cls.tiny_processor_settings) if cls.processor_class_path else None
 
     @classmethod
     def tiny_family(cls) -> str:
@@ -110,10 +123,12 @@ class Family:
         """The transformers class ``from_pretrained`` is called on."""
         import transformers
 
+        if self.class_name:
+            return getattr(transformers, self.class_name)
         return transformers.AutoModelForImageTextToText if self.vision else transformers.AutoModelForCausalLM
 
-    def class_name(self) -> str:
-        """The class name written to ``config.json``'s ``architectures`` (what vLLM picks its model by)."""
+    def vllm_architecture(self) -> str:
+        """The class name in ``config.json``'s ``architectures``: what vLLM picks its model by."""
         archs = self.hf_config.get("architectures") or []
         return str(archs[0]) if archs else self.model_class().__name__
 
@@ -121,6 +136,8 @@ class Family:
         """The folder's image processor (PIL backend where transformers has one); None for a text model."""
         if not self.vision:
             return None
+        if self.processor_class_path:
+            return self.processor_class().from_pretrained(folder)
         from transformers import AutoImageProcessor
 
         return AutoImageProcessor.from_pretrained(folder, backend="pil")

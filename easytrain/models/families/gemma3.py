@@ -24,22 +24,12 @@ from torch import nn
 
 from easytrain.data.vision import MM_IMAGE, Layout
 from easytrain.models.families.base import Family, TinySpec
-from easytrain.models.families.qwen import CHATML_TOKENS
+from easytrain.models.families.qwen import CHATML_TOKENS, chatml_template
 
 BOI, EOI, SOFT = "<start_of_image>", "<end_of_image>", "<image_soft_token>"
 
-CHAT_TEMPLATE = (  # ChatML turns (the tiny tokenizer's), Gemma's image placeholder
-    "{% for message in messages %}"
-    "<|im_start|>{{ message['role'] }}\n"
-    "{% if message['content'] is string %}{{ message['content'] }}"
-    "{% else %}{% for part in message['content'] %}"
-    "{% if part['type'] == 'image' %}<start_of_image>"
-    "{% elif part['type'] == 'text' %}{{ part['text'] }}{% endif %}"
-    "{% endfor %}{% endif %}"
-    "<|im_end|>\n"
-    "{% endfor %}"
-    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
-)
+CHAT_TEMPLATE = chatml_template(BOI, system=False)
+"""ChatML turns (the tiny tokenizer's) with Gemma's image placeholder."""
 
 TINY_IMAGE = 112
 """Image side of the tiny model: 8 x 8 patches of 14 px, pooled 2 x 2 into 16 tokens."""
@@ -53,6 +43,9 @@ class Gemma3(Family):
     projector_paths = ("multi_modal_projector",)
     tiny_tokens: ClassVar[tuple[str, ...]] = CHATML_TOKENS + (BOI, EOI, SOFT)
     tiny_template: ClassVar[str] = CHAT_TEMPLATE
+    class_name = "Gemma3ForConditionalGeneration"
+    processor_class_path = "transformers.models.gemma3:Gemma3ImageProcessorPil"
+    tiny_processor_settings = {"size": {"height": TINY_IMAGE, "width": TINY_IMAGE}, "do_pan_and_scan": False}
 
     @property
     def side(self) -> int:
@@ -62,21 +55,6 @@ class Gemma3(Family):
     def image_tokens(self) -> int:
         return int(self.hf_config.get("mm_tokens_per_image") or 256)
 
-    def model_class(self) -> Any:
-        import transformers
-
-        return transformers.Gemma3ForConditionalGeneration
-
-    def image_processor(self, folder: str) -> Any:
-        from transformers.models.gemma3 import Gemma3ImageProcessorPil
-
-        return Gemma3ImageProcessorPil.from_pretrained(folder)
-
-    @classmethod
-    def tiny_processor(cls) -> Any:
-        from transformers.models.gemma3 import Gemma3ImageProcessorPil
-
-        return Gemma3ImageProcessorPil(size={"height": TINY_IMAGE, "width": TINY_IMAGE}, do_pan_and_scan=False)
 
     @classmethod
     def tiny_config(cls, spec: TinySpec, ids: Mapping[str, int]) -> dict[str, Any]:

@@ -24,25 +24,11 @@ from torch import nn
 
 from easytrain.data.vision import Layout
 from easytrain.models.families.base import Family, TinySpec
-from easytrain.models.families.qwen import CHATML_TOKENS, text_config
+from easytrain.models.families.qwen import CHATML_TOKENS, chatml_template, text_config
 
 IMAGE_CONTEXT = "<IMG_CONTEXT>"
 
-CHAT_TEMPLATE = (
-    "{% for message in messages %}"
-    "{% if loop.first and message['role'] != 'system' %}"
-    "<|im_start|>system\nYou are a helpful assistant.<|im_end|>\n"
-    "{% endif %}"
-    "<|im_start|>{{ message['role'] }}\n"
-    "{% if message['content'] is string %}{{ message['content'] }}"
-    "{% else %}{% for part in message['content'] %}"
-    "{% if part['type'] == 'image' %}<IMG_CONTEXT>\n"
-    "{% elif part['type'] == 'text' %}{{ part['text'] }}{% endif %}"
-    "{% endfor %}{% endif %}"
-    "<|im_end|>\n"
-    "{% endfor %}"
-    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
-)
+CHAT_TEMPLATE = chatml_template(f"{IMAGE_CONTEXT}\n")
 
 TINY_TILE = 56
 """Tile side of the tiny model: 4 x 4 patches of 14 px, 2 x 2 tokens after the pixel shuffle."""
@@ -60,6 +46,10 @@ class InternVL(Family):
     projector_paths = ("multi_modal_projector",)
     tiny_tokens: ClassVar[tuple[str, ...]] = CHATML_TOKENS + ("<img>", "</img>", IMAGE_CONTEXT)
     tiny_template: ClassVar[str] = CHAT_TEMPLATE
+    class_name = "InternVLForConditionalGeneration"
+    processor_class_path = "transformers.models.got_ocr2:GotOcr2ImageProcessorPil"
+    tiny_processor_settings = {"size": {"height": TINY_TILE, "width": TINY_TILE}, "crop_to_patches": True,
+                               "image_mean": [0.485, 0.456, 0.406], "image_std": [0.229, 0.224, 0.225]}
 
     @property
     def tile(self) -> int:
@@ -72,22 +62,6 @@ class InternVL(Family):
         side = self.tile // _pair(vision.get("patch_size", 14))
         return int(round(side * float(self.hf_config.get("downsample_ratio", 0.5)))) ** 2
 
-    def model_class(self) -> Any:
-        import transformers
-
-        return transformers.InternVLForConditionalGeneration
-
-    def image_processor(self, folder: str) -> Any:
-        from transformers.models.got_ocr2 import GotOcr2ImageProcessorPil
-
-        return GotOcr2ImageProcessorPil.from_pretrained(folder)
-
-    @classmethod
-    def tiny_processor(cls) -> Any:
-        from transformers.models.got_ocr2 import GotOcr2ImageProcessorPil
-
-        return GotOcr2ImageProcessorPil(size={"height": TINY_TILE, "width": TINY_TILE}, crop_to_patches=True,
-                                        image_mean=[0.485, 0.456, 0.406], image_std=[0.229, 0.224, 0.225])
 
     @classmethod
     def tiny_config(cls, spec: TinySpec, ids: Mapping[str, int]) -> dict[str, Any]:

@@ -25,25 +25,34 @@ from easytrain.models.families.base import FEATURES, Family, TinySpec
 CHATML_TOKENS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>")
 VISION_TOKENS = ("<|vision_start|>", "<|vision_end|>", "<|vision_pad|>", "<|image_pad|>", "<|video_pad|>")
 
-# Qwen-VL style chat template: images (videos) in a message's content list become
-# <|vision_start|><|image_pad|><|vision_end|> (<|video_pad|>), which easytrain expands
-# to one pad per vision token.
-CHAT_TEMPLATE = (  # no whitespace control: the string holds no incidental whitespace
-    "{% for message in messages %}"
-    "{% if loop.first and message['role'] != 'system' %}"
-    "<|im_start|>system\nYou are a helpful assistant.<|im_end|>\n"
-    "{% endif %}"
-    "<|im_start|>{{ message['role'] }}\n"
-    "{% if message['content'] is string %}{{ message['content'] }}"
-    "{% else %}{% for part in message['content'] %}"
-    "{% if part['type'] == 'image' %}<|vision_start|><|image_pad|><|vision_end|>"
-    "{% elif part['type'] == 'video' %}<|vision_start|><|video_pad|><|vision_end|>"
-    "{% elif part['type'] == 'text' %}{{ part['text'] }}{% endif %}"
-    "{% endfor %}{% endif %}"
-    "<|im_end|>\n"
-    "{% endfor %}"
-    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
-)
+def chatml_template(image: str, video: str = "", system: bool = True) -> str:
+    """A ChatML chat template (the tiny tokenizers' turns) that writes ``image`` (``video``) for an image (video)
+    part of a message's content list; ``system``: a default system turn first. No whitespace control: the string
+    holds no incidental whitespace."""
+    default_system = ("{% if loop.first and message['role'] != 'system' %}"
+                      "<|im_start|>system\nYou are a helpful assistant.<|im_end|>\n"
+                      "{% endif %}") if system else ""
+    video_part = f"{{% elif part['type'] == 'video' %}}{video}" if video else ""
+    return (
+        "{% for message in messages %}"
+        + default_system
+        + "<|im_start|>{{ message['role'] }}\n"
+        "{% if message['content'] is string %}{{ message['content'] }}"
+        "{% else %}{% for part in message['content'] %}"
+        f"{{% if part['type'] == 'image' %}}{image}"
+        + video_part
+        + "{% elif part['type'] == 'text' %}{{ part['text'] }}{% endif %}"
+        "{% endfor %}{% endif %}"
+        "<|im_end|>\n"
+        "{% endfor %}"
+        "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+    )
+
+
+CHAT_TEMPLATE = chatml_template("<|vision_start|><|image_pad|><|vision_end|>",
+                                "<|vision_start|><|video_pad|><|vision_end|>")
+"""Qwen-VL's: an image (video) becomes <|vision_start|><|image_pad|><|vision_end|> (<|video_pad|>), which
+easytrain expands to one pad per vision token."""
 
 
 def mrope_section(head_dim: int) -> list[int]:
@@ -73,11 +82,7 @@ class Qwen2(Family):
     features = frozenset({"padding_free", "ulysses", "vllm", "shared_prompt"})
     tiny_tokens: ClassVar[tuple[str, ...]] = CHATML_TOKENS + VISION_TOKENS
     tiny_template: ClassVar[str] = CHAT_TEMPLATE
-
-    def model_class(self) -> Any:
-        import transformers
-
-        return transformers.Qwen2ForCausalLM
+    class_name = "Qwen2ForCausalLM"
 
     @classmethod
     def tiny_config(cls, spec: TinySpec, ids: Mapping[str, int]) -> dict[str, Any]:
@@ -143,6 +148,9 @@ class Qwen2VL(Family):
     tiny_tokens: ClassVar[tuple[str, ...]] = CHATML_TOKENS + VISION_TOKENS
     tiny_template: ClassVar[str] = CHAT_TEMPLATE
     default_patch: ClassVar[int] = 14
+    class_name = "Qwen2VLForConditionalGeneration"
+    processor_class_path = "transformers.models.qwen2_vl:Qwen2VLImageProcessorPil"
+    tiny_processor_settings = {"patch_size": 14}
 
     @property
     def vision_settings(self) -> dict[str, Any]:
@@ -156,21 +164,6 @@ class Qwen2VL(Family):
     def merge(self) -> int:
         return int(self.vision_settings.get("spatial_merge_size") or 2)
 
-    def model_class(self) -> Any:
-        import transformers
-
-        return transformers.Qwen2VLForConditionalGeneration
-
-    def image_processor(self, folder: str) -> Any:
-        from transformers.models.qwen2_vl import Qwen2VLImageProcessorPil
-
-        return Qwen2VLImageProcessorPil.from_pretrained(folder)
-
-    @classmethod
-    def tiny_processor(cls) -> Any:
-        from transformers.models.qwen2_vl import Qwen2VLImageProcessorPil
-
-        return Qwen2VLImageProcessorPil(patch_size=cls.default_patch)
 
     @classmethod
     def tiny_vision(cls, spec: TinySpec) -> dict[str, Any]:
@@ -272,11 +265,7 @@ class Qwen2VL(Family):
 class Qwen25VL(Qwen2VL):
     model_types = ("qwen2_5_vl",)
     label = "Qwen2.5-VL"
-
-    def model_class(self) -> Any:
-        import transformers
-
-        return transformers.Qwen2_5_VLForConditionalGeneration
+    class_name = "Qwen2_5_VLForConditionalGeneration"
 
     @classmethod
     def tiny_vision(cls, spec: TinySpec) -> dict[str, Any]:
@@ -306,18 +295,8 @@ class Qwen3VL(Qwen2VL):
     features = frozenset(FEATURES) - {"video", "ulysses", "multi_turn_images"}
     projector_paths = ("visual.merger", "visual.deepstack_merger_list")
     default_patch = 16
-
-    def model_class(self) -> Any:
-        import transformers
-
-        return transformers.Qwen3VLForConditionalGeneration
-
-    @classmethod
-    def tiny_processor(cls) -> Any:
-        from transformers.models.qwen2_vl import Qwen2VLImageProcessorPil
-
-        return Qwen2VLImageProcessorPil(patch_size=cls.default_patch, image_mean=[0.5, 0.5, 0.5],
-                                        image_std=[0.5, 0.5, 0.5])
+    class_name = "Qwen3VLForConditionalGeneration"
+    tiny_processor_settings = {"patch_size": 16, "image_mean": [0.5, 0.5, 0.5], "image_std": [0.5, 0.5, 0.5]}
 
     @classmethod
     def tiny_vision(cls, spec: TinySpec) -> dict[str, Any]:
@@ -342,8 +321,4 @@ class Qwen3VLMoe(Qwen3VL):
     label = "Qwen3-VL MoE"
     tiny_tokens = ()
     tiny_source = "qwen3_vl"
-
-    def model_class(self) -> Any:
-        import transformers
-
-        return transformers.Qwen3VLMoeForConditionalGeneration
+    class_name = "Qwen3VLMoeForConditionalGeneration"
