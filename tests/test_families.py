@@ -135,8 +135,9 @@ def test_plan_runs_for_every_tiny_family(family: str) -> None:
     (["model.path=tiny:internvl", "worker.rollout.engine=vllm", "trainer.device=cuda", "model.dtype=bfloat16"],
      "worker.rollout.engine='vllm': InternVL (3.x) (internvl) does not support vllm"),
     (["+exp=tiny_video", "model.path=tiny:qwen3_vl"], "data.video_key='videos': Qwen3-VL (qwen3_vl) does not support"),
-    (["model.path=tiny:internvl", "+exp=tiny_sft", "worker.actor.padding_free=true",
-      "worker.actor.ulysses_size=2"], "worker.actor.ulysses_size=2"),
+    (["model.path=tiny:gemma3", "+exp=tiny_sft", "worker.actor.ulysses_size=2"],
+     "worker.actor.ulysses_size=2: Gemma 3 (gemma3) does not support ulysses"),
+    (["model.path=tiny:gemma3", "+exp=tiny_sft"], "worker.actor.padding_free=True: Gemma 3 (gemma3) does not support"),
 ])
 def test_a_feature_the_family_cannot_serve_is_a_one_line_config_error(overrides: list[str], message: str,
                                                                       tmp_path: Path) -> None:

@@ -103,7 +103,7 @@ def run_vl_rank(rank: int, run_dir: str, family: str) -> None:
     from easytrain.models.hf import model_folder
     from easytrain.trainer.data import SFTData, sft_batch
     from easytrain.workers.base import build_sharded_model
-    from easytrain.workers.packed import flatten, pad_sequence
+    from easytrain.workers.packed import flatten, pad_sequence, sample_positions
 
     config = load(["+exp=tiny_sft", f"trainer.output_dir={run_dir}", "data.synthetic_size=16",
                    "data.synthetic_val_size=8", "trainer.workers_per_node=1", "data.limit_images=3",
@@ -113,13 +113,15 @@ def run_vl_rank(rank: int, run_dir: str, family: str) -> None:
         multi_image_chats(Path(run_dir))
     dist.barrier()
     chats = SFTDataset([str(Path(run_dir) / "chats.jsonl")], config.data, data.tokenizer, "train", vision=True,
-                       progress=False)
+                       progress=False, layout=data.layout)
     samples = [chats[i] for i in range(len(chats))]
     assert [len(s.images) for s in samples] == [1, 2, 3] and len({len(s.ids) for s in samples}) == 3
     inputs = pad_sequence(flatten(sft_batch(data.loader.collator(samples)), data.family), 2)
     targets = inputs.pop("targets")
     trained = targets != IGNORE
-    assert inputs["position_ids"].shape[0] == 4 and inputs["image_grid_thw"].shape[0] == 6
+    rows = 4 if data.family.rope_rows else 1  # rope rows plus the text row, or plain positions
+    images = inputs["image_grid_thw"].shape[0] if "image_grid_thw" in inputs else None  # InternVL: tiles only
+    assert inputs["position_ids"].shape[0] == rows and images in (6, None) and inputs["pixel_values"].shape[0] >= 6
 
     folder = model_folder(config.model)
 
@@ -134,7 +136,7 @@ def run_vl_rank(rank: int, run_dir: str, family: str) -> None:
     sp = SequenceParallel(group=dist.group.WORLD, size=2, rank=rank, recording=True)
     apply_ulysses(model, sp)
     part = sp.chunk(inputs["input_ids"].shape[1])
-    with sequence(sp, inputs["position_ids"][0]):
+    with sequence(sp, sample_positions(inputs)):
         local_lp = token_log_probs(model(**inputs, use_cache=False).logits, targets[:, part])
     (local_lp * trained[:, part]).sum().backward()
     torch.testing.assert_close(gather_sequence(local_lp.detach(), sp) * trained, ref_lp.detach() * trained,
@@ -156,7 +158,7 @@ def run_vl_rank(rank: int, run_dir: str, family: str) -> None:
         torch.testing.assert_close(grad, ref.grad, rtol=1e-4, atol=atol, msg=name)
 
 
-CASES = ("qwen2-tiny", "qwen2-small", "qwen2_5_vl", "qwen2_vl")
+CASES = ("qwen2-tiny", "qwen2-small", "qwen2_5_vl", "qwen2_vl", "internvl")
 """qwen2 tiny: 2 heads over 1 KV head (repeated); small: 4 over 2; the VL models with images."""
 
 
@@ -204,6 +206,6 @@ def test_ulysses_two_ranks_equal_the_unsplit_qwen2(size: str, job: tuple[Path, O
     passed(job, f"qwen2-{size}")
 
 
-@pytest.mark.parametrize("family", ["qwen2_5_vl", "qwen2_vl"])
+@pytest.mark.parametrize("family", ["qwen2_5_vl", "qwen2_vl", "internvl"])
 def test_ulysses_two_ranks_equal_the_unsplit_vl_model_with_images(family: str, job: tuple[Path, Optional[Any]]) -> None:
     passed(job, family)

@@ -39,14 +39,6 @@ from easytrain.memory.states import FP32
 PATCH_VALUES = 3 * 2 * 14 * 14
 """Floats of one Qwen2-VL / Qwen2.5-VL vision patch in ``pixel_values`` (RGB x 2 frames x 14 x 14); a model's own
 is :attr:`ModelDims.values_per_token` / merge^2 (:mod:`easytrain.memory.vision`)."""
-MROPE_TYPES = ("qwen2_vl", "qwen2_5_vl", "qwen3_vl", "qwen3_vl_moe")
-"""Model types whose language model takes 3-D (multimodal) rope positions, with cos/sin per layer."""
-GATED_VISION_TYPES = ("qwen2_5_vl",)
-"""Model types whose vision blocks have a gated (SwiGLU) MLP."""
-QK_NORM_TYPES = ("qwen3", "qwen3_moe", "qwen3_vl", "qwen3_vl_moe", "gemma3", "gemma3_text")
-"""Model types whose attention normalises q and k per head."""
-SANDWICH_NORM_TYPES = ("gemma3", "gemma3_text")
-"""Model types that also normalise each attention / MLP output before the residual add (Gemma 3)."""
 
 
 @dataclass(frozen=True)
@@ -86,7 +78,7 @@ def mlp_width(text: Any) -> int:
     return text.intermediate_size
 
 
-def _vision_dims(model_type: str, vision: Any) -> dict[str, Any]:
+def _vision_dims(vision: Any) -> dict[str, Any]:
     """The vision tower's width, depth and MLP width: Qwen2-VL's ``embed_dim`` / ``depth`` / ``mlp_ratio``
     (its ``hidden_size`` is the merger's output), Qwen2.5-VL's and Qwen3-VL's ``hidden_size`` / ``depth`` /
     ``intermediate_size``, InternViT's and SigLIP's ``hidden_size`` / ``num_hidden_layers`` /
@@ -104,20 +96,21 @@ def _dims(key: str) -> ModelDims:
 
     from easytrain.memory.params import hf_config_object
     from easytrain.memory.vision import vision_geometry
+    from easytrain.models.families import family_of
 
     hf_config = json.loads(key)
     config = hf_config_object(hf_config)
     text = config.get_text_config()
     head_dim = getattr(text, "head_dim", None) or text.hidden_size // text.num_attention_heads
     vision = getattr(config, "vision_config", None)
-    model_type = config.model_type
+    family = family_of(hf_config)  # its adapter knows the traits the config does not spell out
     dims = dict(hidden=text.hidden_size, layers=text.num_hidden_layers, heads=text.num_attention_heads,
                 q=text.num_attention_heads * head_dim, kv=text.num_key_value_heads * head_dim, head_dim=head_dim,
-                intermediate=mlp_width(text), vocab=text.vocab_size, mrope=model_type in MROPE_TYPES,
-                qk_norm=model_type in QK_NORM_TYPES, sandwich_norm=model_type in SANDWICH_NORM_TYPES)
+                intermediate=mlp_width(text), vocab=text.vocab_size, mrope=family.rope_rows,
+                qk_norm=family.qk_norm, sandwich_norm=family.sandwich_norm)
     geometry = vision_geometry(hf_config)
     if vision is not None and geometry is not None:
-        dims.update(_vision_dims(model_type, vision), vision_gated=model_type in GATED_VISION_TYPES,
+        dims.update(_vision_dims(vision), vision_gated=family.gated_vision_mlp,
                     merge=geometry.merge, values_per_token=geometry.values_per_token)
     return ModelDims(**dims)
 

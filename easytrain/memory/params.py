@@ -22,13 +22,13 @@ from dataclasses import dataclass
 from functools import lru_cache
 from typing import Any
 
+from easytrain.models.families import ADAPTERS
+
 COMPONENTS = ("vision_tower", "projector", "embeddings", "language_model", "lm_head")
-PROJECTOR_PARTS = (".visual.merger.", ".visual.deepstack_merger_list.", ".multi_modal_projector.")
-"""Name parts of the projector: Qwen-VL's merger (and Qwen3-VL's DeepStack mergers), InternVL's and Gemma 3's
-multi-modal projector."""
-VISION_PARTS = (".visual.", ".vision_tower.")
-"""Name parts of the vision tower (what is not projector under them): Qwen-VL's ``visual``, InternVL's and
-Gemma 3's ``vision_tower``."""
+PROJECTOR_PARTS = tuple(sorted({f".{path}." for cls in ADAPTERS for path in cls.projector_paths}))
+"""Name parts of the projector, as the family adapters place it (e.g. ``.visual.merger.``, ``.multi_modal_projector.``)."""
+VISION_PARTS = tuple(sorted({f".{cls.tower_path}." for cls in ADAPTERS if cls.tower_path}))
+"""Name parts of the vision tower (what is not projector under them), as the family adapters place it."""
 
 
 @dataclass(frozen=True)

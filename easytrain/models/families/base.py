@@ -69,6 +69,12 @@ class Family:
     """Attribute path of the vision tower from the inner model (``model.model``), e.g. ``visual``."""
     projector_paths: ClassVar[tuple[str, ...]] = ()
     """Attribute paths of the projector's modules (vision features to the language model) from the inner model."""
+    gated_vision_mlp: ClassVar[bool] = False
+    """The planner's shape: the vision blocks' MLP is gated (SwiGLU)."""
+    qk_norm: ClassVar[bool] = False
+    """The planner's shape: attention normalises q and k per head."""
+    sandwich_norm: ClassVar[bool] = False
+    """The planner's shape: each attention / MLP output is normalised again before the residual add."""
     tiny_tokens: ClassVar[tuple[str, ...]] = ()
     """Special tokens of the family's tiny tokenizer (eos ``<|im_end|>`` and pad ``<|endoftext|>`` among them);
     empty: no tiny model of this family."""

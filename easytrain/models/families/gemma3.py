@@ -44,6 +44,8 @@ class Gemma3(Family):
     tiny_tokens: ClassVar[tuple[str, ...]] = CHATML_TOKENS + (BOI, EOI, SOFT)
     tiny_template: ClassVar[str] = CHAT_TEMPLATE
     class_name = "Gemma3ForConditionalGeneration"
+    qk_norm = True
+    sandwich_norm = True
     processor_class_path = "transformers.models.gemma3:Gemma3ImageProcessorPil"
     tiny_processor_settings = {"size": {"height": TINY_IMAGE, "width": TINY_IMAGE}, "do_pan_and_scan": False}
 

@@ -266,6 +266,7 @@ class Qwen25VL(Qwen2VL):
     model_types = ("qwen2_5_vl",)
     label = "Qwen2.5-VL"
     class_name = "Qwen2_5_VLForConditionalGeneration"
+    gated_vision_mlp = True
 
     @classmethod
     def tiny_vision(cls, spec: TinySpec) -> dict[str, Any]:
@@ -296,6 +297,7 @@ class Qwen3VL(Qwen2VL):
     projector_paths = ("visual.merger", "visual.deepstack_merger_list")
     default_patch = 16
     class_name = "Qwen3VLForConditionalGeneration"
+    qk_norm = True
     tiny_processor_settings = {"patch_size": 16, "image_mean": [0.5, 0.5, 0.5], "image_std": [0.5, 0.5, 0.5]}
 
     @classmethod
