@@ -51,7 +51,6 @@ sys.path.insert(0, str(ROOT))
 from bench.provenance import write_result  # noqa: E402
 from easytrain.config.schema import DataConfig, ModelConfig  # noqa: E402
 from easytrain.data.collate import PromptCollator  # noqa: E402
-from easytrain.models.families import family_of  # noqa: E402
 from easytrain.models.families.base import Bound  # noqa: E402
 from easytrain.data.dataset import PromptDataset  # noqa: E402
 from easytrain.data.loader import PromptLoader  # noqa: E402
@@ -262,7 +261,8 @@ def photo_parquet(path: Path, rows: int) -> None:
     write_parquet(data, path)
 
 
-def measure(files: list[str], cfg: DataConfig, tokenizer: Any, processor: Any, cache: str) -> dict[str, float]:
+def measure(files: list[str], cfg: DataConfig, tokenizer: Any, processor: Any, cache: str,
+            folder: str) -> dict[str, float]:
     sampler = RssSampler()
     baseline = sampler.total()
     with sampler:
@@ -296,11 +296,12 @@ def throughput(cache: str, folder: str, tokenizer: Any, processor: Any) -> tuple
     results = []
     for rows in (500, 2000):
         cfg = DataConfig(synthetic_size=rows, shuffle=True)
-        results.append({"workload": "synthetic", **measure(["synthetic:shapes"], cfg, tokenizer, processor, cache)})
+        synthetic = measure(["synthetic:shapes"], cfg, tokenizer, processor, cache, folder)
+        results.append({"workload": "synthetic", **synthetic})
         path = Path(cache) / f"photo-{rows}.parquet"
         photo_parquet(path, rows)
         cfg = DataConfig(max_pixels=401408, max_prompt_length=1024)
-        results.append({"workload": "photo", **measure([str(path)], cfg, tokenizer, processor, cache)})
+        results.append({"workload": "photo", **measure([str(path)], cfg, tokenizer, processor, cache, folder)})
         print(json.dumps(results[-2]), json.dumps(results[-1]), sep="\n", flush=True)
     slopes = {}
     for workload in ("synthetic", "photo"):

@@ -17,7 +17,7 @@ from easytrain.config import presets
 from easytrain.models import shapes
 from easytrain.models.hf import load_image_processor, load_model, load_tokenizer, model_folder
 from easytrain.models.random_init import MARKER, is_random_folder
-from easytrain.models.tiny import SPECIAL_TOKENS, VOCAB_SIZE, model_class_for, tiny_hf_config
+from easytrain.models.tiny import VOCAB_SIZE, model_class_for, tiny_hf_config
 NAMES = sorted(path.stem for path in presets.MODEL_CONF_DIR.glob("*.yaml"))
 PUBLISHED = {  # exact parameter counts the Hub publishes for each checkpoint (its safetensors total)
     "Qwen/Qwen2.5-VL-3B-Instruct": 3_754_622_976, "Qwen/Qwen2.5-VL-7B-Instruct": 8_292_166_656,

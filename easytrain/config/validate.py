@@ -40,7 +40,7 @@ class ModelShape:
     """What validation and planning need to know about a model's architecture."""
 
     family: str
-    """qwen2_5_vl, qwen2_vl or qwen2 (or the HF model_type of another model)."""
+    """The HF ``model_type`` (its family adapter: easytrain/models/families)."""
     num_attention_heads: int
     num_key_value_heads: int
     hidden_size: int

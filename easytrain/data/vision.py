@@ -1,24 +1,27 @@
 """Vision-token bookkeeping shared by the data pipeline and the models.
 
-Qwen-VL models see an image as ``grid_t x grid_h x grid_w`` patches of 14 px,
-merged ``merge_size x merge_size`` into one token each. The chat template
-writes one ``<|image_pad|>`` per image; before the model sees the text each is
-expanded to the image's token count, so the number of image tokens equals the
-number of image features by construction. A video is the same tower's input
-with ``grid_t > 1`` (frame pairs form one temporal patch) behind ``<|video_pad|>``.
+A model family sees an image as some number of vision tokens (its
+:class:`Layout`, built by the family's adapter in ``easytrain/models/families``):
+the chat template writes one placeholder per image, and before the model sees
+the text each is expanded to the image's token count, so the number of image
+tokens equals the number of image features by construction. A video (the
+families that take them) is the tower's input with ``grid_t > 1`` behind its
+own placeholder.
 
 A batch carries its images and videos as one vision stream, in the order their
-placeholders appear in each sample: ``pixel_values`` (every visual's patch rows
-back to back), ``image_grid_thw`` (a row per visual) and ``visual_seconds``
-(per visual, the seconds one temporal patch spans; 0 for a still image). Only
-:func:`vision_kwargs` splits the stream into the model's image and video
-arguments, so selecting, packing and sharing prompts handle videos as images.
+placeholders appear in each sample: ``pixel_values`` (every visual's rows back
+to back: patch rows, tiles or whole images, as the family lays them out),
+``image_grid_thw`` (a row per visual, whose product is its row count) and
+``visual_seconds`` (per visual, the seconds one temporal patch spans; 0 for a
+still image). Only the family's adapter turns the stream into the model's
+arguments, so selecting, packing and sharing prompts handle every family's
+visuals alike.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Mapping, Sequence
+from typing import Sequence
 
 import torch
 
@@ -96,7 +99,7 @@ def expand_image_placeholders(text: str, counts: Sequence[int], placeholder: str
 
 
 def mm_token_type_ids(input_ids: torch.Tensor, image_token_id: int, video_token_id: int = -1) -> torch.Tensor:
-    """Mark image (1) and video (2) tokens; Qwen-VL uses this to build 3-D rope positions."""
+    """Mark image (1) and video (2) tokens (multimodal rope positions, prompt sharing and packing read them)."""
     types = torch.zeros_like(input_ids)
     types[input_ids == image_token_id] = MM_IMAGE
     if video_token_id >= 0:

@@ -43,7 +43,7 @@ class Batch:
 
     @staticmethod
     def _sample_dim(key: str, value: torch.Tensor) -> int:
-        return 1 if key == "position_ids" and value.dim() == 3 else 0  # Qwen-VL rope positions: (3, batch, length)
+        return 1 if key == "position_ids" and value.dim() == 3 else 0  # multimodal rope rows: (3, batch, length)
 
     def __getitem__(self, key: str) -> torch.Tensor:
         return self.tensors[key]

@@ -1,7 +1,7 @@
 """FSDP2 for one role: activation checkpointing, then ``fully_shard`` per block, then the root.
 
 Blocks are the model's own "do not split" modules (decoder layers and vision
-blocks for Qwen-VL). The role's settings decide the mesh (full shard over all
+blocks of a vision-language model). The role's settings decide the mesh (full shard over all
 ranks, or hybrid: shard within groups of ``shard_size``, replicate across),
 whether parameters are resharded after forward (``full_shard``), parameter
 offload (``CPUOffloadPolicy``; unpinned memory on CPU, where pinning needs an

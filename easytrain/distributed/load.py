@@ -30,7 +30,6 @@ from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_
 
 from easytrain.config.schema import ModelConfig
 from easytrain.models.hf import family, load_model
-from easytrain.models.tiny import model_class_for
 
 logger = logging.getLogger(__name__)
 

@@ -1,11 +1,11 @@
-"""DeepSpeed-Ulysses sequence parallelism for transformers decoder models (Qwen2, Qwen2-VL, Qwen2.5-VL).
+"""DeepSpeed-Ulysses sequence parallelism for transformers decoder models (the families whose adapter serves it).
 
 A role of ``world`` ranks with ``worker.<role>.ulysses_size = P`` forms a
 ``(world / P) x P`` mesh: consecutive blocks of ``P`` ranks are one
 sequence-parallel group and hold the same micro batch (the driver replicates
 each data-parallel share to its block), while FSDP still shards the
 parameters over all ranks. Each
-computes the embeddings (and, for Qwen-VL, the image features and the 3-D
+computes the embeddings (and, for a vision-language model, the image features and the multimodal
 rope positions) for the whole sequence; :func:`apply_ulysses` then makes
 every decoder layer work on the rank's contiguous chunk of ``S / P`` tokens:
 
@@ -156,7 +156,7 @@ def register_attention() -> None:
 
 
 def decoder_layers(model: nn.Module) -> list[nn.Module]:
-    """The decoder layers of a transformers causal LM (Qwen2, and the language model of Qwen-VL)."""
+    """The decoder layers of a transformers causal LM (or of a vision-language model's language model)."""
     inner: Any = getattr(model, "model", model)
     language = getattr(inner, "language_model", inner)
     layers = getattr(language, "layers", None)

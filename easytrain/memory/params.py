@@ -26,7 +26,8 @@ from easytrain.models.families import ADAPTERS
 
 COMPONENTS = ("vision_tower", "projector", "embeddings", "language_model", "lm_head")
 PROJECTOR_PARTS = tuple(sorted({f".{path}." for cls in ADAPTERS for path in cls.projector_paths}))
-"""Name parts of the projector, as the family adapters place it (e.g. ``.visual.merger.``, ``.multi_modal_projector.``)."""
+"""Name parts of the projector, as the family adapters place it (``.visual.merger.``, ``.multi_modal_projector.``,
+...)."""
 VISION_PARTS = tuple(sorted({f".{cls.tower_path}." for cls in ADAPTERS if cls.tower_path}))
 """Name parts of the vision tower (what is not projector under them), as the family adapters place it."""
 

@@ -12,7 +12,6 @@ from __future__ import annotations
 import json
 import logging
 from contextlib import contextmanager
-from pathlib import Path
 from typing import Any, Iterator, Optional
 
 from easytrain.config.errors import ConfigError

@@ -6,8 +6,9 @@ restarting at 0 for each sample and no attention mask, from which
 transformers builds attention that keeps samples apart (block-diagonal
 causal masks for ``sdpa``/``eager``, variable-length kernels for
 ``flash_attention_2``; on GPU with ``sdpa`` no mask: the samples are attended
-one by one, :mod:`easytrain.models.segments`). Qwen-VL takes four rows of positions then: the text
-position (which marks sample boundaries) and the three rope axes.
+one by one, :mod:`easytrain.models.segments`). A model with multimodal rope
+rows takes four rows of positions then: the text position (which marks
+sample boundaries) and the three rope axes.
 
 Under sequence parallelism (:mod:`easytrain.distributed.ulysses`) the
 sequence is padded to a multiple of the group size with an untrained segment
@@ -82,7 +83,7 @@ def pad_sequence(inputs: dict[str, torch.Tensor], multiple: int) -> dict[str, to
 
 
 def sample_positions(inputs: dict[str, torch.Tensor]) -> torch.Tensor:
-    """The row of position ids that restarts at every sample (the first of Qwen-VL's four)."""
+    """The row of position ids that restarts at every sample (the first of the four multimodal rope rows)."""
     positions = inputs["position_ids"]
     return positions[0] if positions.dim() == 3 else positions
 

@@ -8,7 +8,7 @@ each distinct prompt out once, followed by all of its responses::
 
 with an attention mask under which a response token sees the prompt and the
 earlier tokens of its own response only, and position ids under which every
-response continues from the end of the prompt (Qwen-VL's rope rows
+response continues from the end of the prompt (multimodal rope rows
 included). Every response token then sees exactly what it sees in its own
 row, so log-probs, entropy and gradients are those of the plain forward, up
 to float rounding, while the prompt's tokens and its images' vision-tower

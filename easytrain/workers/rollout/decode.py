@@ -62,7 +62,7 @@ def generate_positions(mask: torch.Tensor) -> torch.Tensor:
 @torch.no_grad()
 def prefill(model: Any, once: dict[str, torch.Tensor]) -> tuple[Any, torch.Tensor, torch.Tensor]:
     """The prompts' forward into a fresh ``DynamicCache``: the cache, each row's next-token logits (float) and
-    the position its first response token takes (Qwen-VL: the text position plus the row's rope offset from its
+    the position its first response token takes (multimodal rope: the text position plus the row's rope offset from its
     images). Both decode paths start here, so their first tokens come from the same numbers."""
     from transformers import DynamicCache
 

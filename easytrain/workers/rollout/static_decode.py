@@ -11,7 +11,7 @@ kernel from Python. This loop keeps the shapes still instead:
   replayed graph writes the next slot); the attention mask spans the whole cache from the first step (the
   prompt's left padding masked, every later slot open: slots not yet written lie in the query's causal future
   and are masked by causality);
-- positions are explicit: the text position past the prompt plus Qwen-VL's rope offset from the images.
+- positions are explicit: the text position past the prompt plus the multimodal rope offset from the images.
 
 The prefill is the dynamic loop's own (:func:`~easytrain.workers.rollout.decode.prefill`, each prompt once when
 its ``n`` samples share it), into a ``DynamicCache`` whose layers are then written into the static cache's rows
