@@ -58,7 +58,7 @@ def test_image_tokens_equal_the_towers_features_and_the_forward_runs(family: str
     assert prompts["position_ids"].dim() == (3 if adapter.rope_rows else 2)
 
 
-@pytest.mark.parametrize("family", ["qwen3_vl", "qwen2_5_vl"])
+@pytest.mark.parametrize("family", ["qwen3_vl", "qwen3_5", "qwen2_5_vl"])
 def test_qwen_positions_equal_the_models_rope_index(family: str, tmp_path: Path) -> None:
     _, prompts, model = prompt_batch(tmp_path, family)
     kwargs = family_of(model).visual_kwargs(prompts)
@@ -171,3 +171,24 @@ def test_a_bound_family_builds_the_collators_vision_inputs(tiny_model: Any) -> N
                      tokenizer)
     assert bound.image_token_id == tokenizer.convert_tokens_to_ids("<IMG_CONTEXT>") >= 0
     assert bound.video_token_id == -1
+
+
+def test_a_family_whose_cache_rows_cannot_be_reused_generates_with_generate(tmp_path: Path) -> None:
+    """Qwen3.5's linear-attention states cannot be copied or dropped by row: the HF engine turns its shared prefill
+    and decode loops off, and the responses' log-probs still equal the training forward's."""
+    from easytrain.trainer.data import to_batch
+    from easytrain.workers.forward import response_log_probs
+    from easytrain.workers.rollout.engine import SamplingParams
+    from easytrain.workers.rollout.hf_engine import HFEngine
+    from easytrain.workers.sequences import assemble
+
+    data, raw, model = prompt_batch(tmp_path, "qwen3_5")
+    prompts = to_batch(raw, keep_images=False)
+    engine = HFEngine(model, [-1], data.tokenizer.pad_token_id, torch.device("cpu"))  # asks for both by default
+    assert not engine.share_prefill and not engine.drop_finished and engine.static is None
+    out = engine.generate(prompts, SamplingParams(2, 1.0, 1.0, -1, 4, seed=1))
+    batch = assemble(prompts, out, 2, family_of(model))
+    log_probs, _ = response_log_probs(model, batch, 1.0, torch.device("cpu"))
+    mask = batch["response_mask"].bool()
+    assert mask.sum() == 4 * 2 * 4  # no stop token: every row decodes its 4 tokens
+    torch.testing.assert_close(log_probs[mask], out["rollout_log_probs"][mask], rtol=1e-4, atol=1e-4)

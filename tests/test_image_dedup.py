@@ -25,7 +25,7 @@ def test_distinct_images_needs_equal_pixels_not_just_equal_sums() -> None:
     assert firsts == [0, 1, 3] and owner == [0, 1, 0, 2]
 
 
-@pytest.mark.parametrize("family", ["qwen2_5_vl", "qwen2_vl", "qwen3_vl", "internvl", "gemma3"])
+@pytest.mark.parametrize("family", ["qwen2_5_vl", "qwen2_vl", "qwen3_vl", "qwen3_5", "internvl", "gemma3"])
 def test_deduped_tower_gives_the_same_log_probs_and_gradients(family: str, tmp_path: Path) -> None:
     config = rl_config(tmp_path, f"model.path=tiny:{family}", "worker.rollout.n=4")
     batch = rollout_batch(config)

@@ -148,4 +148,5 @@ def test_other_families_sft_loss_falls_and_resumes_exactly(family: str, ray_loca
     assert [s for s, _ in split] == [1, 2, 3, 4, 5, 6]
     for (step, loss), (_, resumed) in zip(whole, split):
         assert resumed == pytest.approx(loss, rel=1e-6, abs=1e-7), step
-    assert whole[-1][1] < 0.75 * whole[0][1], whole  # from ~6.9 (uniform over the vocabulary)
+    losses = [loss for _, loss in whole]  # from ~6.9: uniform over the 1024-token vocabulary
+    assert all(b < a for a, b in zip(losses, losses[1:])) and losses[-1] < losses[0] - 0.5, whole

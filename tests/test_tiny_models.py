@@ -141,7 +141,7 @@ def test_tokenizer_has_qwen_specials_and_template(tiny_model: Callable[..., Path
     assert tokenizer.decode(tokenizer(sample, add_special_tokens=False)["input_ids"]) == sample
 
 
-@pytest.mark.parametrize("family", ["qwen2_5_vl", "qwen2_vl", "qwen3_vl", "internvl", "gemma3", "qwen2"])
+@pytest.mark.parametrize("family", ["qwen2_5_vl", "qwen2_vl", "qwen3_vl", "qwen3_5", "internvl", "gemma3", "qwen2"])
 def test_shape_without_building_matches_built_model(tiny_model: Callable[..., Path], family: str) -> None:
     import json
 

@@ -16,9 +16,9 @@ from typing import Any, Mapping, Union
 from easytrain.models.families.base import FEATURES, Family, TinySpec
 from easytrain.models.families.gemma3 import Gemma3
 from easytrain.models.families.internvl import InternVL
-from easytrain.models.families.qwen import Qwen2, Qwen2VL, Qwen3VL, Qwen3VLMoe, Qwen25VL
+from easytrain.models.families.qwen import Qwen2, Qwen2VL, Qwen3VL, Qwen3VLMoe, Qwen25VL, Qwen35
 
-ADAPTERS: tuple[type[Family], ...] = (Qwen25VL, Qwen2VL, Qwen3VL, Qwen3VLMoe, InternVL, Gemma3, Qwen2)
+ADAPTERS: tuple[type[Family], ...] = (Qwen25VL, Qwen2VL, Qwen3VL, Qwen3VLMoe, Qwen35, InternVL, Gemma3, Qwen2)
 """Every family with an adapter of its own, the default model's first."""
 BY_TYPE: dict[str, type[Family]] = {t: cls for cls in ADAPTERS for t in cls.model_types}
 TINY_FAMILIES: tuple[str, ...] = tuple(t for cls in ADAPTERS if cls.tiny_tokens for t in cls.model_types)

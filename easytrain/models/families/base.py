@@ -31,8 +31,10 @@ from easytrain.data.vision import Layout
 
 logger = logging.getLogger(__name__)
 
-FEATURES = ("video", "image_dedup", "shared_prompt", "padding_free", "ulysses", "vllm", "multi_turn_images")
-"""easytrain features a family may or may not serve (the README's table lists them per family)."""
+FEATURES = ("video", "image_dedup", "shared_prompt", "padding_free", "ulysses", "vllm", "multi_turn_images",
+            "kv_reuse")
+"""easytrain features a family may or may not serve (the README's table lists them per family). ``kv_reuse``: the
+HF engine's shared prefill and its decode loops, which copy and drop rows of the KV cache."""
 
 
 @dataclass(frozen=True)

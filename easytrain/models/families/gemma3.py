@@ -38,7 +38,7 @@ TINY_IMAGE = 112
 class Gemma3(Family):
     model_types = ("gemma3",)
     label = "Gemma 3"
-    features = frozenset({"image_dedup"})
+    features = frozenset({"image_dedup", "kv_reuse"})
     tower_path = "vision_tower"
     projector_paths = ("multi_modal_projector",)
     tiny_tokens: ClassVar[tuple[str, ...]] = CHATML_TOKENS + (BOI, EOI, SOFT)

@@ -41,7 +41,7 @@ def _pair(value: Any) -> int:
 class InternVL(Family):
     model_types = ("internvl",)
     label = "InternVL (3.x)"
-    features = frozenset({"padding_free", "image_dedup", "shared_prompt", "ulysses"})
+    features = frozenset({"padding_free", "image_dedup", "shared_prompt", "ulysses", "kv_reuse"})
     tower_path = "vision_tower"
     projector_paths = ("multi_modal_projector",)
     tiny_tokens: ClassVar[tuple[str, ...]] = CHATML_TOKENS + ("<img>", "</img>", IMAGE_CONTEXT)

@@ -79,7 +79,7 @@ def text_config(spec: TinySpec, ids: Mapping[str, int]) -> dict[str, Any]:
 class Qwen2(Family):
     model_types = ("qwen2",)
     label = "Qwen2 / Qwen2.5 (text)"
-    features = frozenset({"padding_free", "ulysses", "vllm", "shared_prompt"})
+    features = frozenset({"padding_free", "ulysses", "vllm", "shared_prompt", "kv_reuse"})
     tiny_tokens: ClassVar[tuple[str, ...]] = CHATML_TOKENS + VISION_TOKENS
     tiny_template: ClassVar[str] = CHAT_TEMPLATE
     class_name = "Qwen2ForCausalLM"
@@ -324,3 +324,37 @@ class Qwen3VLMoe(Qwen3VL):
     tiny_tokens = ()
     tiny_source = "qwen3_vl"
     class_name = "Qwen3VLMoeForConditionalGeneration"
+
+
+class Qwen35(Qwen3VL):
+    """Qwen3.5: Qwen3-VL's inputs (without DeepStack) and a hybrid language model, Gated DeltaNet (linear
+    attention) layers between full-attention ones. A linear-attention layer runs over the whole row in order and
+    takes no attention mask beyond padding, so the passes that lay several samples or a shared prompt into one
+    row (padding-free, prompt sharing, Ulysses) cannot serve it: it trains padded. Its cache's linear-attention
+    states cannot be copied or dropped by row, so the HF engine generates each row with ``generate``."""
+
+    model_types = ("qwen3_5",)
+    label = "Qwen3.5"
+    features = frozenset({"image_dedup"})
+    projector_paths = ("visual.merger",)
+    class_name = "Qwen3_5ForConditionalGeneration"
+    qk_norm = True
+    rotary_fraction: ClassVar[float] = 0.25
+    """Qwen3.5 rotates a quarter of each head's dimensions (``partial_rotary_factor``)."""
+
+    @classmethod
+    def tiny_vision(cls, spec: TinySpec) -> dict[str, Any]:
+        vision = super().tiny_vision(spec)
+        vision.pop("deepstack_visual_indexes")
+        return vision
+
+    @classmethod
+    def tiny_config(cls, spec: TinySpec, ids: Mapping[str, int]) -> dict[str, Any]:
+        config = super().tiny_config(spec, ids)
+        text = config["text_config"]
+        rotary = int(spec.head_dim * cls.rotary_fraction)
+        text["rope_parameters"].update(mrope_section=mrope_section(rotary), partial_rotary_factor=cls.rotary_fraction)
+        text.update(layer_types=["linear_attention" if i % 2 == 0 else "full_attention" for i in range(spec.layers)],
+                    linear_num_key_heads=spec.heads, linear_num_value_heads=spec.heads,
+                    linear_key_head_dim=spec.head_dim, linear_value_head_dim=spec.head_dim, linear_conv_kernel_dim=4)
+        return config

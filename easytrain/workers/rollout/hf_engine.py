@@ -72,6 +72,10 @@ class HFEngine(RolloutEngine):
                 self.static = StaticDecoder.for_device(model, device)
             else:
                 logger.info("worker.rollout.static_cache=auto: no static KV cache, %s", reason)
+        reason = family_of(model).unsupported("kv_reuse")
+        if reason is not None and (self.share_prefill or self.drop_finished or self.static is not None):
+            logger.info("worker.rollout.share_prefill, drop_finished and static_cache: off, %s", reason)
+            self.share_prefill, self.drop_finished, self.static = False, False, None
         self.suppressed = suppressed_tokens(model.config)
         self.sleep_level = sleep_level if device.type == "cuda" or sleep_level == 2 else 0
         self.asleep: set[str] = set()
