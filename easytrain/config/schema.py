@@ -43,7 +43,7 @@ class LoraConfig:
 class ModelConfig:
     path: str = "tiny:qwen2_5_vl"
     """HF folder or hub id, tiny:<model_type> of a family with a tiny model (qwen2_5_vl, qwen2_vl, qwen3_vl,
-    internvl, qwen2: built locally, random weights; the README's family table), or random:<conf/model file stem>,
+    qwen3_5, internvl, gemma3, qwen2: built locally, random weights; the README's family table), or random:<conf/model file stem>,
     e.g. random:qwen25vl_7b (that model's real shape, random weights, its family's tiny tokenizer)."""
     tiny_size: str = choice("tiny", "tiny", "small")
     """Size of a tiny: model: tiny (~0.2M parameters) or small (~4M)."""
