@@ -11,7 +11,7 @@ from easytrain.algorithms.losses import entropy_from_logits, gather_log_probs, s
 from easytrain.data.vision import VISUAL_KEYS
 from easytrain.distributed.batch import Batch, MicroBatch
 from easytrain.distributed.ulysses import SequenceParallel
-from easytrain.models.families import Family, family_of
+from easytrain.models.families import Family, adapter_class, family_of
 from easytrain.workers.packed import packed_response_log_probs
 from easytrain.workers.shared_prompt import shared_response_log_probs
 
@@ -43,8 +43,7 @@ def takes_video_seconds(model: nn.Module) -> bool:
 def suppressed_tokens(config: Any) -> list[int]:
     """Tokens a response may never contain: the vision placeholders (an image token in a response
     would not match any image feature). Generation suppresses them and log-probs exclude them."""
-    names = ("image_token_id", "video_token_id", "vision_start_token_id", "vision_end_token_id", "boi_token_id",
-             "eoi_token_id")
+    names = adapter_class(str(getattr(config, "model_type", ""))).placeholder_names
     return sorted({int(getattr(config, n)) for n in names if getattr(config, n, None) is not None})
 
 

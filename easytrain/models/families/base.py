@@ -77,6 +77,9 @@ class Family:
     """The planner's shape: attention normalises q and k per head."""
     sandwich_norm: ClassVar[bool] = False
     """The planner's shape: each attention / MLP output is normalised again before the residual add."""
+    placeholder_names: ClassVar[tuple[str, ...]] = ("image_token_id", "video_token_id", "vision_start_token_id",
+                                                     "vision_end_token_id")
+    """Config attributes holding the ids of vision placeholder tokens, which a response may never contain."""
     tiny_tokens: ClassVar[tuple[str, ...]] = ()
     """Special tokens of the family's tiny tokenizer (eos ``<|im_end|>`` and pad ``<|endoftext|>`` among them);
     empty: no tiny model of this family."""

@@ -46,6 +46,7 @@ class Gemma3(Family):
     class_name = "Gemma3ForConditionalGeneration"
     qk_norm = True
     sandwich_norm = True
+    placeholder_names = ("image_token_id", "boi_token_id", "eoi_token_id")
     processor_class_path = "transformers.models.gemma3:Gemma3ImageProcessorPil"
     tiny_processor_settings = {"size": {"height": TINY_IMAGE, "width": TINY_IMAGE}, "do_pan_and_scan": False}
 
