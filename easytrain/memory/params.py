@@ -90,8 +90,10 @@ def hf_config_object(hf_config: dict[str, Any]) -> Any:
     class's own defaults, i.e. what the model would really use."""
     from transformers import AutoConfig
 
-    settings = {k: v for k, v in hf_config.items() if k != "model_type" and v is not None}  # unset ids
-    return AutoConfig.for_model(hf_config["model_type"], **settings)
+    from easytrain.models.families.base import resolved_config
+
+    settings = resolved_config(hf_config)
+    return AutoConfig.for_model(settings.pop("model_type"), **settings)
 
 
 def meta_model(hf_config: dict[str, Any]) -> Any:

@@ -73,17 +73,14 @@ def vision_geometry(hf_config: dict[str, Any]) -> Optional[VisionGeometry]:
 
 @lru_cache(maxsize=64)
 def _geometry(key: str) -> Optional[VisionGeometry]:
-    from easytrain.memory.params import hf_config_object
     from easytrain.models.families import family_of
 
-    config = hf_config_object(json.loads(key)).to_dict()  # settings left out take the model class's defaults
-    family = family_of(config)
+    family = family_of(json.loads(key))  # settings config.json leaves out take the model class's defaults
     layout = family.layout() if family.vision else None
     if layout is None:
         return None
     patch, merge, temporal = family.patch_geometry()
-    channels = (config.get("vision_config") or {})
     return VisionGeometry(patch=patch, merge=merge, temporal=temporal, cell=layout.factor,
                           tokens_per_cell=layout.tokens_per_cell, thumbnail=layout.thumbnail,
                           fixed_cells=int(layout.fixed_size),
-                          channels=int(channels.get("num_channels") or channels.get("in_channels") or 3))
+                          channels=family.channels())

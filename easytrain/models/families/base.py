@@ -57,6 +57,24 @@ class TinySpec:
         return self.hidden // self.heads
 
 
+def resolved_config(hf_config: Mapping[str, Any]) -> dict[str, Any]:
+    """``hf_config`` (a ``config.json`` dict) with the settings it leaves out at the transformers class's defaults,
+    i.e. what the model really uses; as given for a ``model_type`` this transformers does not know."""
+    from transformers import AutoConfig
+
+    model_type = str(hf_config.get("model_type", ""))
+    settings = {k: v for k, v in hf_config.items() if k != "model_type" and v is not None}  # unset ids
+    try:
+        return dict(AutoConfig.for_model(model_type, **settings).to_dict())
+    except ValueError:  # an unknown model_type: only its own settings are known
+        return {"model_type": model_type or "unknown", **settings}
+
+
+def side(value: Any) -> int:
+    """A size given as one number or an (height, width) pair."""
+    return int(value[0] if isinstance(value, (list, tuple)) else value)
+
+
 class Family:
     """The generic adapter (see the module docstring); families subclass it and override what differs."""
 
@@ -80,6 +98,8 @@ class Family:
     placeholder_names: ClassVar[tuple[str, ...]] = ("image_token_id", "video_token_id", "vision_start_token_id",
                                                      "vision_end_token_id")
     """Config attributes holding the ids of vision placeholder tokens, which a response may never contain."""
+    channels_key: ClassVar[str] = "num_channels"
+    """The vision config's key for its input channels."""
     tiny_tokens: ClassVar[tuple[str, ...]] = ()
     """Special tokens of the family's tiny tokenizer (eos ``<|im_end|>`` and pad ``<|endoftext|>`` among them);
     empty: no tiny model of this family."""
@@ -118,8 +138,9 @@ class Family:
         return cls.model_types[0] if cls.tiny_tokens and cls.model_types else cls.tiny_source
 
     def __init__(self, hf_config: Mapping[str, Any]) -> None:
-        self.hf_config = dict(hf_config)
-        self.model_type = str(self.hf_config.get("model_type", "unknown"))
+        self.hf_config = resolved_config(hf_config)
+        """The model's config with every setting ``config.json`` leaves out at its transformers class default."""
+        self.model_type = str(self.hf_config["model_type"])
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}({self.model_type})"
@@ -137,11 +158,6 @@ class Family:
         if self.class_name:
             return getattr(transformers, self.class_name)
         return transformers.AutoModelForImageTextToText if self.vision else transformers.AutoModelForCausalLM
-
-    def vllm_architecture(self) -> str:
-        """The class name in ``config.json``'s ``architectures``: what vLLM picks its model by."""
-        archs = self.hf_config.get("architectures") or []
-        return str(archs[0]) if archs else self.model_class().__name__
 
     def image_processor(self, folder: str) -> Any:
         """The folder's image processor (PIL backend where transformers has one); None for a text model."""
@@ -249,9 +265,11 @@ class Family:
     def patch_geometry(self) -> tuple[int, int, int]:
         """(patch side in pixels, patches per token along a side, frames per patch) of the vision tower: what the
         planner prices ``pixel_values`` and the tower's activations by."""
-        vision = self.hf_config.get("vision_config") or {}
-        patch = vision.get("patch_size", 14)
-        return int(patch[0] if isinstance(patch, (list, tuple)) else patch), 1, 1
+        return side(self.hf_config["vision_config"]["patch_size"]), 1, 1
+
+    def channels(self) -> int:
+        """Colour channels of the vision tower's input."""
+        return int(self.hf_config["vision_config"][self.channels_key])
 
     def visual_rows(self, grid: torch.Tensor) -> torch.Tensor:
         """Rows of ``pixel_values`` per visual (``grid``: the stream's ``image_grid_thw``)."""

@@ -52,11 +52,11 @@ class Gemma3(Family):
 
     @property
     def side(self) -> int:
-        return int((self.hf_config.get("vision_config") or {}).get("image_size", 896))
+        return int(self.hf_config["vision_config"]["image_size"])
 
     @property
     def image_tokens(self) -> int:
-        return int(self.hf_config.get("mm_tokens_per_image") or 256)
+        return int(self.hf_config["mm_tokens_per_image"])
 
 
     @classmethod

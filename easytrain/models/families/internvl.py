@@ -23,7 +23,7 @@ import torch
 from torch import nn
 
 from easytrain.data.vision import Layout
-from easytrain.models.families.base import Family, TinySpec
+from easytrain.models.families.base import Family, TinySpec, side
 from easytrain.models.families.qwen import CHATML_TOKENS, chatml_template, text_config
 
 IMAGE_CONTEXT = "<IMG_CONTEXT>"
@@ -32,10 +32,6 @@ CHAT_TEMPLATE = chatml_template(f"{IMAGE_CONTEXT}\n")
 
 TINY_TILE = 56
 """Tile side of the tiny model: 4 x 4 patches of 14 px, 2 x 2 tokens after the pixel shuffle."""
-
-
-def _pair(value: Any) -> int:
-    return int(value[0] if isinstance(value, (list, tuple)) else value)
 
 
 class InternVL(Family):
@@ -54,13 +50,12 @@ class InternVL(Family):
     @property
     def tile(self) -> int:
         """Tile side in pixels (``vision_config.image_size``)."""
-        return _pair((self.hf_config.get("vision_config") or {}).get("image_size", 448))
+        return side(self.hf_config["vision_config"]["image_size"])
 
     @property
     def tile_tokens(self) -> int:
-        vision = self.hf_config.get("vision_config") or {}
-        side = self.tile // _pair(vision.get("patch_size", 14))
-        return int(round(side * float(self.hf_config.get("downsample_ratio", 0.5)))) ** 2
+        patches = self.tile // side(self.hf_config["vision_config"]["patch_size"])
+        return int(round(patches * float(self.hf_config["downsample_ratio"]))) ** 2
 
 
     @classmethod
@@ -114,7 +109,7 @@ class InternVL(Family):
 
     def patch_geometry(self) -> tuple[int, int, int]:
         patch = super().patch_geometry()[0]
-        return patch, round(1 / float(self.hf_config.get("downsample_ratio", 0.5))), 1
+        return patch, round(1 / float(self.hf_config["downsample_ratio"])), 1
 
     def dedupe_images(self, model: nn.Module) -> Any:
         from easytrain.models.image_dedup import dedupe_batched

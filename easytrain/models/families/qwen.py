@@ -152,17 +152,19 @@ class Qwen2VL(Family):
     processor_class_path = "transformers.models.qwen2_vl:Qwen2VLImageProcessorPil"
     tiny_processor_settings = {"patch_size": 14}
 
+    channels_key = "in_channels"
+
     @property
     def vision_settings(self) -> dict[str, Any]:
-        return dict(self.hf_config.get("vision_config") or {})
+        return dict(self.hf_config["vision_config"])
 
     @property
     def patch(self) -> int:
-        return int(self.vision_settings.get("patch_size") or self.default_patch)
+        return int(self.vision_settings["patch_size"])
 
     @property
     def merge(self) -> int:
-        return int(self.vision_settings.get("spatial_merge_size") or 2)
+        return int(self.vision_settings["spatial_merge_size"])
 
 
     @classmethod
@@ -185,7 +187,7 @@ class Qwen2VL(Family):
         return True
 
     def patch_geometry(self) -> tuple[int, int, int]:
-        return self.patch, self.merge, int(self.vision_settings.get("temporal_patch_size") or 2)
+        return self.patch, self.merge, int(self.vision_settings["temporal_patch_size"])
 
     def layout(self, processor: Any = None) -> Layout:
         patch = int(getattr(processor, "patch_size", None) or self.patch)
@@ -276,12 +278,7 @@ class Qwen25VL(Qwen2VL):
 
     def time_scale(self) -> Optional[float]:
         """``vision_config.tokens_per_second``: video positions keep real time."""
-        from transformers import AutoConfig
-
-        value = self.vision_settings.get("tokens_per_second")
-        if value is None:  # a config.json that leaves it to the class default
-            value = AutoConfig.for_model("qwen2_5_vl").vision_config.tokens_per_second
-        return float(value)
+        return float(self.vision_settings["tokens_per_second"])
 
 
 class Qwen3VL(Qwen2VL):
