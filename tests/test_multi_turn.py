@@ -189,7 +189,6 @@ def painted(tmp_path: Path, colour: str) -> tuple[Config, Batch, list[bool]]:
     """A conversation on the tiny Qwen2.5-VL whose tool turn holds an image (``paint(colour)``'s, inverted when
     TURN_TOOLS_INVERT=1 as the tool process starts), assembled as the rollout worker does; which response tokens
     are the model's."""
-    from easytrain.data.vision import IMAGE_PAD
     from easytrain.workers.rollout.multi_turn import ToolImages
 
     config = rl_config(tmp_path, "worker.rollout.multi_turn.enable=true",
@@ -201,7 +200,7 @@ def painted(tmp_path: Path, colour: str) -> tuple[Config, Batch, list[bool]]:
     call = ids(tok, '<tool_call>\n{"name": "paint", "arguments": {"colour": "%s"}}\n</tool_call>' % colour)
     answer = ids(tok, "It is a square.") + [end]
     engine = Scripted([[call], [answer]], [end], tok.pad_token_id)
-    images = ToolImages(data.processor, tok.convert_tokens_to_ids(IMAGE_PAD), d.min_pixels, d.max_pixels)
+    images = ToolImages(data.visuals(), d.min_pixels, d.max_pixels)
     turns = MultiTurn(config.worker.rollout.multi_turn, tok, d.max_response_length, images=images)
     try:
         out = turns.generate(engine, prompts, SamplingParams(1, 1.0, 1.0, -1, d.max_response_length, seed=0))
@@ -273,7 +272,6 @@ def test_a_tool_that_takes_images_gets_the_samples_and_the_model_cannot_pass_the
 
 
 def test_tool_images_past_the_limit_are_an_error_turn(tmp_path: Path) -> None:
-    from easytrain.data.vision import IMAGE_PAD
     from easytrain.workers.rollout.multi_turn import ToolImages
 
     config = rl_config(tmp_path, "worker.rollout.multi_turn.enable=true", "data.max_response_length=256",
@@ -284,7 +282,7 @@ def test_tool_images_past_the_limit_are_an_error_turn(tmp_path: Path) -> None:
     prompts = next(data.train_batches()).select([0])
     call = ids(tok, '<tool_call>\n{"name": "paint", "arguments": {"colour": "red"}}\n</tool_call>')
     engine = Scripted([[call], [[end]]], [end], tok.pad_token_id)
-    images = ToolImages(data.processor, tok.convert_tokens_to_ids(IMAGE_PAD), d.min_pixels, d.max_pixels)
+    images = ToolImages(data.visuals(), d.min_pixels, d.max_pixels)
     turns = MultiTurn(config.worker.rollout.multi_turn, tok, d.max_response_length, images=images)
     try:
         out = turns.generate(engine, prompts, SamplingParams(1, 1.0, 1.0, -1, 256, seed=0))

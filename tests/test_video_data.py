@@ -11,8 +11,9 @@ import torch
 from PIL import Image
 
 from easytrain.data.images import BadSample, ImageFiles
-from easytrain.data.video import decode_video, fit_video, video_patches, video_tokens
+from easytrain.data.video import decode_video, fit_video, video_tokens
 from easytrain.models.families import adapter_class
+from easytrain.models.families.qwen import video_patches
 
 PATCH = 14
 
@@ -51,14 +52,14 @@ def test_patches_match_the_image_processor_and_keep_frame_order() -> None:
 @pytest.mark.parametrize("count", [4, 3])
 def test_temporal_patches_and_token_count(count: int) -> None:
     processor = adapter_class("qwen2_vl").tiny_processor()
-    frames = fit_video([_noise(84, 56, seed) for seed in range(count)], 3136, 1003520)
+    frames = fit_video([_noise(84, 56, seed) for seed in range(count)], 3136, 1003520, 28)
     assert len(frames) == 4
     if count == 3:  # an odd count repeats the last frame
         assert frames[3] is frames[2]
     pixels, grid = video_patches(frames, processor)
     assert grid.tolist() == [[2, 4, 6]]
     assert pixels.shape[0] == int(grid.prod())
-    assert video_tokens(frames) == int(grid.prod()) // 4 == 12
+    assert video_tokens(frames, 28) == int(grid.prod()) // 4 == 12
     # The second temporal patch holds frames 2 and 3, in that order.
     later = _by_frame(pixels[24:])
     single = _by_frame(video_patches([frames[2], frames[2]], processor)[0])
@@ -150,8 +151,8 @@ def test_frame_lists() -> None:
     assert err.value.reason == "video_empty"
 
     mixed = [_noise(84, 56, 0), _noise(40, 90, 1), _noise(84, 56, 2).convert("L"), _noise(200, 100, 3)]
-    fitted = fit_video(mixed, 3136, 1003520)
+    fitted = fit_video(mixed, 3136, 1003520, 28)
     assert [f.size for f in fitted] == [(84, 56)] * 4 and all(f.mode == "RGB" for f in fitted)
     with pytest.raises(BadSample) as err:
-        fit_video([_noise(84, 56, 0), _noise(3, 56, 1)], 3136, 1003520)
+        fit_video([_noise(84, 56, 0), _noise(3, 56, 1)], 3136, 1003520, 28)
     assert err.value.reason == "image_too_small"

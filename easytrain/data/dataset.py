@@ -176,7 +176,7 @@ class PromptDataset:
         images = self.fit(decoded, cfg.min_pixels, cfg.max_pixels)
         videos = self._videos(s, row, where)
         messages = build_messages(problem, len(images), len(videos))
-        frames = [video_tokens(v.frames) for v in videos]
+        frames = [video_tokens(v.frames, self.layout.factor) for v in videos]
         rendered = render_prompt(self.tokenizer, messages, self.image_tokens(images), self.tools, frames, self.layout)
         downscaled = len(rendered.input_ids) > cfg.max_prompt_length
         if downscaled:
@@ -203,7 +203,7 @@ class PromptDataset:
             frames, fps = decode_video(v, self.image_files[s], f"{where} video {i}", cfg.video_fps, cfg.max_frames)
             if cfg.blank_images:
                 frames = [Image.new("RGB", f.size, (255, 255, 255)) for f in frames]
-            clips.append(Clip(fit_video(frames, cfg.min_pixels, cfg.max_pixels), fps))
+            clips.append(Clip(fit_video(frames, cfg.min_pixels, cfg.max_pixels, self.layout.factor), fps))
         return clips
 
     def fit(self, decoded: Sequence[Image.Image], min_pixels: int, max_pixels: int) -> list[Image.Image]:

@@ -164,7 +164,7 @@ class SFTDataset(PromptDataset):
         row, where = self._row(s, r)
         images = self.fit(self._decoded_images(s, row, where), cfg.min_pixels, cfg.max_pixels)
         videos = self._videos(s, row, where)
-        frames = [video_tokens(v.frames) for v in videos]
+        frames = [video_tokens(v.frames, self.layout.factor) for v in videos]
         if cfg.messages_key in row:
             turns = conversation_turns(row[cfg.messages_key], len(images), len(videos))
         else:

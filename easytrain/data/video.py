@@ -1,4 +1,4 @@
-"""Decoding, sampling and patchifying videos the way the Qwen2-VL family sees them.
+"""Decoding, sampling and sizing videos for the families that take them.
 
 A row's video is either a list of frames (any form :func:`decode_image`
 accepts, taken to be at ``data.video_fps``) or a video file (a path, a
@@ -9,11 +9,10 @@ taken evenly over the whole video and the rate they really have is returned,
 so temporal positions stay true. Paths are confined exactly like image paths
 (:class:`ImageFiles`), at most :data:`MAX_VIDEO_FILE_BYTES` per file.
 
-Frames are then fitted to one size on the 28-px grid (:func:`fit_video`) and
-patchified here (:func:`video_patches`), into the layout Qwen2-VL's vision
-tower takes for ``pixel_values_videos``: each row is one 14x14 patch over two
-consecutive frames, ``(C, T=2, 14, 14)`` flattened, rows in 2x2 merge-block
-order. (transformers' video processor needs torchvision, so it is not used.)
+Frames are then fitted to one size on the family's grid (:func:`fit_video`,
+the layout's cell side) in an even count, as frame pairs form one temporal
+patch; the family's adapter patchifies them into its vision stream
+(:mod:`easytrain.models.families`).
 
 Every failure is a :class:`BadSample`; the dataset counts it and skips the row.
 """
@@ -29,11 +28,10 @@ from dataclasses import dataclass
 from typing import IO, Any, Optional, Sequence
 
 import numpy as np
-import torch
 from PIL import Image
 
-from easytrain.data.images import (FACTOR, MAX_DECODED_PIXELS, MERGE_SIZE, MIN_SIDE, PATCH_SIZE, BadSample,
-                                   ImageFiles, _kind, decode_image, smart_resize, to_rgb)
+from easytrain.data.images import (MAX_DECODED_PIXELS, MIN_SIDE, BadSample, ImageFiles, _kind, decode_image,
+                                   smart_resize, to_rgb)
 
 logger = logging.getLogger(__name__)
 
@@ -47,7 +45,7 @@ class Clip:
 
     @property
     def seconds_per_patch(self) -> float:
-        """Seconds one temporal patch (TEMPORAL_PATCH_SIZE frames) spans: Qwen2.5-VL's ``second_per_grid_ts``."""
+        """Seconds one temporal patch (TEMPORAL_PATCH_SIZE frames) spans."""
         return TEMPORAL_PATCH_SIZE / self.fps
 
 TEMPORAL_PATCH_SIZE = 2
@@ -195,14 +193,15 @@ def decode_video(value: Any, files: Optional[ImageFiles], where: str, fps: float
             raise BadSample("video_unreadable", f"{where}: {type(err).__name__}: {err}") from err
 
 
-def fit_video(frames: Sequence[Image.Image], min_pixels: int, max_pixels: int) -> list[Image.Image]:
-    """RGB frames all resized (bicubic) to the first frame's grid size; an odd count repeats the last frame."""
+def fit_video(frames: Sequence[Image.Image], min_pixels: int, max_pixels: int, factor: int) -> list[Image.Image]:
+    """RGB frames all resized (bicubic) to the first frame's size on the ``factor``-px grid (the family layout's
+    cell side); an odd count repeats the last frame."""
     if not frames:
         raise BadSample("video_empty", "no frames")
     for frame in frames:
         if min(frame.size) < MIN_SIDE:
             raise BadSample("image_too_small", f"{frame.width}x{frame.height} (sides under {MIN_SIDE} px)")
-    height, width = smart_resize(frames[0].height, frames[0].width, min_pixels, max_pixels)
+    height, width = smart_resize(frames[0].height, frames[0].width, min_pixels, max_pixels, factor)
     fitted = []
     for frame in frames:
         rgb = to_rgb(frame)
@@ -214,43 +213,8 @@ def fit_video(frames: Sequence[Image.Image], min_pixels: int, max_pixels: int) -
     return fitted
 
 
-def video_tokens(frames: Sequence[Image.Image]) -> int:
-    """Vision tokens of fitted frames: (frames / 2) * (height / 28) * (width / 28)."""
+def video_tokens(frames: Sequence[Image.Image], factor: int) -> int:
+    """Vision tokens of frames fitted on the ``factor``-px grid: (frames / 2) * (height / factor) * (width / factor)."""
     if not frames:
         return 0
-    return math.ceil(len(frames) / TEMPORAL_PATCH_SIZE) * (frames[0].height // FACTOR) * (frames[0].width // FACTOR)
-
-
-def video_patches(frames: Sequence[Image.Image], processor: Any) -> tuple[torch.Tensor, torch.Tensor]:
-    """(pixel_values (t*gh*gw, C*T*P*P) float32, grid_thw (1, 3) long) of fitted frames.
-
-    Rescaled and normalised as the processor's image path does (float64 rescale cast to float32, then
-    float32 ``(x - mean) / std``); frame pairs form temporal patches, rows in merge-block order.
-    """
-    if not frames:
-        raise BadSample("video_empty", "no frames")
-    patch = int(getattr(processor, "patch_size", None) or PATCH_SIZE)
-    merge = int(getattr(processor, "merge_size", None) or MERGE_SIZE)
-    temporal = int(getattr(processor, "temporal_patch_size", None) or TEMPORAL_PATCH_SIZE)
-    if any(f.size != frames[0].size for f in frames):
-        raise ValueError(f"video frames differ in size: {sorted({f.size for f in frames})}; fit_video first")
-    width, height = frames[0].size
-    if height % (patch * merge) or width % (patch * merge):
-        raise ValueError(f"frames of {width}x{height} are not on the {patch * merge}-px grid; fit_video first")
-    frames = list(frames) + [frames[-1]] * (-len(frames) % temporal)
-    array = np.stack([np.asarray(to_rgb(f)) for f in frames])  # (T, H, W, C) uint8
-    if getattr(processor, "do_rescale", True):
-        array = (array.astype(np.float64) * float(getattr(processor, "rescale_factor", 1 / 255))).astype(np.float32)
-    array = np.asarray(array, dtype=np.float32)
-    if getattr(processor, "do_normalize", True):
-        mean = np.array(processor.image_mean, dtype=np.float32)
-        std = np.array(processor.image_std, dtype=np.float32)
-        array = (array - mean) / std
-    channels = array.shape[-1]
-    grid_t, grid_h, grid_w = len(frames) // temporal, height // patch, width // patch
-    blocks = array.transpose(0, 3, 1, 2).reshape(grid_t, temporal, channels, grid_h // merge, merge, patch,
-                                                 grid_w // merge, merge, patch)
-    # -> (t, block row, block col, row in block, col in block, C, T, patch row, patch col)
-    blocks = blocks.transpose(0, 3, 6, 4, 7, 2, 1, 5, 8)
-    rows = np.ascontiguousarray(blocks).reshape(grid_t * grid_h * grid_w, channels * temporal * patch * patch)
-    return torch.from_numpy(rows), torch.tensor([[grid_t, grid_h, grid_w]], dtype=torch.long)
+    return math.ceil(len(frames) / TEMPORAL_PATCH_SIZE) * (frames[0].height // factor) * (frames[0].width // factor)

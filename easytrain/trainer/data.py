@@ -34,9 +34,7 @@ class RLData:
         self.family = family(folder)
         self.processor = load_image_processor(m, folder)
         self.vision = vision = self.processor is not None and d.image_key is not None
-        if self.processor is not None and "shortest_edge" in (getattr(self.processor, "size", None) or {}):
-            # images are sized by the dataset; keep a resizing processor's bounds in step
-            self.processor.size = {"shortest_edge": d.min_pixels, "longest_edge": d.max_pixels}
+        self.family.bound_processor(self.processor, d.min_pixels, d.max_pixels)
         self.layout = self.family.layout(self.processor) if vision else None
         cache, make, options = m.cache_dir, self.dataset_class, self.dataset_options()
         if self.layout is not None:

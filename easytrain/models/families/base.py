@@ -169,6 +169,14 @@ class Family:
 
         return AutoImageProcessor.from_pretrained(folder, backend="pil")
 
+    @staticmethod
+    def bound_processor(processor: Any, min_pixels: int, max_pixels: int) -> None:
+        """Keep an area-bounded image processor (``size`` in ``shortest_edge`` / ``longest_edge`` pixels) within
+        the data's pixel bounds: images are sized by the data pipeline, and the processor must not resize them
+        again. Fixed-size and tiling processors are left alone."""
+        if processor is not None and "shortest_edge" in (getattr(processor, "size", None) or {}):
+            processor.size = {"shortest_edge": min_pixels, "longest_edge": max_pixels}
+
     def inner(self, model: nn.Module) -> Any:
         """The model under the LM head (``model.model``: the module that holds the language model, or the decoder
         layers of a text model), found through PEFT and FSDP wrappers."""

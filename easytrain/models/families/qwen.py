@@ -15,10 +15,12 @@ from __future__ import annotations
 import itertools
 from typing import Any, ClassVar, Mapping, Optional, Sequence
 
+import numpy as np
 import torch
 from torch import nn
 
-from easytrain.data.video import video_patches
+from easytrain.data.images import BadSample, to_rgb
+from easytrain.data.video import TEMPORAL_PATCH_SIZE
 from easytrain.data.vision import MM_TEXT, MM_VIDEO, Layout
 from easytrain.models.families.base import FEATURES, Family, TinySpec
 
@@ -197,7 +199,7 @@ class Qwen2VL(Family):
     def vision_stream(self, processor: Any, images: Sequence[Sequence[Any]], videos: Sequence[Sequence[Any]],
                       order: Sequence[Sequence[int]]) -> dict[str, torch.Tensor]:
         """Images through the image processor in one call, videos through
-        :func:`easytrain.data.video.video_patches`, each sample's visuals in text order."""
+        :func:`video_patches`, each sample's visuals in text order."""
         flat = [im for sample in images for im in sample]
         if not flat and not any(videos):
             return {}
@@ -355,3 +357,38 @@ class Qwen35(Qwen3VL):
                     linear_num_key_heads=spec.heads, linear_num_value_heads=spec.heads,
                     linear_key_head_dim=spec.head_dim, linear_value_head_dim=spec.head_dim, linear_conv_kernel_dim=4)
         return config
+
+
+def video_patches(frames: Sequence[Image.Image], processor: Any) -> tuple[torch.Tensor, torch.Tensor]:
+    """(pixel_values (t*gh*gw, C*T*P*P) float32, grid_thw (1, 3) long) of fitted frames.
+
+    Rescaled and normalised as the processor's image path does (float64 rescale cast to float32, then
+    float32 ``(x - mean) / std``); frame pairs form temporal patches, rows in merge-block order.
+    """
+    if not frames:
+        raise BadSample("video_empty", "no frames")
+    patch = int(processor.patch_size)
+    merge = int(processor.merge_size)
+    temporal = int(getattr(processor, "temporal_patch_size", None) or TEMPORAL_PATCH_SIZE)
+    if any(f.size != frames[0].size for f in frames):
+        raise ValueError(f"video frames differ in size: {sorted({f.size for f in frames})}; fit_video first")
+    width, height = frames[0].size
+    if height % (patch * merge) or width % (patch * merge):
+        raise ValueError(f"frames of {width}x{height} are not on the {patch * merge}-px grid; fit_video first")
+    frames = list(frames) + [frames[-1]] * (-len(frames) % temporal)
+    array = np.stack([np.asarray(to_rgb(f)) for f in frames])  # (T, H, W, C) uint8
+    if getattr(processor, "do_rescale", True):
+        array = (array.astype(np.float64) * float(getattr(processor, "rescale_factor", 1 / 255))).astype(np.float32)
+    array = np.asarray(array, dtype=np.float32)
+    if getattr(processor, "do_normalize", True):
+        mean = np.array(processor.image_mean, dtype=np.float32)
+        std = np.array(processor.image_std, dtype=np.float32)
+        array = (array - mean) / std
+    channels = array.shape[-1]
+    grid_t, grid_h, grid_w = len(frames) // temporal, height // patch, width // patch
+    blocks = array.transpose(0, 3, 1, 2).reshape(grid_t, temporal, channels, grid_h // merge, merge, patch,
+                                                 grid_w // merge, merge, patch)
+    # -> (t, block row, block col, row in block, col in block, C, T, patch row, patch col)
+    blocks = blocks.transpose(0, 3, 6, 4, 7, 2, 1, 5, 8)
+    rows = np.ascontiguousarray(blocks).reshape(grid_t * grid_h * grid_w, channels * temporal * patch * patch)
+    return torch.from_numpy(rows), torch.tensor([[grid_t, grid_h, grid_w]], dtype=torch.long)

@@ -25,8 +25,8 @@ from typing import Any, Optional
 import torch
 
 from easytrain.config.schema import MultiTurnConfig
-from easytrain.data.images import BadSample, fit_image, vision_tokens
-from easytrain.data.vision import VISUAL_KEYS, expand_image_placeholders, mm_token_type_ids
+from easytrain.data.images import BadSample, fit_image
+from easytrain.data.vision import MM_IMAGE, VISUAL_KEYS, Layout, mm_token_type_ids
 from easytrain.distributed.batch import Batch
 from easytrain.tools.calls import call_end, parse_tool_call
 from easytrain.tools.registry import Tool, load_tools
@@ -64,25 +64,30 @@ class Episode:
 
 @dataclass
 class ToolImages:
-    """How a tool's images become model inputs: the image processor, the pad token, the pixel bounds."""
+    """How a tool's images become model inputs: the family's adapter with its image processor and placeholder
+    ids (:class:`easytrain.models.families.Bound`), and the pixel bounds the prompts' images were sized by."""
 
-    processor: Any
-    image_token_id: int
+    visuals: Any
     min_pixels: int
     max_pixels: int
 
+    @property
+    def layout(self) -> Layout:
+        return self.visuals.family.layout(self.visuals.processor)
+
     def process(self, images: list[Any]) -> tuple[list[int], torch.Tensor, torch.Tensor]:
         """Vision tokens per image, ``pixel_values`` and ``image_grid_thw`` (BadSample: an image too small)."""
-        fitted = [fit_image(im, self.min_pixels, self.max_pixels) for im in images]
-        processed = self.processor(images=fitted, return_tensors="pt")
-        counts = [vision_tokens(im.height, im.width) for im in fitted]
-        return counts, processed["pixel_values"], processed["image_grid_thw"]
+        layout = self.layout
+        fitted = [fit_image(im, self.min_pixels, self.max_pixels, layout.factor) for im in images]
+        stream = self.visuals.stream([fitted], [[]], [[MM_IMAGE] * len(fitted)])
+        counts = [layout.image_tokens(im.height, im.width) for im in fitted]
+        return counts, stream["pixel_values"], stream["image_grid_thw"]
 
 
 def tool_turn_text(tokenizer: Any, content: Any) -> str:
     """What follows a model turn that ended in a tool call, up to the next model turn: the end of the model's
     turn, the tool turn holding ``content`` and the start of the model's next turn, as the chat template renders
-    them (Qwen: ``<|im_end|>\\n<|im_start|>user\\n<tool_response>...``; the template decides). ``content``: a text, or
+    them (ChatML: ``<|im_end|>\\n<|im_start|>user\\n<tool_response>...``; the template decides). ``content``: a text, or
     a list of message parts (an image: ``{"type": "image"}``)."""
     marker = "\u2063EASYTRAIN_TURN\u2063"
     user = {"role": "user", "content": "q"}
@@ -203,7 +208,7 @@ class MultiTurn:
         except BadSample as err:
             return f"the tool returned an image the model cannot take: {err}"
         content = [{"type": "image"} for _ in images] + [{"type": "text", "text": text}]
-        rendered = expand_image_placeholders(tool_turn_text(self.tokenizer, content), counts)
+        rendered = self.images.layout.expand(tool_turn_text(self.tokenizer, content), counts)
         ids = list(self.tokenizer(rendered, add_special_tokens=False)["input_ids"])
         if len(ids) > room:
             return (f"the tool's turn with its {len(images)} image(s) takes {len(ids)} tokens and {room} are left "
@@ -261,7 +266,7 @@ class MultiTurn:
 
     def _types(self, ids: torch.Tensor) -> torch.Tensor:
         """``mm_token_type_ids`` of response tokens: the image pads of tool turns are image tokens."""
-        return mm_token_type_ids(ids, self.images.image_token_id if self.images is not None else -1)
+        return mm_token_type_ids(ids, self.images.visuals.image_token_id if self.images is not None else -1)
 
     def _output(self, rows: Batch, episodes: list[Episode]) -> Batch:
         width = max(1, max(len(e.ids) for e in episodes))

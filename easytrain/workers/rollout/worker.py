@@ -90,15 +90,15 @@ class RolloutWorker(WorkerBase):
         self.engine = engine_class(r.engine).build(self.config, spec)
         if self.config.watchdog.enabled:
             self.engine.pressure = PressureFlag.of_this_job()
-        if r.multi_turn.enable:
-            self.multi_turn = self._multi_turn(tokenizer)
         self.family = family_of(AutoConfig.from_pretrained(self.folder))
         """The model's family adapter: response positions follow its rules, as the collator's prompt positions did."""
+        if r.multi_turn.enable:
+            self.multi_turn = self._multi_turn(tokenizer)
         return {"engine": r.engine, "stop_ids": spec.stop_ids, "can_sleep": self.engine.can_sleep}
 
     def _multi_turn(self, tokenizer: Any) -> Any:
         """The multi-turn loop; with a vision model, tool images go through the prompts' image processor."""
-        from easytrain.data.vision import IMAGE_PAD
+        from easytrain.models.families.base import Bound
         from easytrain.models.hf import load_image_processor
         from easytrain.workers.rollout.multi_turn import MultiTurn, ToolImages
 
@@ -106,8 +106,8 @@ class RolloutWorker(WorkerBase):
         processor = load_image_processor(self.config.model, str(self.folder))
         images = None
         if processor is not None:
-            processor.size = {"shortest_edge": d.min_pixels, "longest_edge": d.max_pixels}  # as the prompts'
-            images = ToolImages(processor, tokenizer.convert_tokens_to_ids(IMAGE_PAD), d.min_pixels, d.max_pixels)
+            self.family.bound_processor(processor, d.min_pixels, d.max_pixels)  # as the prompts'
+            images = ToolImages(Bound.of(self.family, processor, tokenizer), d.min_pixels, d.max_pixels)
         return MultiTurn(self.config.worker.rollout.multi_turn, tokenizer, d.max_response_length, images=images)
 
     def sampling(self, validate: bool, step: int, call: int = 0) -> SamplingParams:
