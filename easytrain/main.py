@@ -1,7 +1,7 @@
 """Run easytrain: compose the config with Hydra, validate it, start or join Ray, run.
 
-    python -m easytrain.main                        # tiny Qwen2.5-VL, synthetic task, local Ray, CPU
-    python -m easytrain.main +exp=qwen25vl_7b       # GRPO on Qwen2.5-VL-7B (on a Ray cluster)
+    python -m easytrain.main                        # a tiny VL model, synthetic task, local Ray, CPU
+    python -m easytrain.main +exp=qwen25vl_7b       # GRPO with the 7B preset (on a Ray cluster)
     python -m easytrain.main +exp=tiny_sft          # SFT of the tiny model on the synthetic task (CPU)
     python -m easytrain.main +exp=tiny hydra.run.dir=/tmp/run trainer.max_steps=2
 

@@ -63,8 +63,8 @@ def _check_model_folder(key: str, path: str, needs_config: bool) -> None:
     folder = os.path.expanduser(path)
     if not os.path.exists(folder):
         raise ConfigError(key, path, "no such folder",
-                          "give a Hugging Face model folder (config.json and weights), a hub id like "
-                          "Qwen/Qwen2.5-VL-7B-Instruct, or tiny:qwen2_5_vl")
+                          "give a Hugging Face model folder (config.json and weights), a hub id (org/name), "
+                          "or tiny:<model_type> (README: Model families)")
     if not os.path.isdir(folder):
         raise ConfigError(key, path, "is a file, not a model folder",
                           "give the folder that holds config.json (the one from_pretrained loads)")

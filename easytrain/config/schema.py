@@ -42,9 +42,9 @@ class LoraConfig:
 @dataclass
 class ModelConfig:
     path: str = "tiny:qwen2_5_vl"
-    """HF folder or hub id, tiny:<model_type> of a family with a tiny model (qwen2_5_vl, qwen2_vl, qwen3_vl,
-    qwen3_5, internvl, gemma3, qwen2: built locally, random weights; the README's family table), or random:<conf/model file stem>,
-    e.g. random:qwen25vl_7b (that model's real shape, random weights, its family's tiny tokenizer)."""
+    """HF folder or hub id, tiny:<model_type> of a family with a tiny model (built locally, random weights; the
+    README's family table lists them), or random:<conf/model file stem> (that preset's real shape, random
+    weights, its family's tiny tokenizer)."""
     tiny_size: str = choice("tiny", "tiny", "small")
     """Size of a tiny: model: tiny (~0.2M parameters) or small (~4M)."""
     tiny_seed: int = 0
@@ -254,8 +254,8 @@ class ValSamplingConfig:
 @dataclass
 class MultiTurnConfig:
     enable: bool = False
-    """Multi-turn rollouts: a response that ends in a tool call (the model family's format, e.g. Qwen's
-    <tool_call>{...}</tool_call>) gets the tool's result as a tool turn and generation goes on; only the
+    """Multi-turn rollouts: a response that ends in a tool call (the Hermes format
+    <tool_call>{...}</tool_call>, which ChatML templates describe) gets the tool's result as a tool turn and generation goes on; only the
     model's own tokens are trained (docs/rollout.md#multi-turn-tools)."""
     max_turns: int = bounded(3, low=1)
     """Model turns per response at most; the last one is kept whole, as a single-turn response (1 = single-turn)."""

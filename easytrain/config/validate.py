@@ -437,7 +437,7 @@ def _check_launch(cfg: Config) -> None:
     if la.name is not None and (not DNS_LABEL.fullmatch(la.name) or len(la.name) > RAYJOB_NAME_MAX):
         raise ConfigError("launch.name", la.name, f"not a valid RayJob name (lowercase letters, digits and '-', "
                           f"starting with a letter, at most {RAYJOB_NAME_MAX} characters)",
-                          "e.g. launch.name=qwen-grpo")
+                          "e.g. launch.name=vl-grpo")
     if not DNS_LABEL.fullmatch(la.namespace) or len(la.namespace) > 63:
         raise ConfigError("launch.namespace", la.namespace, "not a valid Kubernetes namespace", "e.g. default")
     for key in ("volume_claim", "auth_secret", "service_account"):

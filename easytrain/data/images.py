@@ -1,12 +1,13 @@
-"""Decoding, cleaning and sizing images the way the Qwen2-VL family sees them.
+"""Decoding, cleaning and sizing images onto a family's grid.
 
 Images arrive as PIL images, raw bytes, ``{"bytes": ..., "path": ...}``
 dicts (the HF/geometry3k parquet form, HF datasets read undecoded), file paths
 (relative to ``data.image_dir``) or base64 strings (optionally
 ``data:image/...;base64,``). Whatever arrives is decoded here, fully,
-converted to 8-bit RGB and resized with the "smart resize" rule onto the
-28-px grid (14-px patches merged 2x2), so its vision-token count is known
-exactly: ``(height / 28) * (width / 28)``.
+converted to 8-bit RGB and resized with the dynamic-resolution ("smart
+resize") rule onto the family layout's grid (:class:`easytrain.data.vision.Layout`;
+by default 28 px: 14-px patches merged 2x2), so its vision-token count is
+known exactly: ``(height / 28) * (width / 28)`` on the default grid.
 
 A path is read only where :class:`ImageFiles` allows: its real path (links
 and ``..`` resolved) must lie under ``data.image_dir`` (or the current folder
@@ -38,7 +39,7 @@ MERGE_SIZE = 2
 FACTOR = PATCH_SIZE * MERGE_SIZE
 """Pixels per vision token along each side (a token covers FACTOR x FACTOR pixels)."""
 MAX_ASPECT_RATIO = 200
-"""Qwen's vision tower refuses images more elongated than this."""
+"""Dynamic-resolution vision towers refuse images more elongated than this."""
 MIN_SIDE = 4
 """Images with a side shorter than this carry no usable content; skipped."""
 MAX_DECODED_PIXELS = 89_478_485
@@ -61,8 +62,8 @@ def smart_resize(height: int, width: int, min_pixels: int, max_pixels: int,
                  factor: int = FACTOR) -> tuple[int, int]:
     """Target (height, width): multiples of ``factor``, area within [min_pixels, max_pixels], aspect kept.
 
-    The same rule as Qwen2-VL's image processor (rounding to the grid, then
-    scaling down or up by the square root of the area ratio).
+    The dynamic-resolution processors' rule: round to the grid, then scale down
+    or up by the square root of the area ratio.
     """
     if min(height, width) <= 0:
         raise BadSample("image_too_small", f"{width}x{height}")

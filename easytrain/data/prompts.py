@@ -80,7 +80,7 @@ def render_prompt(tokenizer: Any, messages: list[dict[str, Any]], image_tokens: 
                   tools: Optional[Sequence[dict[str, Any]]] = None,
                   video_tokens: Sequence[int] = (), layout: Layout = DEFAULT_LAYOUT) -> RenderedPrompt:
     """Apply the chat template once and derive the vLLM and HF forms from it. ``tools``: the JSON schemas of
-    the tools a multi-turn rollout may call, which the template shows the model (Qwen: in the system turn).
+    the tools a multi-turn rollout may call, which the template shows the model (ChatML templates: in the system turn).
     ``video_tokens``: vision tokens per video, expanded like the images'."""
     text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True,
                                          **({"tools": list(tools)} if tools else {}))

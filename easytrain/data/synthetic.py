@@ -84,7 +84,7 @@ def _classes(kind: str) -> tuple[str, ...]:
 
 
 def tool_conversation(question: str, answer: str, reply: str) -> list[dict[str, str]]:
-    """The turns of a question answered with the zoom tool: the call (Qwen's format), the tool's turn (its image,
+    """The turns of a question answered with the zoom tool: the call (the Hermes tool-call format), the tool's turn (its image,
     then ``reply``, its text), the boxed answer."""
     call = f'{CALL_START}\n{json.dumps({"name": "zoom", "arguments": {}})}\n{CALL_END}'
     return [{"role": "user", "content": question}, {"role": "assistant", "content": call},

@@ -50,7 +50,7 @@ class Layout:
     image_pad: str = IMAGE_PAD
     """The token the chat template writes once per image, expanded to one per vision token."""
     image_fill: str = ""
-    """The token repeated once per vision token where it is not ``image_pad`` itself (Gemma 3's soft tokens)."""
+    """The token repeated once per vision token where it is not ``image_pad`` itself (e.g. soft tokens between begin/end markers)."""
     video_pad: str = VIDEO_PAD
     image_open: str = ""
     """Text written before each image's expanded pads (where the template leaves it to the processor)."""

@@ -133,7 +133,7 @@ def ulysses_attention(module: nn.Module, query: torch.Tensor, key: torch.Tensor,
     heads, kv_heads = query.shape[1], key.shape[1]
     if heads % sp.size:
         raise ValueError(f"{heads} attention heads do not split over ulysses_size={sp.size}")
-    if kv_heads % sp.size:  # fewer KV heads than ranks (Qwen2.5-VL-7B: 4 for 28 query heads): repeat them
+    if kv_heads % sp.size:  # fewer KV heads than ranks (e.g. 4 for 28 query heads): repeat them
         repeat = sp.size // kv_heads if sp.size % kv_heads == 0 else heads // kv_heads
         key, value = key.repeat_interleave(repeat, dim=1), value.repeat_interleave(repeat, dim=1)
     q, k, v = (all_to_all(t, sp, scatter_dim=1, gather_dim=2) for t in (query, key, value))

@@ -1,24 +1,27 @@
 """Activation and logits bytes of one micro batch, counted tensor by tensor from the model's code path.
 
 The counts follow what autograd keeps for the backward pass of transformers'
-Qwen2 / Qwen2-VL / Qwen2.5-VL layers as easytrain runs them (sdpa or flash
-attention, no dropout), per token and layer, in the compute dtype:
+decoder and vision layers as easytrain runs them (sdpa or flash attention, no
+dropout), per token and layer, in the compute dtype; where families differ,
+the family's adapter (:mod:`easytrain.models.families`) says which trait
+applies:
 
 - decoder layer: its input and the first norm's output (2h); the roped q, k
   and v that attention keeps (q + 2kv; the rope's products keep no q or k
   themselves, autograd saves an input only when the other side needs a
   gradient, and cos/sin need none); the attention output and its re-laid-out
   copy that o_proj keeps (2q); the residual sum and the second norm's output
-  (2h); the MLP's gate, SiLU, up and product (4i). Qwen-VL's 3-D rope adds its
-  per-layer cos/sin (2 x head_dim). ``eager`` attention adds the attention
-  weights (2 x heads x s per token). Qwen3 and Gemma 3 normalise q and k per
-  head (their inputs: q + kv); Gemma 3 also normalises each sub-layer's
-  output (2h). A mixture-of-experts MLP counts as the experts a token is
-  routed to (``num_experts_per_tok x moe_intermediate_size`` wide).
+  (2h); the MLP's gate, SiLU, up and product (4i). Multimodal rotary
+  positions (``rope_rows``) add their per-layer cos/sin (2 x head_dim).
+  ``eager`` attention adds the attention weights (2 x heads x s per token).
+  Per-head q/k norms (``qk_norm``) keep their inputs (q + kv); sandwich norms
+  (``sandwich_norm``) each sub-layer's output (2h). A mixture-of-experts MLP
+  counts as the experts a token is routed to (``num_experts_per_tok x
+  moe_intermediate_size`` wide).
 - vision block (per patch, before the merge): two norms (4 hv), the qkv
   output that v still views (3 hv), q and k as attention takes them (2 hv),
-  the attention output and its copy (2 hv), and the MLP (4 iv gated as
-  Qwen2.5-VL's, 2 iv for the others' fc1 / activation / fc2).
+  the attention output and its copy (2 hv), and the MLP (4 iv gated,
+  ``gated_vision_mlp``; 2 iv for fc1 / activation / fc2).
 - gradient checkpointing keeps only each layer's input (h per token and layer)
   plus one layer recomputed during backward.
 - without gradients (log-prob passes) only one layer's working set is alive.
@@ -37,8 +40,8 @@ from typing import Any
 from easytrain.memory.states import FP32
 
 PATCH_VALUES = 3 * 2 * 14 * 14
-"""Floats of one Qwen2-VL / Qwen2.5-VL vision patch in ``pixel_values`` (RGB x 2 frames x 14 x 14); a model's own
-is :attr:`ModelDims.values_per_token` / merge^2 (:mod:`easytrain.memory.vision`)."""
+"""Floats of one 14-px vision patch over two frames in ``pixel_values`` (RGB x 2 x 14 x 14): the default geometry;
+a model's own is :attr:`ModelDims.values_per_token` / merge^2 (:mod:`easytrain.memory.vision`)."""
 
 
 @dataclass(frozen=True)
@@ -79,11 +82,10 @@ def mlp_width(text: Any) -> int:
 
 
 def _vision_dims(vision: Any) -> dict[str, Any]:
-    """The vision tower's width, depth and MLP width: Qwen2-VL's ``embed_dim`` / ``depth`` / ``mlp_ratio``
-    (its ``hidden_size`` is the merger's output), Qwen2.5-VL's and Qwen3-VL's ``hidden_size`` / ``depth`` /
-    ``intermediate_size``, InternViT's and SigLIP's ``hidden_size`` / ``num_hidden_layers`` /
-    ``intermediate_size``."""
-    if hasattr(vision, "embed_dim") and hasattr(vision, "mlp_ratio"):  # Qwen2-VL
+    """The vision tower's width, depth and MLP width, from whichever names its config uses: ``embed_dim`` /
+    ``depth`` / ``mlp_ratio`` (where ``hidden_size`` is the merger's output), or ``hidden_size`` / ``depth`` or
+    ``num_hidden_layers`` / ``intermediate_size``."""
+    if hasattr(vision, "embed_dim") and hasattr(vision, "mlp_ratio"):  # a width and an MLP ratio
         width = vision.embed_dim
         return dict(vision_hidden=width, vision_layers=vision.depth, vision_intermediate=int(width * vision.mlp_ratio))
     layers = getattr(vision, "depth", None) or vision.num_hidden_layers

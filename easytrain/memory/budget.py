@@ -14,8 +14,8 @@ from easytrain.memory.params import hf_config_object
 from easytrain.memory.states import DTYPE_BYTES, FP32
 
 PATCH = 14
-"""Qwen2-VL / Qwen2.5-VL vision patch side (pixels): :func:`image_tokens`' default; a model's own geometry is
-:func:`easytrain.memory.vision.vision_geometry` (Qwen3-VL's 16-px patches, InternVL's tiles, Gemma 3's fixed image)."""
+"""Vision patch side (pixels): :func:`image_tokens`' default; a model's own geometry is
+:func:`easytrain.memory.vision.vision_geometry` (its family adapter's patches, tiles or fixed image)."""
 
 
 def video_patches(data: Any) -> int:
@@ -27,7 +27,7 @@ def video_patches(data: Any) -> int:
 
 def image_tokens(max_pixels: int, merge: int = 2, patch: int = PATCH) -> int:
     """Language-model tokens of one image at ``data.max_pixels`` under dynamic resolution: a ``patch`` x
-    ``patch`` patch per patch^2 pixels (14 px: Qwen2-VL, Qwen2.5-VL), merged ``merge`` x ``merge`` into one
+    ``patch`` patch per patch^2 pixels (14 px by default), merged ``merge`` x ``merge`` into one
     token."""
     return max_pixels // (patch * patch * merge * merge)
 
@@ -86,7 +86,7 @@ def kv_bytes_per_token(hf_config: dict[str, Any], dtype: str, tensor_parallel: i
     """KV-cache bytes one token takes on one GPU: keys and values of every layer, KV heads split over
     the tensor-parallel ranks (replicated when there are fewer heads than ranks)."""
     text = hf_config_object(hf_config).get_text_config()
-    head_dim = getattr(text, "head_dim", None) or text.hidden_size // text.num_attention_heads  # Qwen2's rule
+    head_dim = getattr(text, "head_dim", None) or text.hidden_size // text.num_attention_heads  # without head_dim: hidden / heads
     kv_per_rank = max(1, text.num_key_value_heads // tensor_parallel)
     return 2 * text.num_hidden_layers * kv_per_rank * head_dim * DTYPE_BYTES[dtype]
 

@@ -5,11 +5,11 @@ names and shapes are the real ones, nothing is allocated and no weights are
 read, so a 72B model is counted in seconds on a laptop. Components are the
 ones the planner prices separately: the vision tower, the projector (the
 merger or multi-modal projector that maps vision features into the language
-model; Qwen3-VL's DeepStack mergers too), the token
+model, wherever the family's adapter places it: several mergers too), the token
 embeddings, the language model's blocks and norms, and the LM head (zero
 when tied to the embeddings: a tied weight is one tensor).
 
-Mixture-of-experts language models (Qwen3-VL-30B-A3B) also report their
+Mixture-of-experts language models (e.g. a 30B with 3B active) also report their
 routed experts' weights and the share of them one token uses
 (``num_experts_per_tok`` of ``num_experts``): ``ParamCounts.active`` is what
 a token's forward multiplies, ``ParamCounts.total`` what the states hold.
@@ -58,8 +58,8 @@ class ParamCounts:
 
 
 def component_of(name: str) -> str:
-    """Which component a parameter name (HF naming: Qwen2, Qwen2-VL, Qwen2.5-VL, Qwen3-VL, InternVL, Gemma 3)
-    belongs to."""
+    """Which component a parameter name (HF naming, tower and projector paths as the family adapters give
+    them) belongs to."""
     dotted = f".{name}"
     if any(part in dotted for part in PROJECTOR_PARTS):
         return "projector"

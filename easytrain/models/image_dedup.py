@@ -70,7 +70,7 @@ def dedupe_images(model: nn.Module) -> Optional[DedupStats]:
 
 def dedupe_patch_rows(visual: nn.Module, merge: int) -> DedupStats:
     """Hooks for a tower called ``visual(pixel_rows, grid_thw)`` that returns every image's merged features back
-    to back as ``pooler_output`` (and, Qwen3-VL, per-layer ``deepstack_features`` alike)."""
+    to back as ``pooler_output`` (and, where the tower has them, per-layer ``deepstack_features`` alike)."""
     stats = DedupStats()
     pending: list[tuple[torch.Tensor, int]] = []
 
@@ -124,7 +124,7 @@ def dedupe_patch_rows(visual: nn.Module, merge: int) -> DedupStats:
 
 def dedupe_batched(tower: nn.Module) -> DedupStats:
     """Hooks for a tower called on a batch of equal-sized images or tiles, ``tower(pixel_values=(N, C, H, W))``,
-    each attended to on its own (InternVL's, SigLIP): the distinct ones run, and every output with a batch
+    each attended to on its own (tile and fixed-image towers): the distinct ones run, and every output with a batch
     dimension (``last_hidden_state``, ``pooler_output``, ``hidden_states``) is handed back per input."""
     stats = DedupStats()
     pending: list[Optional[torch.Tensor]] = []

@@ -1,9 +1,9 @@
 """Real-shaped models with random weights: ``model.path=random:<name>``, nothing downloaded.
 
-``random:qwen25vl_7b`` is the architecture of ``conf/model/qwen25vl_7b.yaml`` (the shape settings of
-Qwen2.5-VL-7B-Instruct's public config.json) with transformers' own random initialisation, paired with the tiny
-tokenizer and image processor of its family; the model's vocabulary is larger than the tokenizer's, as Qwen's
-own is. Planner checks, GPU smoke tests and dry runs at a real size then need no checkpoint, and
+``random:<name>`` is the architecture of ``conf/model/<name>.yaml`` (the shape settings of the published
+checkpoint's config.json) with transformers' own random initialisation, paired with the tiny tokenizer and image
+processor of its family; the model's vocabulary is larger than the tokenizer's, as published models' often
+are. Planner checks, GPU smoke tests and dry runs at a real size then need no checkpoint, and
 ``easytrain plan`` prices it exactly as the checkpoint it copies (models/shapes.py reads the same file).
 
 ``build_random`` writes, once per name, seed and shape, a cache folder that loads like a checkpoint's apart from
@@ -41,7 +41,7 @@ MARKER = "random_init.json"
 FACTORY_VERSION = 1
 """Bump when the folder's contents change, so cached folders from older builds are not reused."""
 TOKEN_ID_KEYS = ("_token_id", "_token_index")
-"""Config keys that hold a special token's id (Gemma 3 names its image tokens ``*_token_index``)."""
+"""Config keys that hold a special token's id (some families name their image tokens ``*_token_index``)."""
 WEIGHT_SUFFIXES = (".safetensors", ".bin", ".safetensors.index.json", ".bin.index.json")
 
 

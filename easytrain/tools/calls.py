@@ -1,4 +1,4 @@
-"""The tool-call format the model emits (Qwen / Hermes)::
+"""The tool-call format the model emits (Hermes, as ChatML templates describe it)::
 
     <tool_call>
     {"name": "zoom", "arguments": {"x": 1}}

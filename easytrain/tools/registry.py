@@ -1,7 +1,7 @@
 """Tools: user functions named like reward functions, each with the JSON schema the model sees.
 
 ``load_tools(["tools.py:zoom", "mypkg.tools:count"])`` imports each function (never evaluated from config
-text) and describes it in the OpenAI / Qwen function format::
+text) and describes it in the OpenAI function format (what chat templates' ``tools`` take)::
 
     {"type": "function", "function": {"name": "zoom", "description": "<the docstring's first paragraph>",
      "parameters": {"type": "object", "properties": {"x": {"type": "integer", "description": "..."}},
@@ -76,7 +76,7 @@ def load_tools(specs: Sequence[str], key: str = KEY) -> dict[str, Tool]:
 
 
 def schema_of(fn: Callable[..., Any], name: Optional[str] = None) -> dict[str, Any]:
-    """The OpenAI / Qwen function schema of ``fn`` (named ``name``, by default its ``__name__``)."""
+    """The OpenAI function schema of ``fn`` (named ``name``, by default its ``__name__``)."""
     name = name or getattr(fn, "__name__", type(fn).__name__)
     try:
         signature = inspect.signature(fn)

@@ -18,7 +18,7 @@ after its logits processors and temperature, with the vision placeholders
 pushed out by ``logit_bias`` (vLLM's floor, -100: a probability below 1e-43 of
 the top token's, nothing a float32 log-softmax can tell from the actor's -inf;
 ``allowed_token_ids`` would have to list every other id of the vocabulary,
-~152k for Qwen2.5-VL, and vLLM's GPU model runner takes at most 1024): the actor's convention
+~152k for a 7B vision-language model, and vLLM's GPU model runner takes at most 1024): the actor's convention
 (:func:`easytrain.algorithms.losses.sampling_logits`) exactly when top-p and
 top-k are off. With them on, vLLM reports the truncated distribution it
 sampled from. The update never uses these values as old log-probs (it either

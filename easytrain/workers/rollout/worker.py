@@ -35,7 +35,8 @@ def stable_seed(*parts: Any) -> int:
 
 
 def stop_token_ids(tokenizer: Any, stop_tokens: list[str]) -> list[int]:
-    """EOS, <|endoftext|> (which also ends a Qwen response) and worker.rollout.stop_tokens, as ids."""
+    """EOS, the pad token (which ends a response where the tokenizer's end-of-text pads, as ChatML's
+    ``<|endoftext|>`` does) and worker.rollout.stop_tokens, as ids."""
     ids = [tokenizer.eos_token_id]
     if tokenizer.pad_token_id is not None:
         ids.append(tokenizer.pad_token_id)
