@@ -10,6 +10,8 @@
 - ``default_run``: the README's first command, the default run as it ships (``DEFAULT_RUN_STEPS`` steps),
   once per session (its own Ray, in a subprocess); the learning, watchdog, logger and report tests read its
   run folder.
+- ``tiny_families(feature, images)``: the tiny families whose adapters serve a feature, for parametrising
+  per-family tests (a family added with a tiny model is tested without editing them).
 - markers: ``slow`` (end-to-end; ``pytest -m 'not slow'`` skips them), ``gpu``
   (skipped without CUDA).
 """
@@ -26,6 +28,15 @@ import torch
 os.environ.setdefault("HF_HUB_OFFLINE", "1")  # tests never download
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 os.environ.setdefault("RAY_DEDUP_LOGS", "0")
+
+def tiny_families(feature: Optional[str] = None, images: bool = False) -> list[str]:
+    """``tiny:<name>`` families (:data:`easytrain.models.families.TINY_FAMILIES`) whose adapter serves
+    ``feature`` (one of ``FEATURES``; None: all), the image-text ones only with ``images``."""
+    from easytrain.models.families import TINY_FAMILIES, adapter_class
+
+    return [f for f in TINY_FAMILIES if (feature is None or feature in adapter_class(f).features)
+            and (not images or adapter_class(f).processor_class_path)]
+
 
 TWO_NODE_FIXTURE = "ray_two_nodes"
 CLUSTER_ORDER = ("eight_gpus", "two_gpu_nodes", "ray_head", TWO_NODE_FIXTURE)

@@ -23,6 +23,7 @@ from easytrain.workers.actor import ActorWorker
 from easytrain.workers.forward import response_log_probs, suppressed_tokens
 from easytrain.workers.packed import packed_response_log_probs
 
+from conftest import tiny_families
 from rl_batches import assert_same_pass, grads, rl_config, rollout_batch
 
 
@@ -32,7 +33,7 @@ def actor(config: Config) -> ActorWorker:
     return worker
 
 
-@pytest.mark.parametrize("family", ["qwen2_5_vl", "qwen2_vl", "qwen3_vl", "internvl", "qwen2"])
+@pytest.mark.parametrize("family", tiny_families("padding_free"))
 def test_packed_log_probs_and_gradients_equal_padded(family: str, tmp_path: Path,
                                                      recorded_attention: list[dict[str, Any]]) -> None:
     extra = [f"model.path=tiny:{family}"] + (["data.image_key=null"] if family == "qwen2" else [])

@@ -13,6 +13,7 @@ from easytrain.models.hf import load_model, model_folder
 from easytrain.models.image_dedup import dedupe_images, distinct_images
 from easytrain.workers.forward import response_log_probs
 
+from conftest import tiny_families
 from rl_batches import rl_config, rollout_batch
 
 
@@ -25,7 +26,7 @@ def test_distinct_images_needs_equal_pixels_not_just_equal_sums() -> None:
     assert firsts == [0, 1, 3] and owner == [0, 1, 0, 2]
 
 
-@pytest.mark.parametrize("family", ["qwen2_5_vl", "qwen2_vl", "qwen3_vl", "qwen3_5", "internvl", "gemma3"])
+@pytest.mark.parametrize("family", tiny_families("image_dedup", images=True))
 def test_deduped_tower_gives_the_same_log_probs_and_gradients(family: str, tmp_path: Path) -> None:
     config = rl_config(tmp_path, f"model.path=tiny:{family}", "worker.rollout.n=4")
     batch = rollout_batch(config)

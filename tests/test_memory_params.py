@@ -9,8 +9,10 @@ import pytest
 from easytrain.memory.params import component_of, count_parameters
 from easytrain.models.tiny import model_class_for, tiny_hf_config
 
+from conftest import tiny_families
 
-@pytest.mark.parametrize("family", ["qwen2_5_vl", "qwen2_vl", "qwen3_vl", "qwen3_5", "internvl", "gemma3", "qwen2"])
+
+@pytest.mark.parametrize("family", tiny_families())
 @pytest.mark.parametrize("size", ["tiny", "small"])
 def test_counts_equal_the_real_models_by_component(tiny_model: Any, family: str, size: str) -> None:
     counted = count_parameters(tiny_hf_config(family, size))

@@ -22,6 +22,7 @@ from easytrain.models.families import family_of
 from easytrain.workers.shared_prompt import (prompt_and_response_tokens, prompt_groups, rows_pay_off, shared_inputs,
                                              text_config)
 
+from conftest import tiny_families
 from rl_batches import assert_same_pass, grads, planned, rl_config, rollout_batch
 
 CPU = torch.device("cpu")
@@ -53,7 +54,7 @@ def vision_patches(model: torch.nn.Module) -> list[int]:
     return seen
 
 
-@pytest.mark.parametrize("family", ["qwen2_5_vl", "qwen2_vl", "qwen3_vl", "internvl", "qwen2"])
+@pytest.mark.parametrize("family", tiny_families("shared_prompt"))
 @pytest.mark.parametrize("packed", [False, True])
 def test_shared_prompt_equals_plain(family: str, packed: bool, tmp_path: Path,
                                     recorded_attention: list[dict[str, Any]]) -> None:

@@ -16,6 +16,8 @@ from easytrain.models.hf import load_image_processor, load_model, load_tokenizer
 from easytrain.models.shapes import resolve_shape, shape_from_hf_config
 from easytrain.models.tiny import SPECS, count_parameters
 
+from conftest import tiny_families
+
 CASES = [(f, s) for f in ("qwen2_5_vl", "qwen2_vl", "qwen2") for s in ("tiny", "small")]
 PARAMS = {"tiny": (0.1e6, 0.35e6), "small": (3e6, 5e6)}
 
@@ -141,7 +143,7 @@ def test_tokenizer_has_qwen_specials_and_template(tiny_model: Callable[..., Path
     assert tokenizer.decode(tokenizer(sample, add_special_tokens=False)["input_ids"]) == sample
 
 
-@pytest.mark.parametrize("family", ["qwen2_5_vl", "qwen2_vl", "qwen3_vl", "qwen3_5", "internvl", "gemma3", "qwen2"])
+@pytest.mark.parametrize("family", tiny_families())
 def test_shape_without_building_matches_built_model(tiny_model: Callable[..., Path], family: str) -> None:
     import json
 

@@ -19,6 +19,8 @@ from easytrain.data.sft import IGNORE
 from easytrain.distributed.ulysses import SequenceParallel, apply_ulysses, gather_sequence, sequence
 from easytrain.models.tiny import build_tiny
 
+from conftest import tiny_families
+
 LENGTHS = (7, 10, 5, 10)  # uneven packed samples; 32 tokens in 2 chunks of 16: the cut falls inside sample 2
 
 
@@ -158,8 +160,9 @@ def run_vl_rank(rank: int, run_dir: str, family: str) -> None:
         torch.testing.assert_close(grad, ref.grad, rtol=1e-4, atol=atol, msg=name)
 
 
-CASES = ("qwen2-tiny", "qwen2-small", "qwen2_5_vl", "qwen2_vl", "internvl")
-"""qwen2 tiny: 2 heads over 1 KV head (repeated); small: 4 over 2; the VL models with images."""
+VL_CASES = tuple(tiny_families("ulysses", images=True))
+CASES = ("qwen2-tiny", "qwen2-small") + VL_CASES
+"""qwen2 tiny: 2 heads over 1 KV head (repeated); small: 4 over 2; the VL families Ulysses serves, with images."""
 
 
 def run_cases(rank: int, port: int, folders: dict[str, str], out: str) -> None:
@@ -206,6 +209,6 @@ def test_ulysses_two_ranks_equal_the_unsplit_qwen2(size: str, job: tuple[Path, O
     passed(job, f"qwen2-{size}")
 
 
-@pytest.mark.parametrize("family", ["qwen2_5_vl", "qwen2_vl", "internvl"])
+@pytest.mark.parametrize("family", VL_CASES)
 def test_ulysses_two_ranks_equal_the_unsplit_vl_model_with_images(family: str, job: tuple[Path, Optional[Any]]) -> None:
     passed(job, family)

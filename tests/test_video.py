@@ -25,6 +25,7 @@ from easytrain.trainer.data import RLData, to_batch
 from easytrain.workers.forward import log_probs_of, response_log_probs, takes_video_seconds
 from easytrain.workers.sequences import assemble
 
+from conftest import tiny_families
 from rl_batches import planned
 from test_shared_prompt import actor_model
 
@@ -63,7 +64,7 @@ def with_responses(prompts: Batch, model: torch.nn.Module, seed: int = 0) -> Bat
     return assemble(prompts, Batch({"responses": responses * mask, "response_mask": mask}), N, family_of(model))
 
 
-@pytest.mark.parametrize("family", ["qwen2_5_vl", "qwen2_vl"])
+@pytest.mark.parametrize("family", tiny_families("video"))
 def test_positions_equal_the_models_rope_index(family: str, tmp_path: Path) -> None:
     """easytrain's positions for a batch of images and videos (the training passes take these) equal the model's own
     ``get_rope_index`` given the split image and video arguments (what its generation computes)."""
