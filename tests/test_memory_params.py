@@ -31,7 +31,7 @@ def test_counts_equal_the_real_models_by_component(tiny_model: Any, family: str,
 @pytest.mark.slow
 def test_known_model_shapes_count_their_published_sizes() -> None:
     """conf/model/ holds the shape settings of the public configs; built on the meta device they have
-    the published parameter counts (to the published precision), so the settings are the real ones."""
+    the exact parameter counts the Hub publishes (tests/published.py), so the settings are the real ones."""
     from easytrain.memory.params import count_parameters
     from easytrain.config.presets import known_hf_configs
 
