@@ -148,8 +148,11 @@ def test_a_feature_the_family_cannot_serve_is_a_one_line_config_error(overrides:
     assert "use a model of a family that supports it" in text
 
 
-def test_a_family_without_an_adapter_trains_text_and_refuses_images(tmp_path: Path, tiny_model: Any) -> None:
-    """A model_type easytrain has no adapter for gets the generic one: images are a config error naming the key."""
+def test_a_family_without_an_adapter_or_fixed_images_trains_text_and_refuses_images(tmp_path: Path,
+                                                                                   tiny_model: Any) -> None:
+    """A model_type easytrain has no adapter for gets the generic one; where its config lacks transformers' common
+    fixed-size image interface (mistral3: Pixtral sizes images dynamically, no fixed token count), images are a
+    config error naming the key. (tests/test_generic_family.py: a LLaVA, which has it, trains on images.)"""
     folder = tmp_path / "other"
     folder.mkdir()
     config = json.loads((tiny_model("qwen2") / "config.json").read_text())

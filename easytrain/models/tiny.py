@@ -24,7 +24,7 @@ import shutil
 import uuid
 from dataclasses import asdict
 from pathlib import Path
-from typing import Any, Callable, Optional, Union
+from typing import Any, Callable, Optional, Sequence, Union
 
 from easytrain.models.families import ADAPTERS, TINY_FAMILIES, TinySpec, adapter_class
 
@@ -90,13 +90,17 @@ def _corpus(seed: int, lines: int = 3000) -> list[str]:
     return out
 
 
-def build_tokenizer(seed: int = 0, family: str = "qwen2_5_vl") -> Any:
-    """A byte-level BPE tokenizer with the family's special tokens and chat template (ChatML turns)."""
+def build_tokenizer(seed: int = 0, family: str = "qwen2_5_vl", special_tokens: Optional[Sequence[str]] = None,
+                    chat_template: Optional[str] = None) -> Any:
+    """A byte-level BPE tokenizer with the family's special tokens and chat template (ChatML turns);
+    ``special_tokens`` / ``chat_template``, where given, in their place (a tiny model of a family without an
+    adapter of its own, built by a test: ``<|im_end|>`` and ``<|endoftext|>`` among the tokens)."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast
 
     adapter = adapter_class(family)
-    specials = adapter.tiny_tokens
+    specials = tuple(adapter.tiny_tokens if special_tokens is None else special_tokens)
+    template = adapter.tiny_template if chat_template is None else chat_template
     bpe = Tokenizer(models.BPE())
     bpe.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     bpe.decoder = decoders.ByteLevel()
@@ -108,7 +112,7 @@ def build_tokenizer(seed: int = 0, family: str = "qwen2_5_vl") -> Any:
     return PreTrainedTokenizerFast(
         tokenizer_object=bpe, eos_token="<|im_end|>", pad_token="<|endoftext|>",
         additional_special_tokens=[t for t in specials if t not in ("<|im_end|>", "<|endoftext|>")],
-        chat_template=adapter.tiny_template, model_max_length=4096, padding_side="left",
+        chat_template=template, model_max_length=4096, padding_side="left",
     )
 
 

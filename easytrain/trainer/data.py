@@ -35,7 +35,7 @@ class RLData:
         self.processor = load_image_processor(m, folder)
         self.vision = vision = self.processor is not None and d.image_key is not None
         self.family.bound_processor(self.processor, d.min_pixels, d.max_pixels)
-        self.layout = self.family.layout(self.processor) if vision else None
+        self.layout = self.family.layout(self.processor, self.tokenizer) if vision else None
         cache, make, options = m.cache_dir, self.dataset_class, self.dataset_options()
         if self.layout is not None:
             options["layout"] = self.layout

@@ -2,8 +2,9 @@
 
 ``family_of(config)`` answers for a model's HF config (a ``config.json`` dict,
 a transformers config or a loaded model); a ``model_type`` without an adapter
-of its own gets the generic one, with the features that need family
-knowledge off. Adding a family is a module here, its line in
+of its own gets the generic one (its text, and images where its config
+follows transformers' common fixed-size interface, as LLaVA-1.5's does), with
+the features that need family knowledge off. Adding a family is a module here, its line in
 :data:`ADAPTERS`, its ``conf/model/`` presets and its docs.
 """
 

@@ -11,15 +11,29 @@ easytrain's features serve the family. The trainer, workers, data pipeline
 and planner hold an adapter and ask; family names appear only here and in
 ``conf/model/``.
 
-This base class is the generic adapter: a text causal LM, or an image-text
-model whose processor and forward follow transformers' common interface
-(``pixel_values`` per image, one placeholder token per vision token, plain
-positions). Features that need family knowledge are off for it.
+This base class is the generic adapter, for a ``model_type`` without an
+adapter of its own: a text causal LM, or an image-text model
+(``AutoModelForImageTextToText``) that follows transformers' common
+fixed-size interface, as LLaVA-1.5 does (:class:`FixedImage`): every image is
+resized to one ``vision_config.image_size`` square and takes the config's
+fixed count of vision tokens (``image_seq_length`` or
+``mm_tokens_per_image``); the chat template writes the image token
+(``image_token_id`` / ``image_token_index``, named by the tokenizer) once per
+image, expanded to one per vision token; the forward takes ``pixel_values``
+(one ``C x S x S`` image per placeholder) and plain positions; the tower and
+projector sit at ``vision_tower`` and ``multi_modal_projector``. An
+image-text model whose config lacks any of these settings (or cuts images
+into crops or tiles: ``image_grid_pinpoints``, ``downsample_ratio``) trains
+its text only: images are a config error. Features that need family knowledge (video, image dedup, prompt
+sharing, padding-free, Ulysses, vLLM, tool images, KV-cache reuse) are off
+for it. Gemma 3's adapter shares the fixed-size path and adds its own
+placeholder expansion and bidirectional image attention.
 """
 
 from __future__ import annotations
 
 import logging
+import math
 from dataclasses import dataclass
 from typing import Any, ClassVar, Mapping, Optional, Sequence
 
@@ -75,6 +89,27 @@ def side(value: Any) -> int:
     return int(value[0] if isinstance(value, (list, tuple)) else value)
 
 
+STAND_IN_IMAGE = "<image>"
+"""The generic adapter's placeholder name where no tokenizer is at hand (planning, config checks: only the
+layout's geometry is read there)."""
+
+
+@dataclass(frozen=True)
+class FixedImage:
+    """transformers' common fixed-size image interface, as a model's config states it (LLaVA-1.5, Gemma 3): every
+    image is resized to one ``side x side`` square and becomes ``tokens`` vision tokens, which the model finds at
+    the token ``token_id`` (one per vision token)."""
+
+    side: int
+    tokens: int
+    token_id: int
+
+
+def _first(config: Mapping[str, Any], keys: Sequence[str]) -> Any:
+    """The value of the first of ``keys`` that ``config`` sets (None: none)."""
+    return next((config[k] for k in keys if config.get(k) is not None), None)
+
+
 class Family:
     """The generic adapter (see the module docstring); families subclass it and override what differs."""
 
@@ -85,9 +120,10 @@ class Family:
     """Which of :data:`FEATURES` serve the family (the generic adapter: none of them)."""
     rope_rows: ClassVar[bool] = False
     """Positions are multimodal rotary rows (3, B, L) rather than (B, L)."""
-    tower_path: ClassVar[str] = ""
-    """Attribute path of the vision tower from the inner model (``model.model``), e.g. ``visual``."""
-    projector_paths: ClassVar[tuple[str, ...]] = ()
+    tower_path: ClassVar[str] = "vision_tower"
+    """Attribute path of the vision tower from the inner model (``model.model``), e.g. ``visual``; the generic
+    adapter: transformers' common name (absent in a text model)."""
+    projector_paths: ClassVar[tuple[str, ...]] = ("multi_modal_projector",)
     """Attribute paths of the projector's modules (vision features to the language model) from the inner model."""
     gated_vision_mlp: ClassVar[bool] = False
     """The planner's shape: the vision blocks' MLP is gated (SwiGLU)."""
@@ -100,6 +136,15 @@ class Family:
     """Config attributes holding the ids of vision placeholder tokens, which a response may never contain."""
     channels_key: ClassVar[str] = "num_channels"
     """The vision config's key for its input channels."""
+    image_tokens_keys: ClassVar[tuple[str, ...]] = ("image_seq_length", "mm_tokens_per_image")
+    """Config keys of the fixed-size path's vision tokens per image (:meth:`fixed_image`; the first set counts)."""
+    image_token_keys: ClassVar[tuple[str, ...]] = ("image_token_id", "image_token_index")
+    """Config keys of the fixed-size path's image token id."""
+    tiling_keys: ClassVar[tuple[str, ...]] = ("image_grid_pinpoints", "downsample_ratio")
+    """Config keys that say an image is cut into crops or tiles (LLaVA-NeXT's any-resolution grid, pixel-shuffled
+    tiles), which the fixed-size path would miscount: a config that sets one has no :meth:`fixed_image`."""
+    image_call: ClassVar[dict[str, Any]] = {}
+    """Keyword arguments of the fixed-size path's image processor call (Gemma 3: no pan-and-scan crops)."""
     tiny_tokens: ClassVar[tuple[str, ...]] = ()
     """Special tokens of the family's tiny tokenizer (eos ``<|im_end|>`` and pad ``<|endoftext|>`` among them);
     empty: no tiny model of this family."""
@@ -112,7 +157,8 @@ class Family:
         raise NotImplementedError(f"no tiny model of {cls.label}")
 
     class_name: ClassVar[str] = ""
-    """The transformers model class (by name); empty: the Auto class for image-text or causal LM models."""
+    """The transformers model class (by name); empty: the class transformers' image-text or causal-LM Auto class
+    maps the ``model_type`` to (:meth:`model_class`)."""
     processor_class_path: ClassVar[str] = ""
     """``module:Class`` of the family's image processor (its PIL backend); empty: ``AutoImageProcessor``."""
     tiny_processor_settings: ClassVar[dict[str, Any]] = {}
@@ -152,11 +198,20 @@ class Family:
         return "vision_config" in self.hf_config
 
     def model_class(self) -> Any:
-        """The transformers class ``from_pretrained`` is called on."""
+        """The transformers class ``from_pretrained`` is called on: the family's, or (the generic adapter) the
+        class transformers' image-text or causal-LM Auto class maps the ``model_type`` to, which also builds the
+        model on the meta device (``_from_config``: sharded loads, ``random:`` models); the Auto class itself for
+        a ``model_type`` this transformers does not know."""
         import transformers
+        from transformers.models.auto import modeling_auto
 
         if self.class_name:
             return getattr(transformers, self.class_name)
+        names = (modeling_auto.MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES if self.vision
+                 else modeling_auto.MODEL_FOR_CAUSAL_LM_MAPPING_NAMES)
+        found = getattr(transformers, str(names.get(self.model_type, "")), None)
+        if found is not None:
+            return found
         return transformers.AutoModelForImageTextToText if self.vision else transformers.AutoModelForCausalLM
 
     def image_processor(self, folder: str) -> Any:
@@ -169,12 +224,15 @@ class Family:
 
         return AutoImageProcessor.from_pretrained(folder, backend="pil")
 
-    @staticmethod
-    def bound_processor(processor: Any, min_pixels: int, max_pixels: int) -> None:
+    def bound_processor(self, processor: Any, min_pixels: int, max_pixels: int) -> None:
         """Keep an area-bounded image processor (``size`` in ``shortest_edge`` / ``longest_edge`` pixels) within
         the data's pixel bounds: images are sized by the data pipeline, and the processor must not resize them
-        again. Fixed-size and tiling processors are left alone."""
-        if processor is not None and "shortest_edge" in (getattr(processor, "size", None) or {}):
+        again. Fixed-size and tiling processors are left alone (a fixed-size family's images already have the
+        processor's size, whose ``shortest_edge`` is a side in pixels: CLIP's)."""
+        if processor is None or "shortest_edge" not in (getattr(processor, "size", None) or {}):
+            return
+        layout = self.layout(processor)
+        if layout is None or not (layout.fixed_size or layout.thumbnail):
             processor.size = {"shortest_edge": min_pixels, "longest_edge": max_pixels}
 
     def inner(self, model: nn.Module) -> Any:
@@ -246,13 +304,67 @@ class Family:
 
     # ------------------------------------------------------------------ data
 
-    def layout(self, processor: Any = None) -> Optional[Layout]:
-        """How the data pipeline sizes this family's images (None: a text model, or images it cannot size)."""
-        return None
+    def fixed_image(self) -> Optional[FixedImage]:
+        """The common fixed-size image interface as the config states it: ``vision_config.image_size``, the vision
+        tokens per image (:attr:`image_tokens_keys`) and the image token id (:attr:`image_token_keys`); None for a
+        text model, or a config that lacks one of them or sets one of :attr:`tiling_keys`."""
+        vision = self.hf_config.get("vision_config")
+        if not isinstance(vision, Mapping) or vision.get("image_size") is None:
+            return None
+        tokens, token_id = _first(self.hf_config, self.image_tokens_keys), _first(self.hf_config,
+                                                                                  self.image_token_keys)
+        if tokens is None or token_id is None or _first(self.hf_config, self.tiling_keys) is not None:
+            return None
+        return FixedImage(side(vision["image_size"]), int(tokens), int(token_id))
+
+    def _fixed(self) -> FixedImage:
+        image = self.fixed_image()
+        if image is None:
+            raise NotImplementedError(f"{self}: no fixed-size image interface in its config")
+        return image
+
+    def layout(self, processor: Any = None, tokenizer: Any = None) -> Optional[Layout]:
+        """How the data pipeline sizes this family's images (None: a text model, or images it cannot size).
+        ``tokenizer``: the model's, where the layout names a placeholder by its id (the generic adapter: the
+        config's image token; without one a stand-in name, for callers that read only the geometry)."""
+        image = self.fixed_image()
+        if image is None:
+            return None
+        return Layout(factor=image.side, tokens_per_cell=image.tokens, fixed_size=True,
+                      image_pad=self._token_name(image.token_id, tokenizer))
+
+    def _token_name(self, token_id: int, tokenizer: Any) -> str:
+        """The tokenizer's token for the config's image token id, checked to stay one token when repeated (the
+        placeholder is expanded to one per vision token)."""
+        if tokenizer is None:
+            return STAND_IN_IMAGE
+        name = tokenizer.convert_ids_to_tokens(token_id)
+        if not isinstance(name, str) or not name:
+            raise ValueError(f"{self}: the tokenizer has no token for the config's image token id {token_id}")
+        if tokenizer(name * 2, add_special_tokens=False)["input_ids"] != [token_id] * 2:
+            raise ValueError(f"{self}: the tokenizer does not keep the image token {name!r} (id {token_id}) as one "
+                             "token when it is repeated; it must be an added (special) token")
+        return name
 
     def vision_stream(self, processor: Any, images: Sequence[Sequence[Any]], videos: Sequence[Sequence[Any]],
                       order: Sequence[Sequence[int]]) -> dict[str, torch.Tensor]:
-        raise NotImplementedError(f"{self}: no vision stream")
+        """The fixed-size path: one processor call for the batch's images (already resized to the square by the
+        data pipeline); an image is one row of ``pixel_values`` (its ``C x S x S`` values flattened) with
+        ``image_grid_thw`` ``(1, 1, 1)``."""
+        if any(videos):
+            raise ValueError(f"{self.label} ({self.model_type}) takes no videos in easytrain")
+        image = self._fixed()
+        flat = [im for sample in images for im in sample]
+        if not flat:
+            return {}
+        pixels = processor(images=flat, return_tensors="pt", **self.image_call)["pixel_values"]
+        want = (len(flat), self.channels(), image.side, image.side)
+        if tuple(pixels.shape) != want:
+            raise ValueError(f"{self}: the image processor gave pixel_values of shape {tuple(pixels.shape)}, the "
+                             f"model takes {want} (vision_config.image_size={image.side})")
+        return {"pixel_values": pixels.reshape(len(flat), -1).float(),
+                "image_grid_thw": torch.ones(len(flat), 3, dtype=torch.long),
+                "visual_seconds": torch.zeros(len(flat), dtype=torch.float32)}
 
     def positions(self, input_ids: torch.Tensor, types: Optional[torch.Tensor], tensors: Mapping[str, Any],
                   attention_mask: torch.Tensor) -> torch.Tensor:
@@ -260,8 +372,12 @@ class Family:
         return text_positions(attention_mask)
 
     def visual_kwargs(self, tensors: Mapping[str, torch.Tensor], seconds_arg: bool = False) -> dict[str, torch.Tensor]:
-        """The model's keyword arguments for a batch's vision stream."""
-        return {}
+        """The model's keyword arguments for a batch's vision stream (the fixed-size path: the images, each
+        ``C x S x S``)."""
+        if "pixel_values" not in tensors:
+            return {}
+        image = self._fixed()
+        return {"pixel_values": tensors["pixel_values"].reshape(-1, self.channels(), image.side, image.side)}
 
     def model_kwargs(self, tensors: Mapping[str, torch.Tensor], seconds_arg: bool = False) -> dict[str, torch.Tensor]:
         """:meth:`visual_kwargs`, and the batch's ``mm_token_type_ids`` where the model takes them."""
@@ -272,8 +388,13 @@ class Family:
 
     def patch_geometry(self) -> tuple[int, int, int]:
         """(patch side in pixels, patches per token along a side, frames per patch) of the vision tower: what the
-        planner prices ``pixel_values`` and the tower's activations by."""
-        return side(self.hf_config["vision_config"]["patch_size"]), 1, 1
+        planner prices ``pixel_values`` and the tower's activations by (the fixed-size path: the patches of the
+        square pooled to its token count, Gemma 3's 4 x 4; one patch a token for LLaVA)."""
+        patch = side(self.hf_config["vision_config"]["patch_size"])
+        image = self.fixed_image()
+        if image is None:
+            return patch, 1, 1
+        return patch, max(1, (image.side // patch) // max(1, math.isqrt(image.tokens))), 1
 
     def channels(self) -> int:
         """Colour channels of the vision tower's input."""
@@ -284,8 +405,8 @@ class Family:
         return grid.prod(-1)
 
     def visual_tokens(self, grid: torch.Tensor) -> list[int]:
-        """Vision tokens per visual."""
-        raise NotImplementedError(f"{self}: no vision tokens")
+        """Vision tokens per visual (the fixed-size path: the config's count for each image)."""
+        return [self._fixed().tokens] * int(grid.shape[0])
 
     def unsupported(self, feature: str) -> Optional[str]:
         """Why ``feature`` (one of :data:`FEATURES`) cannot serve this family, or None when it can."""
@@ -301,17 +422,20 @@ class Bound:
 
     family: Family
     processor: Any
+    layout: Layout
+    """The family's layout, its placeholders named by the model's tokenizer."""
     image_token_id: int
     video_token_id: int = -1
 
     @classmethod
     def of(cls, family: Family, processor: Any, tokenizer: Any) -> "Bound":
         """``family`` with ``processor`` and the ids of its layout's placeholders in ``tokenizer`` (-1: absent)."""
-        layout = family.layout(processor)
+        layout = family.layout(processor, tokenizer)
         if layout is None:
             raise ValueError(f"{family} has no image layout")
         vocab = tokenizer.get_vocab()
-        return cls(family, processor, int(vocab.get(layout.image_token, -1)), int(vocab.get(layout.video_pad, -1)))
+        return cls(family, processor, layout, int(vocab.get(layout.image_token, -1)),
+                   int(vocab.get(layout.video_pad, -1)))
 
     def stream(self, images: Sequence[Sequence[Any]], videos: Sequence[Sequence[Any]],
                order: Sequence[Sequence[int]]) -> dict[str, torch.Tensor]:

@@ -38,7 +38,9 @@ def serving(feature: str) -> str:
 
 def check_family(config: Config, hf_config: Optional[dict[str, Any]]) -> Optional[Family]:
     """The adapter of the configured model (None when its config cannot be known offline); a ConfigError for a
-    feature the config turns on that the family cannot serve, or images a family without an image layout gets."""
+    feature the config turns on that the family cannot serve, or images a family without an image layout gets
+    (the generic adapter: a config without transformers' common fixed-size image interface, see
+    :meth:`Family.fixed_image`)."""
     if hf_config is None:
         return None
     family = family_of(hf_config)
@@ -48,10 +50,12 @@ def check_family(config: Config, hf_config: Optional[dict[str, Any]]) -> Optiona
             raise ConfigError(key, value, reason, f"turn it off, or use a model of a family that supports it "
                                                   f"({serving(feature)})")
     if family.vision and config.data.image_key and family.layout() is None:
+        with_images = ", ".join(cls.label for cls in ADAPTERS if cls.tiny_tokens and cls.processor_class_path)
         raise ConfigError("data.image_key", config.data.image_key,
-                          f"easytrain has no image adapter for model_type={family.model_type} (the generic adapter "
-                          "trains its text only)", "set data.image_key=null, or use a model of a family with one "
-                          f"({', '.join(cls.label for cls in ADAPTERS if cls.tiny_tokens and cls.projector_paths)})")
+                          f"easytrain has no image adapter for model_type={family.model_type}, and its config "
+                          "states no fixed image size, token count and image token for the generic adapter's image "
+                          "path (it trains the model's text only)", f"set data.image_key=null, or use a model of a family with one "
+                          f"({with_images})")
     for feature, key in (("image_dedup", "model.dedupe_images"), ("shared_prompt", "worker.actor.share_prompt")):
         if family.unsupported(feature) and _on(config, key):
             logger.info("%s: off for %s (%s)", key, family.model_type, family.unsupported(feature))

@@ -11,13 +11,14 @@ give the model; the padding-free and prompt-sharing passes build causal
 masks, so they are off for this family.
 
 In the vision stream an image is one row of ``pixel_values`` (its ``3 x S x
-S`` values) with ``image_grid_thw`` ``(1, 1, 1)``.
+S`` values) with ``image_grid_thw`` ``(1, 1, 1)``: the generic adapter's
+fixed-size path (:class:`~easytrain.models.families.base.FixedImage`), which
+this adapter shares, adding its placeholder expansion and ``token_type_ids``.
 """
 
 from __future__ import annotations
 
-import math
-from typing import Any, ClassVar, Mapping, Sequence
+from typing import Any, ClassVar, Mapping
 
 import torch
 from torch import nn
@@ -49,15 +50,9 @@ class Gemma3(Family):
     placeholder_names = ("image_token_id", "boi_token_id", "eoi_token_id")
     processor_class_path = "transformers.models.gemma3:Gemma3ImageProcessorPil"
     tiny_processor_settings = {"size": {"height": TINY_IMAGE, "width": TINY_IMAGE}, "do_pan_and_scan": False}
-
-    @property
-    def side(self) -> int:
-        return int(self.hf_config["vision_config"]["image_size"])
-
-    @property
-    def image_tokens(self) -> int:
-        return int(self.hf_config["mm_tokens_per_image"])
-
+    image_tokens_keys = ("mm_tokens_per_image",)
+    image_token_keys = ("image_token_index", "image_token_id")
+    image_call = {"do_pan_and_scan": False}
 
     @classmethod
     def tiny_config(cls, spec: TinySpec, ids: Mapping[str, int]) -> dict[str, Any]:
@@ -76,26 +71,10 @@ class Gemma3(Family):
                 "mm_tokens_per_image": (TINY_IMAGE // 14 // 2) ** 2, "boi_token_index": ids.get(BOI),
                 "eoi_token_index": ids.get(EOI), "image_token_index": ids.get(SOFT)}
 
-    def layout(self, processor: Any = None) -> Layout:
-        return Layout(factor=self.side, tokens_per_cell=self.image_tokens, fixed_size=True, image_pad=BOI,
+    def layout(self, processor: Any = None, tokenizer: Any = None) -> Layout:
+        image = self._fixed()
+        return Layout(factor=image.side, tokens_per_cell=image.tokens, fixed_size=True, image_pad=BOI,
                       image_fill=SOFT, image_open=f"\n\n{BOI}", image_close=f"{EOI}\n\n")
-
-    def vision_stream(self, processor: Any, images: Sequence[Sequence[Any]], videos: Sequence[Sequence[Any]],
-                      order: Sequence[Sequence[int]]) -> dict[str, torch.Tensor]:
-        if any(videos):
-            raise ValueError(f"{self.label} takes no videos in easytrain")
-        flat = [im for sample in images for im in sample]
-        if not flat:
-            return {}
-        pixels = processor(images=flat, return_tensors="pt", do_pan_and_scan=False)["pixel_values"]
-        return {"pixel_values": pixels.reshape(len(flat), -1).float(),
-                "image_grid_thw": torch.ones(len(flat), 3, dtype=torch.long),
-                "visual_seconds": torch.zeros(len(flat), dtype=torch.float32)}
-
-    def visual_kwargs(self, tensors: Mapping[str, torch.Tensor], seconds_arg: bool = False) -> dict[str, torch.Tensor]:
-        if "pixel_values" not in tensors:
-            return {}
-        return {"pixel_values": tensors["pixel_values"].reshape(-1, 3, self.side, self.side)}
 
     def model_kwargs(self, tensors: Mapping[str, torch.Tensor], seconds_arg: bool = False) -> dict[str, torch.Tensor]:
         """The images, and ``token_type_ids`` (1 at image tokens): each image's tokens attend to each other."""
@@ -103,13 +82,6 @@ class Gemma3(Family):
         if "mm_token_type_ids" in tensors:
             out["token_type_ids"] = (tensors["mm_token_type_ids"] == MM_IMAGE).long()
         return out
-
-    def visual_tokens(self, grid: torch.Tensor) -> list[int]:
-        return [self.image_tokens] * int(grid.shape[0])
-
-    def patch_geometry(self) -> tuple[int, int, int]:
-        patch = super().patch_geometry()[0]
-        return patch, (self.side // patch) // math.isqrt(self.image_tokens), 1  # patches average-pooled per token
 
     def dedupe_images(self, model: nn.Module) -> Any:
         from easytrain.models.image_dedup import dedupe_batched

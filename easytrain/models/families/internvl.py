@@ -68,7 +68,7 @@ class InternVL(Family):
                 "image_token_id": ids.get(IMAGE_CONTEXT), "downsample_ratio": 0.5,
                 "image_seq_length": (TINY_TILE // 14 // 2) ** 2}
 
-    def layout(self, processor: Any = None) -> Layout:
+    def layout(self, processor: Any = None, tokenizer: Any = None) -> Layout:
         return Layout(factor=self.tile, tokens_per_cell=self.tile_tokens, thumbnail=True, image_pad=IMAGE_CONTEXT,
                       image_open="<img>", image_close="</img>")
 

@@ -191,7 +191,7 @@ class Qwen2VL(Family):
     def patch_geometry(self) -> tuple[int, int, int]:
         return self.patch, self.merge, int(self.vision_settings["temporal_patch_size"])
 
-    def layout(self, processor: Any = None) -> Layout:
+    def layout(self, processor: Any = None, tokenizer: Any = None) -> Layout:
         patch = int(getattr(processor, "patch_size", None) or self.patch)
         merge = int(getattr(processor, "merge_size", None) or self.merge)
         return Layout(factor=patch * merge)

@@ -26,7 +26,7 @@ import torch
 
 from easytrain.config.schema import MultiTurnConfig
 from easytrain.data.images import BadSample, fit_image
-from easytrain.data.vision import MM_IMAGE, VISUAL_KEYS, Layout, mm_token_type_ids
+from easytrain.data.vision import MM_IMAGE, VISUAL_KEYS, mm_token_type_ids
 from easytrain.distributed.batch import Batch
 from easytrain.tools.calls import call_end, parse_tool_call
 from easytrain.tools.registry import Tool, load_tools
@@ -71,13 +71,9 @@ class ToolImages:
     min_pixels: int
     max_pixels: int
 
-    @property
-    def layout(self) -> Layout:
-        return self.visuals.family.layout(self.visuals.processor)
-
     def process(self, images: list[Any]) -> tuple[list[int], torch.Tensor, torch.Tensor]:
         """Vision tokens per image, ``pixel_values`` and ``image_grid_thw`` (BadSample: an image too small)."""
-        layout = self.layout
+        layout = self.visuals.layout
         fitted = [fit_image(im, self.min_pixels, self.max_pixels, layout.factor) for im in images]
         stream = self.visuals.stream([fitted], [[]], [[MM_IMAGE] * len(fitted)])
         counts = [layout.image_tokens(im.height, im.width) for im in fitted]
@@ -208,7 +204,7 @@ class MultiTurn:
         except BadSample as err:
             return f"the tool returned an image the model cannot take: {err}"
         content = [{"type": "image"} for _ in images] + [{"type": "text", "text": text}]
-        rendered = self.images.layout.expand(tool_turn_text(self.tokenizer, content), counts)
+        rendered = self.images.visuals.layout.expand(tool_turn_text(self.tokenizer, content), counts)
         ids = list(self.tokenizer(rendered, add_special_tokens=False)["input_ids"])
         if len(ids) > room:
             return (f"the tool's turn with its {len(images)} image(s) takes {len(ids)} tokens and {room} are left "
