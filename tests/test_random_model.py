@@ -194,7 +194,7 @@ def test_vllm_reads_no_weights_from_a_random_folder(cache: str) -> None:
 
     config = load(["model.path=random:qwen25_0_5b", f"model.cache_dir={cache}"])
     spec = EngineSpec(folder=Path(model_folder(config.model)), stop_ids=[2], pad_id=0, device=torch.device("cpu"))
-    assert engine_kwargs(config, spec, vision=False)["load_format"] == "dummy"
+    assert engine_kwargs(config, spec)["load_format"] == "dummy"
     tiny = load([f"model.cache_dir={cache}"])
     spec = EngineSpec(folder=Path(model_folder(tiny.model)), stop_ids=[2], pad_id=0, device=torch.device("cpu"))
-    assert "load_format" not in engine_kwargs(tiny, spec, vision=False)
+    assert "load_format" not in engine_kwargs(tiny, spec)

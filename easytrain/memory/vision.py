@@ -1,20 +1,19 @@
-"""How a model family turns an image into language-model tokens, read from its HF config: the planner's
-image geometry.
+"""How a model family turns an image into language-model tokens, as its adapter reads them from its HF config
+(:mod:`easytrain.models.families`): the planner's image geometry.
 
 Three layouts cover the families easytrain plans:
 
-- dynamic resolution (Qwen2-VL, Qwen2.5-VL, Qwen3-VL): the image is resized
-  onto a grid of ``patch x merge`` pixel cells (28 px for 14-px patches,
-  32 px for Qwen3-VL's 16-px ones); each cell is ``merge x merge`` patches
-  merged into one token, and a patch spans ``temporal_patch_size`` frames
-  (an image is repeated to fill them);
-- tiles (InternVL): the image is resized onto a grid of
-  ``vision_config.image_size`` tiles (448 px), plus a thumbnail tile of the
-  whole image when there is more than one; a tile's patches are pixel-shuffled
-  by ``downsample_ratio`` (0.5: 2 x 2 patches a token), 256 tokens a tile;
-- one fixed image (Gemma 3): every image is resized to
-  ``vision_config.image_size`` (896 px) and pooled to ``mm_tokens_per_image``
-  (256) tokens, whatever its size.
+- dynamic resolution: the image is resized onto a grid of ``patch x merge``
+  pixel cells (28 px for 14-px patches, 32 px for 16-px ones); each cell is
+  ``merge x merge`` patches merged into one token, and a patch may span
+  several frames (an image is repeated to fill them);
+- tiles: the image is resized onto a grid of ``vision_config.image_size``
+  tiles (e.g. 448 px), plus a thumbnail tile of the whole image when there
+  is more than one; a tile's patches are pixel-shuffled by
+  ``downsample_ratio`` (0.5: 2 x 2 patches a token);
+- one fixed image: every image is resized to ``vision_config.image_size``
+  and becomes a fixed count of tokens (pooled, or one a patch), whatever
+  its size.
 
 An image at ``data.max_pixels`` takes :meth:`VisionGeometry.image_tokens` tokens; the vision tower sees
 ``merge x merge`` patches per token, each ``channels x temporal x patch x patch`` fp32 values in
@@ -35,14 +34,14 @@ class VisionGeometry:
     merge: int
     """Patches per token along a side (2: 2 x 2 patches make one language-model token)."""
     temporal: int
-    """Frames one patch spans (Qwen-VL: 2, an image repeated; 1 elsewhere)."""
+    """Frames one patch spans (2 where the tower takes frame pairs, an image repeated; else 1)."""
     cell: int
-    """Side in pixels of the cells an image is resized onto (Qwen-VL: patch x merge; InternVL: a tile)."""
+    """Side in pixels of the cells an image is resized onto (patch x merge, or a tile)."""
     tokens_per_cell: int
     thumbnail: bool = False
-    """An image of more than one cell also takes one cell of itself, downscaled (InternVL)."""
+    """An image of more than one cell also takes one cell of itself, downscaled (tiled families)."""
     fixed_cells: int = 0
-    """Cells of every image, whatever its size (Gemma 3: 1); 0 where the image's size decides."""
+    """Cells of every image, whatever its size (a fixed-size family: 1); 0 where the image's size decides."""
     channels: int = 3
 
     def image_tokens(self, max_pixels: int) -> int:

@@ -1,6 +1,6 @@
 """Tiny random-initialised models for tests and the default run.
 
-``build_tiny("qwen2_5_vl", "tiny", seed=0)`` builds, deterministically from
+``build_tiny(<model_type>, "tiny", seed=0)`` builds, deterministically from
 the seed, a real transformers model of a family with a tiny adapter
 (:data:`easytrain.models.families.TINY_FAMILIES`) with a byte-level BPE
 tokenizer trained here (the family's special tokens and chat template, from
@@ -90,7 +90,7 @@ def _corpus(seed: int, lines: int = 3000) -> list[str]:
     return out
 
 
-def build_tokenizer(seed: int = 0, family: str = "qwen2_5_vl", special_tokens: Optional[Sequence[str]] = None,
+def build_tokenizer(seed: int = 0, family: str = TINY_FAMILIES[0], special_tokens: Optional[Sequence[str]] = None,
                     chat_template: Optional[str] = None) -> Any:
     """A byte-level BPE tokenizer with the family's special tokens and chat template (ChatML turns);
     ``special_tokens`` / ``chat_template``, where given, in their place (a tiny model of a family without an

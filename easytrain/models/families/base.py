@@ -235,6 +235,11 @@ class Family:
         if layout is None or not (layout.fixed_size or layout.thumbnail):
             processor.size = {"shortest_edge": min_pixels, "longest_edge": max_pixels}
 
+    def vllm_processor_kwargs(self, min_pixels: int, max_pixels: int) -> dict[str, Any]:
+        """vLLM's ``mm_processor_kwargs`` that keep its image processor from resizing images the data pipeline
+        already sized within [min_pixels, max_pixels] (none: the processor's own settings)."""
+        return {}
+
     def inner(self, model: nn.Module) -> Any:
         """The model under the LM head (``model.model``: the module that holds the language model, or the decoder
         layers of a text model), found through PEFT and FSDP wrappers."""

@@ -188,6 +188,10 @@ class Qwen2VL(Family):
     def takes_token_types(self) -> bool:
         return True
 
+    def vllm_processor_kwargs(self, min_pixels: int, max_pixels: int) -> dict[str, Any]:
+        """The processor's area bounds: images arrive sized within them and are not resized again."""
+        return {"min_pixels": min_pixels, "max_pixels": max_pixels}
+
     def patch_geometry(self) -> tuple[int, int, int]:
         return self.patch, self.merge, int(self.vision_settings["temporal_patch_size"])
 

@@ -43,6 +43,7 @@ from typing import Any, Iterable, Optional, Sequence
 import torch
 
 from easytrain.distributed.batch import Batch
+from easytrain.models.families import Family, family_of
 from easytrain.models.random_init import is_random_folder
 from easytrain.workers.forward import suppressed_tokens
 from easytrain.workers.rollout.engine import EngineSpec, RolloutEngine, SamplingParams, pad_responses
@@ -73,8 +74,9 @@ def engine_environment(cache_dir: Optional[str], on_cpu: bool, fused: bool = Fal
     return {k: os.environ.get(k, v) for k, v in env.items()}
 
 
-def engine_kwargs(config: Any, spec: EngineSpec, vision: bool) -> dict[str, Any]:
-    """Arguments of ``vllm.LLM`` from the composed config."""
+def engine_kwargs(config: Any, spec: EngineSpec, family: Optional[Family] = None) -> dict[str, Any]:
+    """Arguments of ``vllm.LLM`` from the composed config; ``family``: the model's adapter where prompts carry
+    images (its processor settings keep vLLM's resizing in step with the data pipeline's)."""
     r, d, on_gpu = config.worker.rollout, config.data, spec.device.type == "cuda"
     kwargs: dict[str, Any] = dict(
         model=str(spec.folder), tokenizer=str(spec.folder), dtype=config.model.dtype,
@@ -91,9 +93,9 @@ def engine_kwargs(config: Any, spec: EngineSpec, vision: bool) -> dict[str, Any]
         kwargs["load_format"] = "dummy"
     if r.tensor_parallel_size > 1 or spec.fused:  # one engine per rank of a torch world
         kwargs["distributed_executor_backend"] = "external_launcher"
-    if vision:
+    if family is not None:
         kwargs["limit_mm_per_prompt"] = {"image": d.limit_images}
-        kwargs["mm_processor_kwargs"] = {"min_pixels": d.min_pixels, "max_pixels": d.max_pixels}
+        kwargs["mm_processor_kwargs"] = family.vllm_processor_kwargs(d.min_pixels, d.max_pixels)
     return kwargs
 
 
@@ -159,7 +161,7 @@ class VLLMEngine(RolloutEngine):
         hf_config = AutoConfig.from_pretrained(spec.folder)
         vision = getattr(hf_config, "vision_config", None) is not None and config.data.image_key is not None
         text = getattr(hf_config, "text_config", hf_config)
-        llm = LLM(**engine_kwargs(config, spec, vision))
+        llm = LLM(**engine_kwargs(config, spec, family_of(hf_config) if vision else None))
         logging.getLogger("vllm.model_executor.model_loader.reload.layerwise").addFilter(_QuietUnloadedRotary())
         sleeps = spec.device.type == "cuda" and config.trainer.colocate
         if not sleeps or config.worker.rollout.sleep_level == 0:
