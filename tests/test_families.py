@@ -195,3 +195,21 @@ def test_a_family_whose_cache_rows_cannot_be_reused_generates_with_generate(tmp_
     mask = batch["response_mask"].bool()
     assert mask.sum() == 4 * 2 * 4  # no stop token: every row decodes its 4 tokens
     torch.testing.assert_close(log_probs[mask], out["rollout_log_probs"][mask], rtol=1e-4, atol=1e-4)
+
+
+def test_vllm_takes_the_familys_processor_bounds_with_images(tmp_path: Path) -> None:
+    """The vLLM engine's image-processor arguments come from the adapter: Qwen-VL's area bounds (the data's pixel
+    range, so vLLM does not resize the pipeline's images again); none for the generic adapter; no image
+    arguments at all for a text run."""
+    from easytrain.workers.rollout.engine import EngineSpec
+    from easytrain.workers.rollout.vllm_engine import engine_kwargs
+
+    config = rl_config(tmp_path, "model.path=tiny:qwen2_5_vl")
+    spec = EngineSpec(folder=Path(model_folder(config.model)), stop_ids=[2], pad_id=0, device=torch.device("cpu"))
+    d = config.data
+    kwargs = engine_kwargs(config, spec, family_of(json.loads((spec.folder / "config.json").read_text())))
+    assert kwargs["mm_processor_kwargs"] == {"min_pixels": d.min_pixels, "max_pixels": d.max_pixels}
+    assert kwargs["limit_mm_per_prompt"] == {"image": d.limit_images}
+    generic = family_of({"model_type": "llava", "vision_config": {"model_type": "clip_vision_model"}})
+    assert engine_kwargs(config, spec, generic)["mm_processor_kwargs"] == {}
+    assert "mm_processor_kwargs" not in engine_kwargs(config, spec)
