@@ -90,3 +90,32 @@ def test_out_of_band_read_only_buffers_and_bfloat16() -> None:
     arrived["ids"].add_(1)  # writable: a copy, not the read-only transfer buffer
     assert torch.equal(arrived["ids"], batch["ids"] + 1)
     assert arrived.meta == batch.meta
+
+
+def test_select_carries_each_samples_visuals_and_patch_rows() -> None:
+    """``select`` against the per-sample reference: samples with zero, one or two visuals of different patch counts,
+    in any order, repeated, or none at all."""
+    g = torch.Generator().manual_seed(0)
+    counts = [2, 0, 1, 3, 0, 1]
+    grids = torch.tensor([[1, 2, 2], [1, 1, 3], [1, 2, 1], [2, 1, 2], [1, 1, 1], [1, 3, 1], [1, 2, 3]])
+    rows = grids.prod(-1)
+    pixels = torch.randn(int(rows.sum()), 5, generator=g)
+    seconds = torch.arange(len(grids), dtype=torch.float32)
+    batch = Batch({"input_ids": torch.arange(len(counts) * 3).reshape(len(counts), 3), "pixel_values": pixels,
+                   "image_grid_thw": grids, "visual_seconds": seconds}, {"uid": list("abcdef")},
+                  image_counts=torch.tensor(counts))
+    visual_at = [sum(counts[:i]) for i in range(len(counts) + 1)]
+    row_at = [int(rows[:j].sum()) for j in range(len(grids) + 1)]
+
+    def reference(i: int) -> tuple[list[int], torch.Tensor]:
+        visuals = list(range(visual_at[i], visual_at[i + 1]))
+        return visuals, torch.cat([pixels[row_at[j]:row_at[j + 1]] for j in visuals] or [pixels[:0]])
+
+    for indices in ([3, 0, 5], [1, 4], [], [2, 2, 0], list(range(len(counts)))[::-1]):
+        out = batch.select(indices)
+        visuals = [j for i in indices for j in reference(i)[0]]
+        assert out.meta["uid"] == [batch.meta["uid"][i] for i in indices]
+        assert torch.equal(out["input_ids"], batch["input_ids"][indices])
+        assert out.image_counts.tolist() == [counts[i] for i in indices]
+        assert torch.equal(out["image_grid_thw"], grids[visuals]) and torch.equal(out["visual_seconds"], seconds[visuals])
+        assert torch.equal(out["pixel_values"], torch.cat([reference(i)[1] for i in indices] or [pixels[:0]]))

@@ -148,7 +148,8 @@ def update_shares(batch: Batch, per_step: int, members: int, config: Config,
     micro_size = config.worker.actor.micro_batch_size_per_device_for_update
     plans, steps = [], []
     for start in range(0, len(batch), per_step):
-        mini = batch.select(range(start, start + per_step))
+        whole = start == 0 and per_step == len(batch)  # one optimizer step: no copy of the batch to cut from
+        mini = batch if whole else batch.select(range(start, start + per_step))
         step_plan = plan_indices(mini, members, micro_size, forward)
         if any(i >= per_step for member in step_plan for micro in member for i in micro):
             raise ValueError(f"{per_step} samples per optimizer step do not split evenly over {members} "
