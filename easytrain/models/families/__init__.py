@@ -38,7 +38,9 @@ def family_of(config: Union[Mapping[str, Any], Any]) -> Family:
     """The adapter of a model: ``config`` is a ``config.json`` dict, a transformers config, or a model (whose
     adapter is made once and kept on it)."""
     if isinstance(config, Mapping):
-        return adapter_class(str(config.get("model_type", "")))(config)
+        if "model_type" not in config:
+            raise ValueError("a model config without model_type: its architecture, and so its family, is unknown")
+        return adapter_class(str(config["model_type"]))(config)
     cached = getattr(config, "_easytrain_family", None)
     if cached is not None:
         return cached

@@ -76,12 +76,12 @@ def resolved_config(hf_config: Mapping[str, Any]) -> dict[str, Any]:
     i.e. what the model really uses; as given for a ``model_type`` this transformers does not know."""
     from transformers import AutoConfig
 
-    model_type = str(hf_config.get("model_type", ""))
+    model_type = str(hf_config["model_type"])
     settings = {k: v for k, v in hf_config.items() if k != "model_type" and v is not None}  # unset ids
     try:
         return dict(AutoConfig.for_model(model_type, **settings).to_dict())
     except ValueError:  # an unknown model_type: only its own settings are known
-        return {"model_type": model_type or "unknown", **settings}
+        return {"model_type": model_type, **settings}
 
 
 def side(value: Any) -> int:

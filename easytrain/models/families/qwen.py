@@ -20,7 +20,6 @@ import torch
 from torch import nn
 
 from easytrain.data.images import BadSample, to_rgb
-from easytrain.data.video import TEMPORAL_PATCH_SIZE
 from easytrain.data.vision import MM_TEXT, MM_VIDEO, Layout
 from easytrain.models.families.base import FEATURES, Family, TinySpec
 
@@ -373,7 +372,7 @@ def video_patches(frames: Sequence[Image.Image], processor: Any) -> tuple[torch.
         raise BadSample("video_empty", "no frames")
     patch = int(processor.patch_size)
     merge = int(processor.merge_size)
-    temporal = int(getattr(processor, "temporal_patch_size", None) or TEMPORAL_PATCH_SIZE)
+    temporal = int(processor.temporal_patch_size)
     if any(f.size != frames[0].size for f in frames):
         raise ValueError(f"video frames differ in size: {sorted({f.size for f in frames})}; fit_video first")
     width, height = frames[0].size
@@ -381,10 +380,10 @@ def video_patches(frames: Sequence[Image.Image], processor: Any) -> tuple[torch.
         raise ValueError(f"frames of {width}x{height} are not on the {patch * merge}-px grid; fit_video first")
     frames = list(frames) + [frames[-1]] * (-len(frames) % temporal)
     array = np.stack([np.asarray(to_rgb(f)) for f in frames])  # (T, H, W, C) uint8
-    if getattr(processor, "do_rescale", True):
-        array = (array.astype(np.float64) * float(getattr(processor, "rescale_factor", 1 / 255))).astype(np.float32)
+    if processor.do_rescale:
+        array = (array.astype(np.float64) * float(processor.rescale_factor)).astype(np.float32)
     array = np.asarray(array, dtype=np.float32)
-    if getattr(processor, "do_normalize", True):
+    if processor.do_normalize:
         mean = np.array(processor.image_mean, dtype=np.float32)
         std = np.array(processor.image_std, dtype=np.float32)
         array = (array - mean) / std
