@@ -102,15 +102,19 @@ def _trainer(conn: Any, total: int, leak: bool) -> None:
 
 
 class NvmlSampler:
-    def __init__(self, nvml: Any) -> None:
-        self.nvml, self.samples, self.stop = nvml, [], threading.Event()
+    """Every ``period_s``, in a thread: NVML's used bytes of GPU 0 (``used_bytes``, ``total_bytes``) and of every
+    GPU (``used_per_gpu``), with the time. Without NVML (``nvml`` None) it samples nothing."""
+
+    def __init__(self, nvml: Any, period_s: float = 0.003) -> None:
+        self.nvml, self.period_s, self.samples, self.stop = nvml, period_s, [], threading.Event()
         self.thread = threading.Thread(target=self._loop, daemon=True)
 
     def _loop(self) -> None:
-        while not self.stop.is_set():
-            gpu = gpu_readings(self.nvml)[0]
-            self.samples.append({"t": time.time(), "used_bytes": gpu["used_bytes"], "total_bytes": gpu["total_bytes"]})
-            time.sleep(0.003)
+        while self.nvml is not None and not self.stop.is_set():
+            gpus = gpu_readings(self.nvml)
+            self.samples.append({"t": time.time(), "used_bytes": gpus[0]["used_bytes"],
+                                 "total_bytes": gpus[0]["total_bytes"], "used_per_gpu": [g["used_bytes"] for g in gpus]})
+            self.stop.wait(self.period_s)
 
     def __enter__(self) -> "NvmlSampler":
         self.thread.start()

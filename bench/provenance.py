@@ -5,10 +5,15 @@ A result file is the script's own record plus, at the top level:
 - ``commit``: ``git rev-parse HEAD`` of this repository, and ``dirty``: whether tracked files outside
   ``bench/results/`` differ from it (a result measured on uncommitted code says so);
 - ``date``: UTC, ISO 8601;
-- ``machine``: the CPUs this process may use (and the machine's), total RAM, platform, python, torch threads;
+- ``machine``: the CPUs this process may use (and the machine's), total RAM, platform, python, torch threads, and
+  the GPUs torch sees (``gpus``: [] on a machine without one; absent when the script never imported torch);
 - ``versions``: the installed versions (``importlib.metadata``, nothing imported) of the packages in
   :data:`PACKAGES` that are present;
 - ``command``: the command line that produced it (``python bench/<script>.py ...``).
+
+A *rescore* (stored readings scored again by a later checkout, possibly on another machine) keeps these fields
+as the measuring run wrote them and adds ``rescored``: the same fields of the rescoring process
+(:func:`write_rescored`). The top-level fields always name the machine the readings come from.
 
 tests/test_bench_results.py checks every file in bench/results/ for these fields.
 """
@@ -50,9 +55,11 @@ def _git(*args: str) -> Optional[str]:
 def git_state() -> dict[str, Any]:
     """``commit`` (HEAD) and ``dirty`` (tracked files outside bench/results differ from it; None without git).
     ``EASYTRAIN_COMMIT``, where set, names the commit a copy of the checkout was made at (a GPU machine's copy
-    carries no reliable git state); its dirtiness is then unknown."""
+    carries no reliable git state), and ``EASYTRAIN_DIRTY`` (``0`` or ``1``) whether that copy had uncommitted
+    changes; without the latter its dirtiness is unknown (None)."""
     if os.environ.get("EASYTRAIN_COMMIT"):  # a copy of the checkout whose .git may be missing or stale (a GPU
-        return {"commit": os.environ["EASYTRAIN_COMMIT"], "dirty": None}  # machine): the commit it was copied at
+        dirty = os.environ.get("EASYTRAIN_DIRTY")  # machine): the commit it was copied at
+        return {"commit": os.environ["EASYTRAIN_COMMIT"], "dirty": None if dirty is None else dirty == "1"}
     commit = _git("rev-parse", "HEAD")
     status = _git("status", "--porcelain", "--untracked-files=no", "--", ".", f":(exclude){RESULTS_DIR}")
     return {"commit": commit, "dirty": bool(status) if status is not None else None}
@@ -81,10 +88,22 @@ def _torch_threads() -> Optional[int]:
     return torch.get_num_threads() if torch is not None and hasattr(torch, "get_num_threads") else None
 
 
+def _gpus() -> Optional[list[str]]:
+    """The names of the GPUs torch sees in this process; None when the script never imported torch."""
+    torch = sys.modules.get("torch")
+    if torch is None or not hasattr(torch, "cuda"):
+        return None
+    if not torch.cuda.is_available():
+        return []
+    return [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())]
+
+
 def machine() -> dict[str, Any]:
-    return {"cpus_usable": _usable_cpus(), "cpus_total": os.cpu_count(), "ram_gb": _ram_gb(),
-            "platform": platform.platform(), "python": platform.python_version(), "torch_threads": _torch_threads(),
-            "omp_num_threads": os.environ.get("OMP_NUM_THREADS")}
+    found = {"cpus_usable": _usable_cpus(), "cpus_total": os.cpu_count(), "ram_gb": _ram_gb(),
+             "platform": platform.platform(), "python": platform.python_version(), "torch_threads": _torch_threads(),
+             "omp_num_threads": os.environ.get("OMP_NUM_THREADS")}
+    gpus = _gpus()
+    return found if gpus is None else {**found, "gpus": gpus}
 
 
 def versions(packages: Sequence[str] = PACKAGES) -> dict[str, str]:
@@ -123,3 +142,30 @@ def write_result(path: Path, record: dict[str, Any], command: Optional[str] = No
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps({**provenance(command), **record}, indent=indent, default=str) + "\n")
     log.info("wrote %s", path)
+
+
+def measured_provenance(stored: dict[str, Any]) -> dict[str, Any]:
+    """The provenance fields of a stored result: the run that measured its readings (a rescore keeps them)."""
+    missing = [key for key in PROVENANCE_KEYS if key not in stored]
+    if missing:
+        raise ValueError(f"the stored result lacks provenance {missing}: it cannot be rescored with its origin kept")
+    return {key: stored[key] for key in PROVENANCE_KEYS}
+
+
+def write_rescored(path: Path, record: dict[str, Any], measured: dict[str, Any], command: Optional[str] = None,
+                   indent: int = 2) -> None:
+    """Write ``record`` (readings measured elsewhere, scored here) to ``path``: the top-level provenance is
+    ``measured``'s (the machine, commit and versions the readings come from, :func:`measured_provenance`), and
+    ``rescored`` holds this process's (the commit whose code scored them, where, when, with what)."""
+    clash = sorted(set(record) & {*PROVENANCE_KEYS, "rescored"})
+    if clash:
+        raise ValueError(f"the record for {path} has its own {clash}: leave these to bench/provenance.py")
+    missing = [key for key in PROVENANCE_KEYS if key not in measured]
+    if missing:
+        raise ValueError(f"the measured provenance for {path} lacks {missing}")
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    out = {**{key: measured[key] for key in PROVENANCE_KEYS}, "rescored": provenance(command), **record}
+    path.write_text(json.dumps(out, indent=indent, default=str) + "\n")
+    log.info("wrote %s (readings from %s, rescored at %s)", path, str(measured["commit"])[:12],
+             str(out["rescored"]["commit"])[:12])

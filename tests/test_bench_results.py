@@ -155,3 +155,88 @@ def test_result_holds_only_fields_its_script_writes(path: Path) -> None:
     assert not foreign, f"bench/results/{path.name}: top-level {foreign} never written by " \
                         f"{script.relative_to(ROOT)} (added by hand, or the script changed since); " \
                         f"{rerun(path, record)}"
+
+
+def cpu_machine(record: dict[str, Any]) -> bool:
+    """Whether a result's provenance names a machine without a GPU: a CPU build of torch, or no GPU seen."""
+    return str(record.get("versions", {}).get("torch", "")).endswith("+cpu") or record.get("machine", {}).get(
+        "gpus") == []
+
+
+def gpu_readings(node: Any) -> bool:
+    """Whether a result holds readings of a CUDA device: bench/gpu_smoke.py's ``device()`` (name, total bytes,
+    torch's CUDA version), which every GPU bench records beside what it measured there."""
+    if isinstance(node, dict):
+        if {"torch_cuda", "total_bytes"} <= set(node) and node.get("torch_cuda"):
+            return True
+        return any(gpu_readings(v) for k, v in node.items() if k != "rescored")
+    return isinstance(node, list) and any(gpu_readings(v) for v in node)
+
+
+@pytest.mark.parametrize("path", RESULTS, ids=lambda p: p.name)
+def test_gpu_readings_keep_the_gpu_machines_provenance(path: Path) -> None:
+    """A rescore on another machine keeps the measuring machine's provenance (bench/provenance.py's
+    write_rescored): a file of GPU readings whose provenance names a CPU machine lost its origin."""
+    record = load(path)
+    if gpu_readings(record):
+        assert not cpu_machine(record), (
+            f"bench/results/{path.name} holds readings from a GPU but its provenance names a CPU machine "
+            f"(torch {record.get('versions', {}).get('torch')}, {record.get('machine', {}).get('cpus_usable')} CPUs):"
+            " a rescore replaced the measuring machine's; rescore with bench/provenance.py's write_rescored")
+
+
+ACCURACY_KEY = re.compile(r"(under|over)_prediction$|within_goal$|^worst_error$")
+"""Keys that quote the planner's accuracy (planned against measured memory)."""
+SPLITS = {"calibration", "held_out"}
+
+
+def unsplit_accuracy(node: Any, path: tuple[str, ...] = (), tagged: bool = False) -> list[str]:
+    """The paths of accuracy figures that say neither calibration nor held-out: under a split key, or in a dict
+    tagged with one (``tag`` / ``split``)."""
+    found = []
+    if isinstance(node, dict):
+        tagged = tagged or node.get("tag") in SPLITS or node.get("split") in SPLITS
+        for key, value in node.items():
+            here = (*path, str(key))
+            split = tagged or bool(SPLITS & set(here))
+            if ACCURACY_KEY.search(str(key)) and not split:
+                found.append("/".join(here))
+            found += unsplit_accuracy(value, here, split)
+    elif isinstance(node, list):
+        for i, value in enumerate(node):
+            found += unsplit_accuracy(value, (*path, str(i)), tagged)
+    return found
+
+
+@pytest.mark.parametrize("path", RESULTS, ids=lambda p: p.name)
+def test_a_quoted_accuracy_says_calibration_or_held_out(path: Path) -> None:
+    record = load(path)
+    unsplit = unsplit_accuracy({k: v for k, v in record.items() if k != "rescored"})
+    assert not unsplit, (f"bench/results/{path.name}: {unsplit[:5]} quote the plan's accuracy without saying "
+                         "calibration or held_out (a figure fitted on is not a result): report each split apart")
+
+
+DOC_QUOTE = re.compile(r"\b\d+ of \d+ phases\b|phases? within \d+%|worst (host |device )?under-prediction", re.I)
+DOC_SPLIT = re.compile(r"calibration|held[- ]out|in-sample|fitted on", re.I)
+
+
+def doc_paragraphs() -> list[tuple[str, str]]:
+    pages = [ROOT / "README.md", BENCH / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
+    return [(str(page.relative_to(ROOT)), para) for page in pages for para in re.split(r"\n\s*\n", page.read_text())]
+
+
+def test_the_docs_say_which_split_an_accuracy_comes_from() -> None:
+    bare = [f"{page}: {para.strip()[:160]!r}" for page, para in doc_paragraphs()
+            if DOC_QUOTE.search(para) and not DOC_SPLIT.search(para)]
+    assert not bare, ("these paragraphs quote the plan's accuracy without saying calibration or held-out: "
+                      + "; ".join(bare[:5]))
+
+
+def test_the_split_checks_catch_an_unsplit_figure() -> None:
+    """The two checks above can fail: an unsplit figure and a CPU-rescored GPU file are caught."""
+    assert unsplit_accuracy({"worst_under_prediction": {"all": -0.04}}) == ["worst_under_prediction"]
+    assert unsplit_accuracy({"runs": {"a": {"tag": "held_out", "within_goal": 3}}}) == []
+    assert unsplit_accuracy({"accuracy": {"calibration": {"worst_over_prediction": 0.1}}}) == []
+    gpu = {"versions": {"torch": "2.13.0+cpu"}, "machine": {}, "device": {"torch_cuda": "13.0", "total_bytes": 1}}
+    assert gpu_readings(gpu) and cpu_machine(gpu)
+    assert not cpu_machine({"versions": {"torch": "2.11.0"}, "machine": {"gpus": ["NVIDIA H200"]}})

@@ -54,10 +54,11 @@ class Capacity:
 
 
 ACCURACY_RESULTS = Path(__file__).resolve().parents[2] / "bench" / "results" / "planner_accuracy.json"
-
-
-GPU_RESULTS = ACCURACY_RESULTS.with_name("gpu_smoke.json")
-"""bench/gpu_smoke.py's whole runs on a GPU: the plan's device bytes per phase against torch's peaks."""
+"""bench/planner_accuracy.py's whole runs on CPU: the plan's host bytes per phase against the node's."""
+GPU_RESULTS = (ACCURACY_RESULTS.with_name("gpu_smoke.json"), ACCURACY_RESULTS.with_name("gpu_check.json"))
+"""Whole runs on a GPU, the plan's device bytes per phase against torch's peaks: bench/gpu_smoke.py's (the
+calibration runs) and bench/gpu_check.py's (held out)."""
+SPLITS = ("calibration", "held_out")
 
 
 def _read(path: Path) -> dict:
@@ -67,24 +68,47 @@ def _read(path: Path) -> dict:
         return {}
 
 
-def accuracy_margin(path: Path = ACCURACY_RESULTS, gpu_path: Path = GPU_RESULTS) -> tuple[float, float, str]:
+def worst_under(accuracy: dict, measure: Optional[str] = None) -> Optional[float]:
+    """The lowest ``worst_under_prediction`` over a result's accuracy splits (``{split: {...}}``, or under
+    ``split[measure]``); None when no split has one."""
+    values = []
+    for split in SPLITS:
+        figure = accuracy.get(split, {})
+        figure = figure.get(measure, {}) if measure else figure
+        if figure.get("worst_under_prediction") is not None:
+            values.append(float(figure["worst_under_prediction"]))
+    return min(values) if values else None
+
+
+def _gpu_accuracy(record: dict) -> dict:
+    """A GPU result's accuracy splits: top-level (gpu_smoke) or its memory part's (gpu_check)."""
+    return record.get("accuracy") or record.get("parts", {}).get("memory", {}).get("accuracy", {})
+
+
+def accuracy_margin(path: Path = ACCURACY_RESULTS,
+                    gpu_paths: tuple[Path, ...] = GPU_RESULTS) -> tuple[float, float, str]:
     """(host, device) margins and where they come from: the worst under-prediction (predicted below measured)
-    recorded over all phases, as a fraction of the measurement: host from bench/planner_accuracy.py's runs,
-    device from bench/gpu_smoke.py's (or the former's GPU rows); 0 for a kind never under-predicted or never
-    measured."""
-    result, gpu = _read(path), _read(gpu_path)
+    recorded over all phases of calibration and held-out runs alike, as a fraction of the measurement: host
+    from bench/planner_accuracy.py's runs, device (torch's allocator peaks) from the GPU results; 0 for a kind
+    never under-predicted or never measured."""
+    result = _read(path)
     if not result:
         return 0.0, 0.0, f"no accuracy results ({path.name} not found): no margin"
-    host = max(0.0, -float(result.get("worst_under_prediction", {}).get("all") or 0.0))
-    worst = gpu.get("worst_device_under_prediction", result.get("worst_device_under_prediction"))
-    device = max(0.0, -float(worst or 0.0))
-    if worst is None:
-        where = "; device: none measured on a GPU"
-    else:
-        where = f"; device: bench/results/{gpu_path.name if 'worst_device_under_prediction' in gpu else path.name}"
-        where += f" ({gpu.get('device', {}).get('name', '?')}, {gpu.get('measured_date', gpu.get('date', '?'))})"
+    host = max(0.0, -(worst_under(result.get("accuracy", {})) or 0.0))
+    device, where = 0.0, []
+    for gpu_path in gpu_paths:
+        gpu = _read(gpu_path)
+        worst = worst_under(_gpu_accuracy(gpu), "device_torch")
+        if worst is None:
+            continue
+        device = max(device, -worst)
+        name = gpu.get("device", {}).get("name") or gpu.get("parts", {}).get("machine", {}).get("device", {}).get(
+            "name", "?")
+        where.append(f"bench/results/{gpu_path.name} ({name}, {gpu.get('date', '?')})")
+    source = "; device: " + ", ".join(where) if where else "; device: none measured on a GPU"
     return host, device, (f"margin {host:.1%} host{f', {device:.1%} device' if device else ''}: the worst "
-                          f"under-prediction in bench/results/{path.name} ({result.get('date', '?')}){where}")
+                          f"under-prediction over calibration and held-out runs in bench/results/{path.name} "
+                          f"({result.get('date', '?')}){source}")
 
 
 def capacity_of(config: Config) -> Capacity:
