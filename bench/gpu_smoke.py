@@ -174,7 +174,8 @@ def measured_of(stored: dict[str, Any], measuring_machine: Optional[Path]) -> di
         raise SystemExit("gpu_smoke: this file's provenance is a rescoring machine's; name a file the measuring "
                          "GPU run wrote with --measuring-machine (tests/assets/gpu_readings.json)")
     other = json.loads(measuring_machine.read_text())
-    apart = abs((datetime.fromisoformat(other["date"]) - datetime.fromisoformat(stored["measured_date"])).total_seconds())
+    apart = datetime.fromisoformat(other["date"]) - datetime.fromisoformat(stored["measured_date"])
+    apart = abs(apart.total_seconds())
     if apart > 600:
         raise SystemExit(f"gpu_smoke: {measuring_machine} was written {apart:.0f} s from the measurement: not the "
                          "same run")

@@ -21,7 +21,8 @@ CUDA_CONTEXT_BYTES = int(0.5 * GB)
 CUDA_WORKSPACE_BYTES = 64 * 2**20
 """cuBLAS and cuBLASLt workspaces (32 MiB each on Hopper), taken through torch's caching allocator at a process's
 first matrix product and kept: 65 to 68 MB of every phase after the load of the tiny model on an H200, where its
-tensors are ~1 MB (bench/results/gpu_smoke.json). Older GPUs take less; the plan keeps Hopper's figure."""
+tensors are ~1 MB (bench/results/gpu_smoke.json, run tiny_bf16: a calibration row). Older GPUs take less; the
+plan keeps Hopper's figure."""
 
 
 def gpu_process_device(phase: str) -> dict[str, int]:

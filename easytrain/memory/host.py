@@ -18,7 +18,9 @@ Besides the step's phases a run has phases of its own (:func:`run_phases`), each
   writes from the tensors' memory: the ~180M bench model's export peaked at the process plus its fp32 weights).
 
 The constants are resident sets measured on CPU on this machine (torch 2.13, transformers 5.x, ray 2.60, glibc
-malloc) by ``bench/planner_accuracy.py``'s calibration cases; its held-out cases check them. On a GPU node
+malloc) by ``bench/planner_accuracy.py``'s calibration cases (``bench/results/planner_accuracy.json``, the rows
+tagged ``calibration``: tiny_rl_fused, small_rl_fused_lora, small_rl_split, tiny_sft, mid_rl_fused, mid_sft);
+its held-out rows check them. On a GPU node
 the tensors live on the device and are priced there; a worker's host figure is its framework with the CUDA
 libraries, the phase's working set (both measured on one H200: ``bench/gpu_smoke.py``) and what is offloaded;
 while loading, the process that reads the checkpoint holds it in host RAM.
@@ -70,15 +72,19 @@ STARTING = ("load", "resume_load")
 GPU_WORKER_BYTES = int(2.31 * GB)
 """A GPU worker process between phases: the CPU worker's share plus the CUDA runtime and libraries it maps
 (cuBLAS, cuDNN, NCCL; 2.31 to 2.33 GB measured in the weight sync of a fused worker of the tiny and the ~0.6B
-model on an H200, torch 2.11 with CUDA 13: bench/results/gpu_smoke.json)."""
+model on an H200, torch 2.11 with CUDA 13: bench/gpu_smoke.py's runs tiny_bf16 and half_b_bf16, phase
+weight_sync, calibration rows; their host readings were in the runs' memory.jsonl, which the results file
+bench/results/gpu_smoke.json does not keep: it records their device figures only)."""
 GPU_LOAD_BYTES = int(1.05 * GB)
 """The same process while it loads, before its first kernel has loaded the CUDA libraries (1.05 GB measured with
-the tiny model, the same run)."""
+the tiny model: bench/gpu_smoke.py's run tiny_bf16, phase load; a calibration row, not kept in its results
+file)."""
 GPU_PHASE_WORKING_SET = {"generation": int(0.10 * GB), "validation": int(0.07 * GB), "update": int(0.26 * GB),
                          "ref_log_probs": int(0.10 * GB), "old_log_probs": int(0.10 * GB),
                          "forward_backward": int(0.26 * GB), "optimizer": int(0.26 * GB), "validate": int(0.07 * GB),
                          "checkpoint_save": int(0.02 * GB)}
-"""GPU: what a phase adds to the worker's host RSS (measured in the same runs: generation 0.09-0.10 GB, validation
+"""GPU: what a phase adds to the worker's host RSS (measured in the same runs, bench/gpu_smoke.py's tiny_bf16
+and half_b_bf16, calibration rows not kept in its results file: generation 0.09-0.10 GB, validation
 0.04-0.07, update 0.24-0.26; the log-prob and SFT phases were not run there and take generation's and
 update's figures)."""
 

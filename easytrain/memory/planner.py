@@ -312,7 +312,8 @@ def _load_row(st: _Step) -> Row:
     whole = {"checkpoint read (whole, fp32, rank 0)": s.total_params * FP32} if s.world > 1 else {}
     if s.on_gpu and not config.model.path.startswith(RANDOM_PREFIX):
         # the reading process holds the file's pages, and the engine's weights pass through host RAM in the
-        # compute dtype on their way to the device (measured: the ~0.6B model's load on an H200, bench/gpu_smoke.py)
+        # compute dtype on their way to the device (measured: the ~0.6B model's load on an H200,
+        # bench/gpu_smoke.py's run half_b_bf16, phase load: a calibration row; host readings not kept in its results)
         whole = {"checkpoint read (whole, fp32, rank 0)": s.total_params * FP32,
                  "engine weights (host, on their way to the device)":
                      s.total_params * s.dtype_bytes if s.dtype_bytes != FP32 and fused(config) else 0}

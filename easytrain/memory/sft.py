@@ -265,7 +265,8 @@ def setup_device(config: Config, s: SFTShape, st: ActorStates) -> dict[str, int]
         return params
     # one rank's build also holds a transient fp32 copy of the largest module and runs its first kernels (the
     # math libraries' workspaces): 0.68 GB above the parameters for the ~0.6B model's SFT set-up on an H200
-    # (bench/results/gpu_smoke.json); measured, not traced to the line that holds it
+    # (bench/results/gpu_smoke.json, run half_b_sft_bf16, phase load: a calibration row); measured, not traced to
+    # the line that holds it
     return {**params, "largest module (fp32, transient)": s.largest_module * FP32,
             "cuda library workspaces": CUDA_WORKSPACE_BYTES}
 
