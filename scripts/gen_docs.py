@@ -1,5 +1,6 @@
-"""Write the generated reference pages: docs/config.md (every config key), docs/metrics.md (every metric name) and
-the README's table of model families (from their adapters).
+"""Write the generated reference pages: docs/config.md (every config key), docs/metrics.md (every metric name),
+the README's table of model families (from their adapters) and its record of what ran on a GPU (from the GPU
+result files in bench/results: ``bench/gpu_status.py``).
 
     .venv/bin/python scripts/gen_docs.py            # rewrite both pages
     .venv/bin/python scripts/gen_docs.py --check    # exit 1 naming each page that is stale
@@ -19,20 +20,24 @@ from typing import Callable
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))  # run from a checkout without installing it
 
+from bench import gpu_status  # noqa: E402
 from easytrain.config import reference  # noqa: E402
 from easytrain.models.families import table  # noqa: E402
 from easytrain.trainer import metric_names  # noqa: E402
 
 PAGES: dict[str, Callable[[], str]] = {"docs/config.md": reference.markdown, "docs/metrics.md": metric_names.markdown}
 """Page (relative to the repository root) -> what writes its text."""
-BLOCKS: dict[str, Callable[[str], str]] = {"README.md": table.with_table}
-"""Page -> what rewrites its generated block (the rest of the page is written by hand)."""
+BLOCKS: dict[str, tuple[Callable[[str], str], ...]] = {"README.md": (table.with_table, gpu_status.with_block)}
+"""Page -> what rewrites each of its generated blocks (the rest of the page is written by hand)."""
 
 
 def rendered(page: str, root: Path = ROOT) -> str:
     if page in PAGES:
         return PAGES[page]()
-    return BLOCKS[page]((root / page).read_text())
+    text = (root / page).read_text()
+    for rewrite in BLOCKS[page]:
+        text = rewrite(text)
+    return text
 
 
 def stale(root: Path = ROOT) -> list[str]:

@@ -73,10 +73,14 @@ def test_gen_docs_check_names_the_stale_page(tmp_path: Path) -> None:
     (tmp_path / "docs" / "metrics.md").write_text("old\n")
     from easytrain.models.families import table
 
-    readme = f"# hand-written\n\n{table.BEGIN}\n| an old table |\n{table.END}\n\nmore by hand\n"
+    gpu = module.gpu_status
+    readme = (f"# hand-written\n\n{table.BEGIN}\n| an old table |\n{table.END}\n\nmore by hand\n"
+              f"{gpu.BEGIN}\n- an old GPU record\n{gpu.END}\n")
     (tmp_path / "README.md").write_text(readme)
     assert module.stale(tmp_path) == ["docs/metrics.md", "README.md"]
-    (tmp_path / "README.md").write_text(table.with_table(readme))  # the generated block only: the rest is kept
+    (tmp_path / "README.md").write_text(table.with_table(readme))  # one block fresh, the other still stale
+    assert module.stale(tmp_path) == ["docs/metrics.md", "README.md"]
+    (tmp_path / "README.md").write_text(gpu.with_block(table.with_table(readme)))  # the rest is kept
     assert module.stale(tmp_path) == ["docs/metrics.md"]
     assert (tmp_path / "README.md").read_text().startswith("# hand-written") and "| Gemma 3 |" in table.markdown()
     assert module.main(["--check"]) == 0  # the checkout's own pages are fresh

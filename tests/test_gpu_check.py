@@ -149,3 +149,34 @@ def test_the_memory_part_scores_a_real_run_with_its_save_and_resume(tiny_model, 
             assert row[what]["error"] == round(p / m - 1, 4)
         assert row["node_host"]["measured_bytes"] >= row["process_host"]["measured_bytes"]  # the node holds more
     assert set(memory["accuracy"]["held_out"]) == {"process_host", "node_host"}  # no device on CPU
+
+
+def test_the_readmes_gpu_record_is_written_from_a_gpu_check_result(tmp_path: Path) -> None:
+    """bench/gpu_status.py renders a gpu_check.json as the README's GPU record: the ratios and whether each goal
+    was met, the held-out memory accuracy with its misses, the tests' outcomes and the parts not run; a GPU
+    test no record holds is listed as never run."""
+    from bench import gpu_status
+
+    (tmp_path / "bench" / "results").mkdir(parents=True)
+    (tmp_path / "tests" / "gpu").mkdir(parents=True)
+    (tmp_path / "tests" / "gpu" / "test_a.py").write_text("def test_ran():\n    pass\n\ndef test_never():\n    pass\n")
+    record = {"commit": "a" * 40, "date": "2026-12-24T10:00:00+00:00", "parts_not_run": ["decode"], "parts": {
+        "machine": {"device": {"name": "NVIDIA H100"}},
+        "step": {"shapes": {"small": {"step_rate_vs_trl": 1.2, "goal": 1.5, "goal_met": False,
+                                      "easytrain": {"median_step_s": 2.0}, "trl": {"median_step_s": 2.4}}},
+                 "sync": {"ratio": 1.5, "goal": 2.0, "goal_met": True}},
+        "memory": {"accuracy": {"held_out": {"node_host": {"within_goal": "9 of 10", "worst_under_prediction": -0.07,
+                                                           "worst_over_prediction": 0.02,
+                                                           "misses": {"small:update": -0.07}}}}},
+        "tests": {"counts": {"passed": 1, "failed": 0}, "tests": [{"name": "test_a::test_ran", "outcome": "passed"}]},
+        "decode": {"not_run": "the time budget had 3 s left"}}}
+    (tmp_path / "bench" / "results" / "gpu_check.json").write_text(json.dumps(record))
+    text = gpu_status.markdown(tmp_path)
+    assert "(NVIDIA H100, 2026-12-24, measured at aaaaaaa)" in text
+    assert "small: 1.20x TRL's step rate (goal 1.5x: NOT met" in text
+    assert "weight sync: 1.5x one device copy of the weights (goal 2.0x: met)" in text
+    assert "node host, held-out: 9 of 10 phases within the goal, worst -7.0% / +2.0%; misses: small:update" in text
+    assert "the GPU suite `tests/gpu`: 1 passed" in text and "part `decode`: the time budget had 3 s left" in text
+    never = text.split("never run on a GPU: ")[1]
+    assert "test_a.py::test_never" in never and "test_ran" not in never
+    assert "`bench/gpu_step.py`" in never and "`bench/gpu_check.py`" not in never
