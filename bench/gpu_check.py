@@ -24,7 +24,9 @@ did not reach as not run. The parts, in order:
    node's used RAM above its level before the run). These shapes are held out: no planner constant is fitted
    on them (:data:`SPLIT`);
 4. ``tests``: ``pytest tests/gpu -m gpu``, every test with its outcome (a failure is recorded as a failure);
-5. ``decode``: ``bench/decode_rate.py``'s static-cache decode against ``generate`` on the small shape's prompts.
+5. ``decode``: ``bench/decode_rate.py``'s static-cache decode against ``generate`` on the small shape's prompts;
+6. ``first_token``: ``bench/first_token.py``'s probe of the tiny model's engine against actor log-prob gap
+   (float32), per decode path, attention kernel and actor layout: the H200's 0.6-nat first-token gap, found or not.
 
 ``--rescore`` plans the stored runs again with this checkout (no GPU needed) and keeps the measuring machine's
 provenance (``rescored`` says where and at which commit it was scored: bench/provenance.py).
@@ -53,7 +55,7 @@ from bench.provenance import measured_provenance, write_rescored, write_result  
 log = logging.getLogger("gpu_check")
 RESULTS = ROOT / "bench" / "results" / "gpu_check.json"
 PY = sys.executable
-PARTS = ("machine", "step", "memory", "tests", "decode")
+PARTS = ("machine", "step", "memory", "tests", "decode", "first_token")
 SPLIT = "held_out"
 """No planner constant may be fitted on this file's runs: its accuracy is held-out accuracy."""
 WITHIN, LOW = 0.10, 0.05
@@ -349,6 +351,14 @@ def decode_part(folder: Path) -> dict[str, Any]:
     return decode(folder)
 
 
+def first_token_part() -> dict[str, Any]:
+    import torch
+
+    from bench.first_token import measure
+
+    return measure(torch.device("cuda"))
+
+
 # ----------------------------------------------------------------------------- the command
 
 
@@ -396,6 +406,7 @@ def main() -> None:
     report.run("memory", lambda: memory_part(runs, gpu_bytes) if runs else {"failed": "no easytrain run"}, budget, 0)
     report.run("tests", lambda: tests_part(budget), budget, 60)
     report.run("decode", lambda: decode_part(folder), budget, 20)
+    report.run("first_token", first_token_part, budget, 60)
     print(json.dumps({p: sorted(v) for p, v in report.record["parts"].items()}), flush=True)
 
 

@@ -49,7 +49,7 @@ def test_the_report_is_written_after_every_part(tmp_path: Path) -> None:
     report.run("machine", lambda: {"device": {"name": "X"}}, budget, 0)
     written = json.loads(path.read_text())
     assert written["parts"]["machine"]["device"] == {"name": "X"}
-    assert written["parts_not_run"] == ["step", "memory", "tests", "decode"]
+    assert written["parts_not_run"] == ["step", "memory", "tests", "decode", "first_token"]
     assert all(key in written for key in PROVENANCE_KEYS)
 
     report.run("step", broken, budget, 0)  # a failure is recorded; what was measured before stays
@@ -58,7 +58,7 @@ def test_the_report_is_written_after_every_part(tmp_path: Path) -> None:
     assert written["parts"]["machine"]["device"] == {"name": "X"}
     assert written["parts"]["step"]["failed"] == "RuntimeError: the GPU fell off"
     assert "not_run" in written["parts"]["memory"]
-    assert written["parts_not_run"] == ["memory", "tests", "decode"]
+    assert written["parts_not_run"] == ["memory", "tests", "decode", "first_token"]
     assert (out / "gpu_check.json").read_bytes() == path.read_bytes()  # the copy the device tool brings back
 
 
