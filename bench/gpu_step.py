@@ -69,19 +69,21 @@ def model_folder() -> Path:
     """random:qwen25vl_3b with weights: initialised on the GPU by transformers and saved in bfloat16, once."""
     import torch
 
-    from easytrain.models.random_init import build_random, random_model
+    from easytrain.models.random_init import MARKER, build_random, random_model
     from easytrain.models.tiny import default_cache_dir
 
     shape = build_random(MODEL)
     folder = default_cache_dir() / f"gpu_step_{MODEL}_{shape.name}"
     if (folder / "model.safetensors.index.json").is_file() or (folder / "model.safetensors").is_file():
+        (folder / MARKER).unlink(missing_ok=True)  # a folder saved before the marker was left out
         return folder
     tmp = folder.with_name(f".{folder.name}.tmp")
     shutil.rmtree(tmp, ignore_errors=True)
     model = random_model(shape, torch.bfloat16, "sdpa", "cuda")
     model.save_pretrained(tmp)
     for file in shape.iterdir():  # tokenizer, chat template, image processor (the random folder's config stays)
-        if not (tmp / file.name).exists():
+        # not its random_init.json marker: with it, easytrain would build new random weights instead of loading these
+        if file.name != MARKER and not (tmp / file.name).exists():
             shutil.copy(file, tmp / file.name)
     del model
     torch.cuda.empty_cache()

@@ -179,9 +179,9 @@ def stop(proc: subprocess.Popen, grace_s: float = 30.0) -> None:
     kill.start()
 
 
-def run_sampled(argv: list[str], log: Path, timeout_s: Optional[float] = None) -> dict[str, Any]:
-    """Run ``argv`` with the sampler on its process tree (stopped after ``timeout_s``, then a failure); its
-    exit status, its own peak RSS, the samples."""
+def run_sampled(argv: list[str], log: Path, timeout_s: Optional[float] = None, check: bool = True) -> dict[str, Any]:
+    """Run ``argv`` with the sampler on its process tree (stopped after ``timeout_s``); its exit status
+    (``returncode``; with ``check`` a nonzero one raises), its own peak RSS, the samples."""
     env = dict(os.environ, TOKENIZERS_PARALLELISM="false", HF_HUB_OFFLINE="1")
     node_before = psutil.virtual_memory().used
     with open(log, "w") as out:
@@ -196,10 +196,10 @@ def run_sampled(argv: list[str], log: Path, timeout_s: Optional[float] = None) -
             timer.cancel()
         proc.returncode = os.waitstatus_to_exitcode(status)
         samples = sampler.close()
-    if proc.returncode:
+    if proc.returncode and check:
         raise RuntimeError(f"{' '.join(argv)} failed ({proc.returncode}); see {log}")
     return {"maxrss": usage.ru_maxrss * 1024, "samples": samples, "node_before": node_before,
-            "kinds": sampler.kinds}
+            "kinds": sampler.kinds, "returncode": proc.returncode}
 
 
 def phase_records(run_dir: Path) -> list[dict[str, Any]]:

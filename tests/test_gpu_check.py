@@ -180,3 +180,13 @@ def test_the_readmes_gpu_record_is_written_from_a_gpu_check_result(tmp_path: Pat
     never = text.split("never run on a GPU: ")[1]
     assert "test_a.py::test_never" in never and "test_ran" not in never
     assert "`bench/gpu_step.py`" in never and "`bench/gpu_check.py`" not in never
+
+
+def test_a_part_in_a_child_process_is_bounded_by_the_budget_and_its_failure_recorded() -> None:
+    """decode and first_token run in a child of the script (their CUDA state and compilations stay out of the
+    parent): a child that fails is recorded with its log's tail, one the budget cannot wait for is stopped."""
+    stopped = gpu_check.in_child("first_token", None, gpu_check.Budget(0.5))
+    assert stopped == {"failed": "stopped after 1 s: the time budget was spent"}
+    if not torch.cuda.is_available():  # here the probe asks for a CUDA device this machine does not have
+        failed = gpu_check.in_child("first_token", None, gpu_check.Budget(300))
+        assert failed["failed"].startswith("exit ") and failed["log_tail"]
