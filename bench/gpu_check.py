@@ -397,18 +397,14 @@ def tests_part(budget: Budget) -> dict[str, Any]:
 def in_child(part: str, folder: Optional[Path], budget: Budget) -> dict[str, Any]:
     """A part run by this script in a fresh process (``--part``), stopped when the budget is spent: its CUDA state,
     compilations and a hang stay out of this process."""
+    from bench.gpu_step import json_child
+
     with tempfile.TemporaryDirectory() as tmp:
         out = Path(tmp) / "part.json"
         command = [PY, str(Path(__file__)), "--part", part, "--out", str(out)]
         command += ["--model", str(folder)] if folder is not None else []
         limit = max(1.0, budget.left())
-        try:
-            done = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=limit)
-        except subprocess.TimeoutExpired:
-            return {"failed": f"stopped after {limit:.0f} s: the time budget was spent"}
-        if done.returncode != 0 or not out.is_file():
-            return {"failed": f"exit {done.returncode}", "log_tail": (done.stdout + done.stderr)[-3000:]}
-        return json.loads(out.read_text())
+        return json_child(command, out, limit, f"stopped after {limit:.0f} s: the time budget was spent")
 
 
 def run_child_part(part: str, folder: Optional[Path], out: Path) -> None:

@@ -32,9 +32,8 @@ import sys
 import tempfile
 import time
 import xml.etree.ElementTree as ET
-from datetime import datetime
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
@@ -163,26 +162,6 @@ def rescore(record: dict[str, Any]) -> None:
     summarise(record)
 
 
-def measured_of(stored: dict[str, Any], measuring_machine: Optional[Path]) -> dict[str, Any]:
-    """The provenance of the run that measured ``stored``'s readings. Files rescored before rescores kept it
-    carry the rescoring machine's at the top and the measuring commit and date as ``measured_commit`` and
-    ``measured_date``; with ``measuring_machine`` (a file the same GPU run wrote, within 10 minutes of that
-    date) its machine and versions are restored from there."""
-    if "measured_commit" not in stored:
-        return measured_provenance(stored)
-    if measuring_machine is None:
-        raise SystemExit("gpu_smoke: this file's provenance is a rescoring machine's; name a file the measuring "
-                         "GPU run wrote with --measuring-machine (tests/assets/gpu_readings.json)")
-    other = json.loads(measuring_machine.read_text())
-    apart = datetime.fromisoformat(other["date"]) - datetime.fromisoformat(stored["measured_date"])
-    apart = abs(apart.total_seconds())
-    if apart > 600:
-        raise SystemExit(f"gpu_smoke: {measuring_machine} was written {apart:.0f} s from the measurement: not the "
-                         "same run")
-    return {"commit": stored["measured_commit"], "dirty": other["dirty"], "date": stored["measured_date"],
-            "machine": other["machine"], "versions": other["versions"], "command": "python bench/gpu_smoke.py"}
-
-
 def summarise(record: dict[str, Any]) -> None:
     """The worst under- and over-prediction over every run's phases (the planner's device margin reads the first),
     as the accuracy of the split these runs are (:data:`SPLIT`)."""
@@ -216,18 +195,12 @@ def main() -> None:
     parser.add_argument("--timeout", type=int, default=240, help="seconds per part or run")
     parser.add_argument("--rescore", action="store_true",
                         help="plan the recorded runs again with this checkout; the measurements stay (no GPU needed)")
-    parser.add_argument("--measuring-machine", type=Path, help="with --rescore, for a file whose provenance a "
-                        "rescore before provenance was kept replaced: a file written by the same GPU run (its "
-                        "readings part: tests/assets/gpu_readings.json) whose machine and versions are the "
-                        "measuring machine's")
     args = parser.parse_args()
     if args.rescore:
         stored = json.loads(RESULTS.read_text())
-        kept = {k: v for k, v in stored.items() if k not in (*PROVENANCE_KEYS, "rescored", "measured_commit",
-                                                              "measured_date", "worst_device_under_prediction",
-                                                              "worst_device_over_prediction", "phases_within_goal")}
+        kept = {k: v for k, v in stored.items() if k not in (*PROVENANCE_KEYS, "rescored")}
         rescore(kept)
-        write_rescored(RESULTS, kept, measured_of(stored, args.measuring_machine))
+        write_rescored(RESULTS, kept, measured_provenance(stored))
         print(json.dumps(kept["accuracy"], indent=1))
         return
     import torch

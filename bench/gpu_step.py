@@ -168,13 +168,19 @@ def side(kind: str, folder: Path, shape: str, steps: int, warmup: int, timeout_s
             command = [sys.executable, str(Path(__file__)), "--side", kind, "--shape", shape, "--model", str(folder),
                        "--steps", str(steps), "--warmup", str(warmup), "--out", str(out)]
         log.info("%s %s: %s", kind, shape, " ".join(command))
-        try:
-            done = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=timeout_s)
-        except subprocess.TimeoutExpired:
-            return {"failed": f"did not finish within {timeout_s} s"}
-        if done.returncode != 0 or not out.is_file():
-            return {"failed": f"exit {done.returncode}", "log_tail": (done.stdout + done.stderr)[-3000:]}
-        return json.loads(out.read_text())
+        return json_child(command, out, timeout_s, f"did not finish within {timeout_s} s")
+
+
+def json_child(command: list[str], out: Path, timeout_s: float, timed_out: str) -> dict[str, Any]:
+    """Run ``command`` (which writes its result as JSON to ``out``) for at most ``timeout_s``: its result, or
+    ``failed`` (``timed_out``, or its exit status with its output's tail)."""
+    try:
+        done = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=timeout_s)
+    except subprocess.TimeoutExpired:
+        return {"failed": timed_out}
+    if done.returncode != 0 or not out.is_file():
+        return {"failed": f"exit {done.returncode}", "log_tail": (done.stdout + done.stderr)[-3000:]}
+    return json.loads(out.read_text())
 
 
 def device_copy_s(nbytes: int, repeats: int = 5) -> float:

@@ -12,8 +12,8 @@ A result file is the script's own record plus, at the top level:
 - ``command``: the command line that produced it (``python bench/<script>.py ...``).
 
 A *rescore* (stored readings scored again by a later checkout, possibly on another machine) keeps these fields
-as the measuring run wrote them and adds ``rescored``: the same fields of the rescoring process
-(:func:`write_rescored`). The top-level fields always name the machine the readings come from.
+as the measuring run wrote them and adds ``rescored``: the rescoring process's commit, dirtiness, date and
+command (:func:`write_rescored`); the machine and versions named are only ever the measuring run's. The top-level fields always name the machine the readings come from.
 
 tests/test_bench_results.py checks every file in bench/results/ for these fields.
 """
@@ -156,7 +156,7 @@ def write_rescored(path: Path, record: dict[str, Any], measured: dict[str, Any],
                    indent: int = 2) -> None:
     """Write ``record`` (readings measured elsewhere, scored here) to ``path``: the top-level provenance is
     ``measured``'s (the machine, commit and versions the readings come from, :func:`measured_provenance`), and
-    ``rescored`` holds this process's (the commit whose code scored them, where, when, with what)."""
+    ``rescored`` holds the commit whose code scored them, whether it was clean, when, and the command."""
     clash = sorted(set(record) & {*PROVENANCE_KEYS, "rescored"})
     if clash:
         raise ValueError(f"the record for {path} has its own {clash}: leave these to bench/provenance.py")
@@ -165,7 +165,9 @@ def write_rescored(path: Path, record: dict[str, Any], measured: dict[str, Any],
         raise ValueError(f"the measured provenance for {path} lacks {missing}")
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    out = {**{key: measured[key] for key in PROVENANCE_KEYS}, "rescored": provenance(command), **record}
+    here = provenance(command)  # the rescore's commit, date and command; the machine and versions stay the measurer's
+    out = {**{key: measured[key] for key in PROVENANCE_KEYS},
+           "rescored": {key: here[key] for key in ("commit", "dirty", "date", "command")}, **record}
     path.write_text(json.dumps(out, indent=indent, default=str) + "\n")
     log.info("wrote %s (readings from %s, rescored at %s)", path, str(measured["commit"])[:12],
              str(out["rescored"]["commit"])[:12])
