@@ -383,7 +383,9 @@ def main() -> None:
         rows.append({**row, "tag": case.tag})
     score(rows, folder)
     print(table(rows))
-    result = {"measurements_reused_from": {k: old.get(k) for k in ("commit", "date")} if args.only else None,
+    reused = ({k: old.get(k) for k in ("commit", "date")} if args.only else
+              old.get("measurements_reused_from") if args.rescore else None)  # a rescore keeps the stored origin
+    result = {"measurements_reused_from": reused,
               "bench_model": {"folder": str(folder), "placeholder": BENCH_MODEL, "text": BENCH_TEXT,
                               "vision": BENCH_VISION, "tie_word_embeddings": False},
               "sample_period_s": SAMPLE_S, "sampling": SAMPLING,
