@@ -271,7 +271,7 @@ def measure_case(case: Case, folder: Path) -> dict[str, Any]:
                         "node_used_above_before_bytes": max(u for _, _, u in run["samples"]) - run["node_before"],
                         "command": "export"}
     return {"name": case.name, "tag": case.tag, "overrides": BASE + case.overrides, "phases": phases,
-            "wall_s": time.perf_counter() - start}
+            "malloc_mmap_threshold_kb": threshold_kb(overrides_of(case, folder)), "wall_s": time.perf_counter() - start}
 
 
 # ----------------------------------------------------------------------------- scoring
@@ -297,14 +297,36 @@ def planned_rows(overrides: list[str]) -> dict[str, dict[str, int]]:
     return out
 
 
-def predictions(overrides: list[str], folder: Path) -> dict[str, Any]:
+THRESHOLD_KEY = "trainer.malloc_mmap_threshold_kb"
+FIXED_BEFORE_KB = 128
+"""Runs stored without their allocator setting ran when CPU workers fixed glibc's mmap threshold at 128 KiB by
+default (before issue 47 made glibc's dynamic threshold the default): they are re-planned with it."""
+
+
+def run_overrides(row: dict[str, Any]) -> list[str]:
+    """A stored run's overrides with its allocator setting made explicit: what it ran with, whatever the
+    default is now."""
+    if any(o.startswith(THRESHOLD_KEY + "=") for o in row["overrides"]):
+        return list(row["overrides"])
+    return [*row["overrides"], f"{THRESHOLD_KEY}={row.get('malloc_mmap_threshold_kb', FIXED_BEFORE_KB)}"]
+
+
+def threshold_kb(overrides: list[str]) -> int:
+    """The mmap threshold (KiB, 0 = glibc's dynamic one) a run with ``overrides`` fixes in its workers."""
+    from easytrain.config import compose, with_default_preset
+    from easytrain.memory.host import malloc_threshold_bytes
+
+    return malloc_threshold_bytes(compose(with_default_preset(overrides))) // 1024
+
+
+def predictions(row: dict[str, Any], folder: Path) -> dict[str, Any]:
     """The plan's host bytes per node for each phase of a stored run (its overrides, placeholders in)."""
-    return {phase: row["host"] for phase, row in planned_rows(placeholders(overrides, folder)).items()}
+    return {phase: r["host"] for phase, r in planned_rows(placeholders(run_overrides(row), folder)).items()}
 
 
 def score(rows: list[dict[str, Any]], folder: Path) -> None:
     for row in rows:
-        predicted = predictions(row["overrides"], folder)
+        predicted = predictions(row, folder)
         for phase, figure in row["phases"].items():
             figure["predicted_bytes"] = predicted.get(phase)
             figure["error"] = (None if figure["predicted_bytes"] is None else

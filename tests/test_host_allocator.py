@@ -10,7 +10,7 @@ import sys
 import pytest
 
 from easytrain.config.loader import load
-from easytrain.memory.host import CPU_MMAP_THRESHOLD_KB, malloc_threshold_bytes
+from easytrain.memory.host import malloc_threshold_bytes
 
 MB = 2**20
 
@@ -53,8 +53,9 @@ def test_a_fixed_threshold_hands_freed_tensors_back_and_the_dynamic_one_keeps_th
     assert fixed["after_free"] < 16 * MB  # each had its own mapping: unmapped when freed
 
 
-def test_the_threshold_defaults_to_fixed_on_cpu_and_dynamic_on_gpu() -> None:
-    assert malloc_threshold_bytes(load([])) == CPU_MMAP_THRESHOLD_KB * 1024
+def test_the_threshold_defaults_to_glibcs_dynamic_one_and_a_set_value_fixes_it() -> None:
+    assert malloc_threshold_bytes(load([])) == 0
+    assert malloc_threshold_bytes(load(["trainer.malloc_mmap_threshold_kb=128"])) == 128 * 1024
     assert malloc_threshold_bytes(load(["trainer.device=cuda"])) == 0
     assert malloc_threshold_bytes(load(["trainer.malloc_mmap_threshold_kb=0"])) == 0
     assert malloc_threshold_bytes(load(["trainer.device=cuda", "trainer.malloc_mmap_threshold_kb=512"])) == 512 * 1024

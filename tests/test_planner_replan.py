@@ -34,7 +34,7 @@ def replanned() -> list[dict[str, Any]]:
     folder = bench_model_folder()
     out = []
     for row in stored()["rows"]:
-        predicted = predictions(row["overrides"], folder)
+        predicted = predictions(row, folder)
         for phase, figure in row["phases"].items():
             plan = predicted.get(phase)
             out.append({"case": row["name"], "tag": row["tag"], "phase": phase, "measured": figure["host_bytes"],

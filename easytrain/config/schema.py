@@ -424,10 +424,11 @@ class TrainerConfig:
     docs/training.md). FSDP only; DeepSpeed's own files are not bounded."""
     malloc_mmap_threshold_kb: Optional[int] = bounded(None, low=0)
     """Fix glibc's mmap threshold in every worker process (``mallopt(M_MMAP_THRESHOLD)``): host blocks at least
-    this large get their own mapping and go back to the OS when freed. null = 128 on a CPU run (glibc's own
-    starting value, fixed so it no longer rises: left dynamic, glibc raises it to the largest block freed, up to
-    32 MiB, keeps freed tensors in its heap, and a sharded update held 0.74 GB more per rank than its live
-    tensors; see docs/memory.md) and glibc's dynamic default on a GPU run; 0 = glibc's dynamic default."""
+    this large get their own mapping and go back to the OS when freed, so a phase's host peak follows its live
+    tensors, at a cost in speed (every such block is mapped, zeroed by the kernel and unmapped again; see
+    bench/results/cpu_allocator.json). null (or 0) = glibc's dynamic default: it raises the threshold to the
+    largest block freed (up to 32 MiB) and keeps freed blocks below it in its heap until the call ends (the
+    worker trims the heap after every call); the plan prices either setting (docs/memory.md)."""
     checkpoint_async: bool = False
     """Save checkpoints in the background: the step loop waits only while the state is staged (the blocked time
     is logged per checkpoint), and the next save or the end of the run waits for the write to finish."""

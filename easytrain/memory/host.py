@@ -136,17 +136,10 @@ def node_host(config: Config, phase: str, workers: list[tuple[int, dict[str, int
 CHECKPOINT_FILE_BYTES = 5 * 10**9
 """The most one file of a Hugging Face checkpoint holds (``save_pretrained``'s default ``max_shard_size``, 5 GB): what a
 worker reading the checkpoint a file at a time holds of it (ZeRO-3 construction)."""
-CPU_MMAP_THRESHOLD_KB = 128
-"""trainer.malloc_mmap_threshold_kb on a CPU run when unset: glibc's starting threshold, kept from rising."""
-
-
 def malloc_threshold_bytes(config: Config) -> int:
-    """The mmap threshold worker processes fix (``trainer.malloc_mmap_threshold_kb``); 0 = glibc's dynamic one,
-    which keeps freed tensors of up to 32 MiB in its heap (what the plan then prices on CPU)."""
-    kb = config.trainer.malloc_mmap_threshold_kb
-    if kb is None:
-        kb = CPU_MMAP_THRESHOLD_KB if config.trainer.device == "cpu" else 0
-    return kb * 1024
+    """The mmap threshold worker processes fix (``trainer.malloc_mmap_threshold_kb``); 0 = glibc's dynamic one
+    (the default), which keeps a call's freed blocks of up to 32 MiB in its heap (what the plan then prices)."""
+    return (config.trainer.malloc_mmap_threshold_kb or 0) * 1024
 
 
 NODE_FRACTION = 1 / 64
