@@ -77,15 +77,17 @@ PHASES = ("generation", "ref_log_probs", "old_log_probs", "update", "weight_sync
 
 
 def actor_states(config: Config, s: Shape) -> Any:
+    """The actor's per-device states. Offloading moves them from a GPU to host RAM; on CPU the device is the
+    host, so offloaded or not they are the worker's own memory and are priced as held."""
     a = config.worker.actor
     return role_states(s.total_params, sum(s.trainable.values()), shard_degree(a.fsdp.shard_size, s.world),
-                       trains=True, offload_params=a.offload.params)
+                       trains=True, offload_params=a.offload.params and s.on_gpu)
 
 
 def ref_states(config: Config, s: Shape) -> Any:
     r = config.worker.ref
     return role_states(s.total_params, 0, shard_degree(r.fsdp.shard_size, s.world), trains=False,
-                       offload_params=r.offload.params)
+                       offload_params=r.offload.params and s.on_gpu)
 
 
 def _vision_grad(s: Shape) -> bool:
