@@ -1,17 +1,22 @@
-"""What fixing glibc's mmap threshold in CPU workers (``trainer.malloc_mmap_threshold_kb``) saves and costs.
+"""What fixing glibc's mmap threshold in CPU workers (``trainer.malloc_mmap_threshold_kb``) saves and costs, and
+whether the plan holds for both settings.
 
     .venv/bin/python bench/cpu_allocator.py [--repeats 2]   # -> bench/results/cpu_allocator.json
 
-Two settings, each run with the threshold unset (null: fixed at 128 KiB on CPU, the default) and at 0 (glibc's
-dynamic threshold), alternated ``--repeats`` times:
+Three shapes, each run with the threshold unset (null: glibc's dynamic threshold, the default) and fixed at
+128 KiB (glibc's starting value, kept from rising), alternated ``--repeats`` times:
 
-- ``tiny``: the default preset (``python -m easytrain.main``, tiny Qwen2.5-VL, 2 fused CPU workers), 12 steps;
+- ``tiny``: the default preset (``python -m easytrain.main``, tiny Qwen2.5-VL, small images, 2 fused CPU
+  workers), 12 steps;
+- ``images_448``: the small random Qwen2.5-VL on the same task with 448 x 448 images (256 vision tokens each),
+  4 prompts x 8 responses, 2 fused workers, 4 steps: the image-heavy shape;
 - ``mid``: GRPO on the ~184M-parameter bench model of ``bench/planner_model.py`` over 2 fused ranks (the
   planner accuracy bench's ``mid_rl_fused`` case), 3 steps.
 
 For each run: every worker call's exact host peak from ``memory.jsonl`` (``phase_peak``: VmHWM, reset at the
-call's start), the largest per phase over ranks and steps; the median ``time/update`` and ``time/step`` after the
-first step.
+call's start), the largest per phase over ranks and steps, beside the plan's figure for the busiest worker
+process in that phase (``easytrain plan``'s GB/proc, for the run's own overrides); the median ``time/update``
+and ``time/step`` after the first step.
 """
 
 from __future__ import annotations
@@ -38,12 +43,23 @@ COMMON = ["trainer.val_before_train=false", "trainer.val_freq=-1", "trainer.save
           "ray.include_dashboard=false", "data.num_workers=0"]
 SETTINGS = {
     "tiny": ["trainer.max_steps=12"],
+    "images_448": ["trainer.max_steps=4", "model.path=tiny:qwen2_5_vl", "model.tiny_size=small",
+                   "data.min_pixels=200704", "data.max_pixels=200704", "data.max_prompt_length=320",
+                   "data.rollout_batch_size=4", "worker.rollout.n=8", "worker.actor.global_batch_size=4",
+                   "worker.actor.micro_batch_size_per_device_for_update=4"],
     "mid": ["trainer.max_steps=3", "data.max_prompt_length=64", f"model.path={BENCH_MODEL}",
             "data.max_response_length=32", "data.rollout_batch_size=4", "worker.actor.global_batch_size=4",
             "worker.rollout.n=2", "worker.actor.micro_batch_size_per_device_for_update=2",
             "worker.actor.micro_batch_size_per_device_for_experience=2"],
 }
-THRESHOLDS = {"fixed_128k": "null", "glibc_dynamic": "0"}
+THRESHOLDS = {"glibc_dynamic": "null", "fixed_128k": "128"}
+
+
+def planned_process_peaks(overrides: list[str]) -> dict[str, int]:
+    """The plan's host bytes of the busiest worker process per phase, for a run's overrides."""
+    from bench.planner_accuracy import planned_rows
+
+    return {phase: row["process_host"] for phase, row in planned_rows(overrides).items()}
 
 
 def run(run_dir: Path, overrides: list[str]) -> dict[str, Any]:
@@ -77,6 +93,9 @@ def main() -> None:
                     overrides = [o.replace(BENCH_MODEL, str(folder)) for o in COMMON + extra]
                     overrides.append(f"trainer.malloc_mmap_threshold_kb={value}")
                     result = run(work / f"{setting}-{name}-{repeat}", overrides)
+                    planned = planned_process_peaks(overrides)
+                    result["plan_error"] = {phase: round(planned[phase] / peak - 1, 4)
+                                            for phase, peak in result["host_peak_bytes"].items() if phase in planned}
                     runs[setting][name].append(result)
                     print(f"{setting} {name} #{repeat}: update {result['update_s']:.2f} s, step {result['step_s']:.2f} s, "
                           f"update peak {result['host_peak_bytes'].get('update', 0) / 1e9:.3f} GB", flush=True)
@@ -95,6 +114,9 @@ def main() -> None:
             "step_s": {n: round(median(n, lambda r: r["step_s"]), 3) for n in THRESHOLDS},
         }
         s = summary[setting]
+        s["plan_error_worst"] = {n: {"under": min(e for r in by[n] for e in r["plan_error"].values()),
+                                     "over": max(e for r in by[n] for e in r["plan_error"].values())}
+                                 for n in THRESHOLDS}
         s["update_time_change"] = round(s["update_s"][fixed] / s["update_s"][dynamic] - 1, 3)
         s["step_time_change"] = round(s["step_s"][fixed] / s["step_s"][dynamic] - 1, 3)
         s["update_peak_change"] = round(s["update_peak_gb"][fixed] / s["update_peak_gb"][dynamic] - 1, 3)

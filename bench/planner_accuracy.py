@@ -47,7 +47,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from bench.planner_model import BENCH_MODEL, BENCH_TEXT, BENCH_VISION, bench_model_folder  # noqa: E402
-from bench.planner_shapes import HOST_LIMIT_GB, Case, draw, placeholders  # noqa: E402
+from bench.planner_shapes import BENCH_CPUS, Case, draw, placeholders  # noqa: E402
 from bench.provenance import measured_provenance, write_rescored, write_result  # noqa: E402
 
 RESULTS = ROOT / "bench" / "results" / "planner_accuracy.json"
@@ -113,12 +113,18 @@ seed (and this default moves on)."""
 
 
 def runnable(case: Case) -> bool:
-    """Whether a drawn case's config validates and its plan needs under HOST_LIMIT_GB per node (this machine)."""
+    """Whether a drawn case's config validates and its worker pools fit the bench machine's BENCH_CPUS (one CPU
+    per worker, ``workers_per_node`` per pool). Independent of the plan: a seed draws the same set at every
+    commit."""
+    from easytrain.config import compose, with_default_preset
+    from easytrain.distributed.cluster import pools_per_node
+    from easytrain.main import resolve
+
     try:
-        rows = planned_rows(overrides_of(case, bench_model_folder()))
+        config = resolve(compose(with_default_preset(overrides_of(case, bench_model_folder()))))
     except Exception:  # noqa: BLE001 - an invalid draw is drawn again
         return False
-    return max(row["host"] for row in rows.values()) < HOST_LIMIT_GB * GB
+    return config.trainer.workers_per_node * pools_per_node(config) <= BENCH_CPUS
 
 
 def cases(seed: int = HELD_OUT_SEED, runs: int = HELD_OUT_RUNS) -> list[Case]:

@@ -4,8 +4,8 @@ A seed draws a set of runs (model size, images per prompt and their side, prompt
 and micro-batch sizes, padded or padding-free, prompt sharing, workers per node, fused or split pools, LoRA,
 offload, a KL term; RL or SFT) that no planner constant was read from. Accuracy is quoted on such a set only;
 when a miss on it leads to a fix, the next quote draws with a fresh seed. Every drawn run's config passes
-easytrain's validation and its plan fits this machine's RAM with room to spare (else it is drawn again), so a
-set measures the plan, not the machine.
+easytrain's validation and its worker pools fit the bench machine's CPUs (else it is drawn again); every shape
+the generator draws fits its 24 GB of RAM (the largest, the ~184M model in split pools, needs ~10 GB).
 
 Data: the synthetic shapes task sized to exactly ``side`` x ``side`` pixels (``data.min_pixels`` =
 ``data.max_pixels``), one image per prompt, or ``k`` of them in a parquet of ``k`` synthetic images per row
@@ -28,8 +28,9 @@ MODELS = {"tiny": ["model.path=tiny:qwen2_5_vl"], "small": ["model.path=tiny:qwe
           "mid": [f"model.path={BENCH_MODEL}"]}
 PROMPT_TEXT_TOKENS = 64
 """The synthetic question with its chat template, and room: a prompt's tokens besides its image tokens."""
-HOST_LIMIT_GB = 8.0
-"""A drawn run whose plan needs more host RAM per node than this is drawn again (the machine has 24 GB)."""
+BENCH_CPUS = 2
+"""The CPUs of the machine the bench is defined for: a drawn run whose worker pools need more (``workers_per_node``
+per pool) is drawn again. The draw never asks the planner, so a planner change cannot change a seed's set."""
 
 
 @dataclass(frozen=True)
@@ -83,7 +84,7 @@ def _one(rng: random.Random, name: str, tag: str) -> Case:
 
 def draw(seed: int, count: int, tag: str, fits: Any) -> list[Case]:
     """``count`` valid runs drawn with ``seed``; ``fits(case)`` says whether a drawn run is kept (its config
-    validates and its plan fits this machine: :func:`bench.planner_accuracy.runnable`)."""
+    validates and its pools fit the bench machine's CPUs: :func:`bench.planner_accuracy.runnable`)."""
     rng = random.Random(f"planner-shapes/{seed}")
     cases: list[Case] = []
     tries = 0

@@ -70,7 +70,10 @@ def test_fused_workers_one_process_and_one_cuda_context_per_gpu() -> None:
     f, p = fused.row("update"), pools.row("update")
     assert f.host_parts["worker processes (framework)"] == 8 * GPU_WORKER_BYTES  # with the CUDA libraries
     assert p.host_parts["worker processes (framework)"] == 8 * roles * GPU_WORKER_BYTES
-    assert p.host - f.host == 8 * (roles - 1) * GPU_WORKER_BYTES
+    # and the object store's pages of the weight sync in every actor and rollout process (split pools only)
+    pages = p.host_parts["object store pages (weight sync)"]
+    assert "object store pages (weight sync)" not in f.host_parts
+    assert p.host - f.host == 8 * (roles - 1) * GPU_WORKER_BYTES + pages
     config = load(["+exp=tiny"])
     cpu = plan(config)  # CPU, colocated: one process per CPU worker, it holds every role's tensors in its RSS
     for row in cpu.rows:
@@ -122,9 +125,13 @@ def test_engine_holds_what_the_phase_engine_state_and_sleep_level_leave() -> Non
     for phase in ("ref_log_probs", "old_log_probs", "update"):
         assert zero.row(phase).device - p.row(phase).device == reservation
     assert zero.row("weight_sync").device - p.row("weight_sync").device == reservation - weights
-    # separate pools: the sync crosses the object store (host), the actor's device holds its bucket share only
+    # separate pools: the sync crosses the object store (host), the actor's device holds its bucket share only;
+    # every actor and rollout process keeps the store's pages of a whole sync mapped, each rollout one bucket
+    # being assembled
     pools = plan(load(base + ["trainer.colocate=false"]))
-    assert pools.row("weight_sync").host_parts["sync buckets (object store + assembly)"] == (2 + 8) * bucket
+    assert pools.row("weight_sync").host_parts["sync bucket (assembly)"] == 8 * bucket
+    pages = pools.row("update").host_parts["object store pages (weight sync)"]
+    assert pages == 8 * (2 * weights // 8) + 8 * 2 * weights  # 8 actor ranks' shards; every bucket in 8 rollouts
     assert "vllm reservation" not in pools.row("update").parts
 
 

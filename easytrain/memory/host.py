@@ -142,6 +142,17 @@ def malloc_threshold_bytes(config: Config) -> int:
     return (config.trainer.malloc_mmap_threshold_kb or 0) * 1024
 
 
+def heap_keeps_freed(config: Config, on_gpu: bool) -> bool:
+    """Whether a CPU worker's call keeps the blocks it freed resident until it ends: glibc's dynamic mmap
+    threshold rises to the largest block freed (up to 32 MiB), so the per-parameter tensors a call frees (FSDP's
+    gathered units and reduced gradients, a weight sync's buckets) go back to its heap, not to the OS, and the
+    worker trims the heap only when the call returns. Measured on the ~184M bench model over 2 fused ranks
+    (bench/results/planner_accuracy.json, calibration rows mid_rl_fused, mid_sft, mid_rl_lora): every sharded
+    pass held the whole gathered model, an update that accumulates over micro batches one more copy of the
+    gradient shards, a LoRA weight sync every merged bucket."""
+    return not on_gpu and malloc_threshold_bytes(config) == 0
+
+
 NODE_FRACTION = 1 / 64
 """trainer.checkpoint_host_buffer_gb=-1: this fraction of the node's RAM, shared by its worker processes ..."""
 BUFFER_RANGE = (2**28, 2**31)
@@ -183,23 +194,28 @@ def save_staging(config: Config, state: int, node_ram: int, processes_per_node: 
 
 def run_phases(config: Config, *, kept: dict[str, int], state: int, trainable: int, largest_tensor: int,
                largest_shard: int, total_params: int, per_node: int, processes_per_node: int, node_ram: int,
-               on_gpu: bool, rl: bool, device: dict[str, int]) -> list[Row]:
+               on_gpu: bool, rl: bool, device: dict[str, int], savers_per_node: Optional[int] = None,
+               others: Optional[dict[str, list[tuple[int, dict[str, int]]]]] = None) -> list[Row]:
     """The checkpoint save, resume load and export rows. ``kept`` is what one worker process keeps in host RAM
     between steps (on CPU: every tensor), ``state`` the bytes of its share of the checkpoint (fp32 parameters
     and optimizer moments), ``trainable`` those of its trainable parameter shards (fp32), ``largest_shard`` the
     bytes of its largest shard, ``device`` what its GPU holds between steps. A resume runs right after the
     load, before any weight sync: on CPU an engine's weights are still the checkpoint file's mapped pages (not
-    resident) and no sync staging is mapped yet; the load holds a copy of the trainable shards (the optimizer's
-    state dict read into: a LoRA resume measured none for the frozen base) and one tensor in flight."""
+    resident) and no sync staging or object store pages are mapped yet; the load holds a copy of the trainable shards (the optimizer's
+    state dict read into: a LoRA resume measured none for the frozen base) and one tensor in flight.
+    ``savers_per_node`` processes per node save and resume (default: every one of ``processes_per_node``);
+    ``others`` lists, per phase, the other worker processes (how many per node, what each holds) beside them:
+    with split pools the reference's and the engine's."""
     rows = []
     resumed = {k: v for k, v in kept.items()
-               if on_gpu or "rollout" not in k and "weights" not in k and "staging" not in k}
+               if on_gpu or not any(w in k for w in ("rollout", "weights", "staging", "object store"))}
     staged = save_staging(config, state, node_ram, per_node, largest_shard, on_gpu)
     for phase, held in (("checkpoint_save", {**kept, **staged}),
                         ("resume_load", {**resumed, "checkpoint read (trainable shards, a tensor in flight)":
                                          trainable + largest_tensor * FP32})):
         process = worker_process(phase, held, on_gpu)
-        host = node_host(config, phase, [(processes_per_node, process)], rl)
+        bystanders = [(count, worker_process("idle", what, on_gpu)) for count, what in (others or {}).get(phase, [])]
+        host = node_host(config, phase, [(savers_per_node or processes_per_node, process), *bystanders], rl)
         on_device = dict(device) if on_gpu else held  # on CPU the device is the process's own memory
         rows.append(Row(phase, "all", sum_parts(on_device), sum_parts(host), on_device, host, sum_parts(process)))
     adapter = config.model.lora.rank > 0  # easytrain export without --merge writes the adapter alone

@@ -125,11 +125,12 @@ def sync_parts(config: Config, bucket: int, per_node: int, staged: bool = False)
     """(device, host per node) of the sync's transport: fused, the gathered bucket on the device and nothing on
     the host (through the shared staging, ``staged``, the HF engine takes the gathered tensors in place unless
     LoRA merges them on the way); across processes, each actor rank's share of a bucket on its way out and, in
-    host RAM, two buckets in the object store plus one being assembled per rollout process."""
+    host RAM one being assembled per rollout process (the object store's pages are each process's own line from
+    the first sync on: :func:`easytrain.memory.planner.object_store_pages`)."""
     if fused(config):
         in_place = staged and config.worker.rollout.engine == "hf" and config.model.lora.rank == 0
         return ({} if in_place else {"gathered bucket (engine dtype)": bucket}), {}
-    return {"sync bucket": bucket}, {"sync buckets (object store + assembly)": 2 * bucket + per_node * bucket}
+    return {"sync bucket": bucket}, {"sync bucket (assembly)": per_node * bucket}
 
 
 def layout_note(config: Config, with_ref: bool, ref_by_actor: bool, on_gpu: bool, planned: set[str]) -> str:

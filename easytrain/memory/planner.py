@@ -57,7 +57,7 @@ from easytrain.memory.activations import MicroShape, activation_bytes, logits_by
 from easytrain.memory.budget import engine_budget, kv_bytes_per_token
 from easytrain.memory.capacity import (CUDA_CONTEXT_BYTES, GB, Capacity, Plan, Row, capacity_of, gpu_process_device,
                                        sum_parts)
-from easytrain.memory.host import malloc_threshold_bytes, node_host, run_phases, worker_process
+from easytrain.memory.host import heap_keeps_freed, node_host, run_phases, worker_process
 from easytrain.memory.layout import (engine_held, engine_weights, fused, layout_note, processes_per_device,
                                      role_names, shared_staging, step_phases, sync_bucket, sync_parts)
 from easytrain.memory.sft import plan_sft, sft_worker_parts, validation_prompts
@@ -170,6 +170,9 @@ class _Step:
     engine_weights: int
     staging: dict[str, int]
     """What the sync leaves mapped in every fused CPU worker from its first sync on (:func:`shared_staging`)."""
+    mapped: dict[str, dict[str, int]]
+    """Split pools: what the sync through Ray's object store leaves mapped in every actor and rollout process
+    from its first sync on, by role (:func:`object_store_pages`)."""
 
 
 def plan(config: Config, hf_config: Optional[dict[str, Any]] = None, capacity: Optional[Capacity] = None) -> Plan:
@@ -192,7 +195,8 @@ def plan(config: Config, hf_config: Optional[dict[str, Any]] = None, capacity: O
                                  "actor optimizer": actor.optimizer if not actor.offloaded else 0},
                        "ref": ({"ref params": ref.device} if s.with_ref else {})},
                  awake=awake, resident=engine_resident(config, s, awake),
-                 engine_weights=engine_weights(config, s.total_params, s.dtype_bytes), staging=staging)
+                 engine_weights=engine_weights(config, s.total_params, s.dtype_bytes), staging=staging,
+                 mapped={role: object_store_pages(config, s, role) for role in ("actor", "rollout")})
     work: dict[str, tuple[str, dict[str, int]]] = {
         "generation": ("rollout", awake),
         "validation": ("rollout", rollout_phase(config, s, hf_config, capacity, validate=True)),
@@ -206,7 +210,10 @@ def plan(config: Config, hf_config: Optional[dict[str, Any]] = None, capacity: O
                                                        micro=experience_micro(config, s, "actor"), role="actor"))
     work["update"] = ("actor", update_transient(config, s, hf_config, upd_micro, accumulates,
                                                 0 if actor.offloaded else actor.grads, actor.offloaded))
-    work["weight_sync"] = ("actor", sync_parts(config, bucket, s.per_node, staged=bool(staging))[0])
+    # every bucket a sync gathered stays in a CPU worker's heap until the call returns (heap_keeps_freed)
+    kept = heap_keeps_freed(config, s.on_gpu) and fused(config)  # split pools put shards as they are: no gather
+    gathered = max(bucket, s.total_params * s.dtype_bytes) if kept else bucket
+    work["weight_sync"] = ("actor", sync_parts(config, gathered, s.per_node, staged=bool(staging))[0])
     phases = list(step_phases(set(work)))
     rows = [_row(step, p, *work[p.planned]) for p in phases]
     notes = [layout_note(config, s.with_ref, s.ref_by_actor, s.on_gpu, set(work)),
@@ -214,19 +221,35 @@ def plan(config: Config, hf_config: Optional[dict[str, Any]] = None, capacity: O
     return Plan(rows, capacity, s.on_gpu, notes, once=[_load_row(step), *_run_rows(step, capacity)])
 
 
+def object_store_pages(config: Config, s: Shape, role: str) -> dict[str, int]:
+    """Split pools: the object store's pages a weight sync wrote (an actor rank: its shards) and read (a rollout
+    rank: every bucket whole), resident in each of those processes from the first sync on, the store placing one
+    sync's buckets side by side (measured on CPU: the ~184M bench model in split pools, bench/results/planner_accuracy.json
+    calibration row mid_rl_split, each process ~0.7 GB above its own tensors from the first sync on). Shared
+    pages: the node's used memory counts them once, the processes' RSS each time (the plan's sum, on the safe
+    side)."""
+    if fused(config):
+        return {}
+    whole = s.total_params * s.dtype_bytes
+    return {"object store pages (weight sync)": -(-whole // s.world) if role == "actor" else whole}
+
+
 def update_transient(config: Config, s: Shape, hf_config: dict[str, Any], micro: MicroShape, accumulates: bool,
                      grads: int, offloaded: bool) -> dict[str, int]:
     """The update's peak above the states: the end of a micro batch's forward (activations and logits;
     gradients too when accumulating) or the optimizer step (every gradient plus AdamW's two temporaries
-    of the largest parameter shard, its sqrt and the denominator), whichever is larger. Their sum on CPU with
-    glibc's dynamic mmap threshold (``trainer.malloc_mmap_threshold_kb=0``), which keeps the passes' freed
-    activations resident through the step."""
+    of the largest parameter shard, its sqrt and the denominator), whichever is larger. Their sum on a CPU
+    worker under glibc's dynamic mmap threshold (the default; :func:`heap_keeps_freed`), which keeps the passes'
+    freed blocks resident through the step."""
     passes = forward_peak(config, s, hf_config, grad=True, micro=micro, role="actor")
     passes["actor grads"] = grads if accumulates else 0
     degree = shard_degree(config.worker.actor.fsdp.shard_size, s.world)
     temporaries = 2 * -(-s.largest_trainable // degree) * FP32
-    if not s.on_gpu and not malloc_threshold_bytes(config):
-        return {**passes, "actor grads": grads, "optimizer temporaries": temporaries}
+    if heap_keeps_freed(config, s.on_gpu):  # the passes' freed blocks stay resident through the step
+        kept = {**passes, "actor grads": grads, "optimizer temporaries": temporaries}
+        if accumulates and degree > 1:  # FSDP: each micro batch's sum of gradient shards replaces the last one,
+            kept["actor grads (freed, kept by the heap)"] = grads  # which the heap keeps (unsharded: added in place)
+        return kept
     step = {"actor grads": grads, "optimizer temporaries": 0 if offloaded else temporaries}
     return passes if sum_parts(passes) >= sum_parts(step) else step
 
@@ -287,6 +310,7 @@ def _host(st: _Step, phase: Phase, role: str, active: dict[str, int], device: di
             held = dict(st.awake if generating else st.resident)
         else:
             held = dict(st.idle[other])
+        held.update(st.mapped.get(other, {}))
         busy = other == role or (other == "rollout" and generating)
         one = worker_process(name if other == role else "generation" if busy else "idle", held, s.on_gpu)
         workers.append((n, one))
@@ -320,9 +344,13 @@ def _load_row(st: _Step) -> Row:
                  "engine weights (host, on their way to the device)":
                      s.total_params * s.dtype_bytes if s.dtype_bytes != FP32 and fused(config) else 0}
     offloaded = {f"{k} (offloaded)": v for k, v in shards.items() if v and on_device[k] == 0}
+    # on CPU a role that is not sharded (one rank) keeps the checkpoint file's pages mapped, as the rollout engine
+    # does: not resident until a pass first reads them (measured: the ~184M bench model on one rank, calibration
+    # row mid_rl_split, 0.54 GB per process while loading)
+    lazy = {"actor params": _maps_checkpoint(config, s, "actor"), "ref params": _maps_checkpoint(config, s, "ref")}
     if fused(config):
         # on CPU an engine's weights are the checkpoint file's pages, mapped: resident once the engine first runs
-        held = {k: v for k, v in on_device.items() if v} if not s.on_gpu else offloaded
+        held = {k: v for k, v in on_device.items() if v and not lazy[k]} if not s.on_gpu else offloaded
         one = worker_process("load", held, s.on_gpu)
         # rank 0 reads the whole checkpoint and shards it before its engine is built: the larger of the two
         reader = worker_process("load", {**{k: v for k, v in held.items() if "params" in k}, **whole}, s.on_gpu)
@@ -332,9 +360,10 @@ def _load_row(st: _Step) -> Row:
     else:
         workers, one = [], {}
         for name, held in (("actor", on_device["actor params"]), ("ref", on_device["ref params"]),
-                           ("rollout", sum_parts(st.resident))):
+                           ("rollout", 0 if not s.on_gpu else sum_parts(st.resident))):
             if name == "ref" and not s.with_ref:
                 continue
+            held = 0 if lazy.get(f"{name} params") else held
             kept = ({f"{name} shards": held} if not s.on_gpu else
                     {k: v for k, v in offloaded.items() if k.startswith(name)})
             process = worker_process("load", kept, s.on_gpu)
@@ -345,19 +374,38 @@ def _load_row(st: _Step) -> Row:
                sum_parts(one) + sum_parts(whole))
 
 
+def _maps_checkpoint(config: Config, s: Shape, role: str) -> bool:
+    """Whether a CPU role's parameters are the checkpoint file's mapped pages after the load: one process reads
+    the file itself from a folder (a ``random:`` model is built in memory) and FSDP is not applied (no shards to
+    copy out: fp32, not offloaded; :func:`easytrain.workers.base.build_sharded_model`)."""
+    return (not s.on_gpu and not config.model.path.startswith(RANDOM_PREFIX) and s.world == 1
+            and s.dtype_bytes == FP32 and not getattr(config.worker, role).offload.params)
+
+
 def _run_rows(st: _Step, capacity: Capacity) -> list[Row]:
     """Checkpoint save, resume load and export (:func:`easytrain.memory.host.run_phases`)."""
     s = st.s
-    kept = {**st.idle["actor"], **st.idle["ref"], **st.resident, **st.staging}
+    others: dict[str, list[tuple[int, dict[str, int]]]] = {}
+    if fused(st.config):
+        kept = {**st.idle["actor"], **st.idle["ref"], **st.resident, **st.staging}
+    else:  # the actor processes save and resume; the reference and the engine wait in their own processes
+        kept = {**st.idle["actor"], **st.mapped["actor"]}
+        ref = [(s.per_node, dict(st.idle["ref"]))] if s.with_ref else []
+        # resumed before any sync: the engine's weights are still the checkpoint file's pages, not resident
+        others = {"checkpoint_save": [(s.per_node, {**st.resident, **st.mapped["rollout"]}), *ref],
+                  "resume_load": [(s.per_node, {}), *ref]}
     device = {**kept, **gpu_process_device("checkpoint_save")} if s.on_gpu else dict(kept)
     if s.on_gpu:
         kept = _offloaded(st)
+        others = {phase: [(n, {k: v for k, v in _offloaded(st).items() if k.startswith(("ref", "rollout"))})
+                          for n, _ in rest] for phase, rest in others.items()}
     degree = shard_degree(st.config.worker.actor.fsdp.shard_size, s.world)
-    return run_phases(st.config, kept=kept, state=st.actor.params + st.actor.optimizer,
+    return run_phases(st.config, kept=kept, others=others, state=st.actor.params + st.actor.optimizer,
                       trainable=st.actor.grads,  # the trainable shards in fp32: what their gradients take
                       largest_tensor=s.largest_module, largest_shard=-(-s.largest_module // degree) * FP32,
                       total_params=s.total_params, per_node=s.per_node,
                       processes_per_node=s.per_node * processes_per_device(st.config, s.with_ref),
+                      savers_per_node=s.per_node,
                       node_ram=capacity.node_ram, on_gpu=s.on_gpu, rl=True, device=device)
 
 

@@ -10,6 +10,7 @@ from typing import Any, Optional
 from easytrain.config.schema import MASKED_ATTENTION, Config
 from easytrain.memory.activations import MicroShape, model_dims, packed_micro, shard_units
 from easytrain.memory.budget import sequence_shape
+from easytrain.memory.host import heap_keeps_freed
 from easytrain.memory.params import count_parameters, largest_module, largest_trainable, trainable_by_component
 from easytrain.memory.states import DTYPE_BYTES, FP32, gathered_bytes, shard_degree
 
@@ -179,4 +180,5 @@ def gathered_units(config: Config, s: Shape, hf_config: dict[str, Any], role: st
     if degree == 1 and s.dtype_bytes == FP32:
         return 0
     root, block = shard_units(hf_config)
-    return gathered_bytes(s.total_params, root, block, s.dtype_bytes, grad=grad, reshard=role_cfg.fsdp.full_shard)
+    return gathered_bytes(s.total_params, root, block, s.dtype_bytes, grad=grad, reshard=role_cfg.fsdp.full_shard,
+                          kept=heap_keeps_freed(config, s.on_gpu))

@@ -39,7 +39,7 @@ from easytrain.memory.activations import (MicroShape, activation_bytes, model_di
                                           sft_logits_bytes, shard_units)
 from easytrain.memory.budget import kv_bytes_per_token
 from easytrain.memory.capacity import CUDA_WORKSPACE_BYTES, Capacity, Plan, Row, gpu_process_device, sum_parts
-from easytrain.memory.host import CHECKPOINT_FILE_BYTES, node_host, run_phases, worker_process
+from easytrain.memory.host import CHECKPOINT_FILE_BYTES, heap_keeps_freed, node_host, run_phases, worker_process
 from easytrain.memory.params import (count_parameters, hf_config_object, largest_module, largest_trainable,
                                      trainable_by_component)
 from easytrain.memory.states import (DTYPE_BYTES, FP32, ZERO_REDUCE_BUCKET, ZERO_SUB_GROUP, gathered_bytes,
@@ -182,11 +182,12 @@ def _zero_actor(config: Config, s: SFTShape) -> ActorStates:
 # ----------------------------------------------------------------------------- the phases
 
 
-def _gathered(st: ActorStates, s: SFTShape, hf_config: dict[str, Any], grad: bool) -> int:
+def _gathered(config: Config, st: ActorStates, s: SFTShape, hf_config: dict[str, Any], grad: bool) -> int:
     if not st.sharded:
         return 0
     root, block = shard_units(hf_config)
-    return gathered_bytes(s.total_params, root, block, s.dtype_bytes, grad=grad, reshard=st.reshard)
+    return gathered_bytes(s.total_params, root, block, s.dtype_bytes, grad=grad, reshard=st.reshard,
+                          kept=heap_keeps_freed(config, s.on_gpu))
 
 
 def pass_bytes(config: Config, s: SFTShape, st: ActorStates, hf_config: dict[str, Any], grad: bool) -> dict[str, int]:
@@ -197,7 +198,7 @@ def pass_bytes(config: Config, s: SFTShape, st: ActorStates, hf_config: dict[str
                             vision_grad=s.vision_grad, eager=config.model.attn_implementation == "eager", ulysses=u)
     positions = -(-s.micro.sequences * s.micro.tokens // u)
     parts = {"activations": acts, "logits": sft_logits_bytes(positions, dims.vocab, grad=grad),
-             "gathered": _gathered(st, s, hf_config, grad)}
+             "gathered": _gathered(config, st, s, hf_config, grad)}
     if grad and st.bucket:
         parts["reduce bucket"] = st.bucket
     return parts
@@ -222,7 +223,7 @@ def generation_bytes(config: Config, s: SFTShape, st: ActorStates, hf_config: di
     response = config.data.max_response_length
     prompt = MicroShape(rows, s.sample_tokens, 0, s.images, s.image_tokens)
     fsdp = config.worker.actor.strategy == "fsdp"
-    gathered = s.total_params * s.dtype_bytes if fsdp and st.sharded else _gathered(st, s, hf_config, False)
+    gathered = s.total_params * s.dtype_bytes if fsdp and st.sharded else _gathered(config, st, s, hf_config, False)
     return {"kv cache": rows * (s.sample_tokens + response) * kv_bytes_per_token(hf_config, config.model.dtype),
             "prefill": activation_bytes(dims, prompt, s.dtype_bytes, grad=False, checkpointing=False,
                                         vision_grad=False),
@@ -238,6 +239,10 @@ def phase_device(config: Config, s: SFTShape, st: ActorStates, hf_config: dict[s
         parts = {**st.kept, **pass_bytes(config, s, st, hf_config, grad=True)}
         if s.accumulates:  # the previous micro batches' gradients wait for this one's
             parts.update(st.grads)
+        if heap_keeps_freed(config, s.on_gpu):  # one call with the step: the passes' freed blocks stay resident
+            parts.update({**st.grads, **st.step})
+            if s.accumulates and st.sharded:  # FSDP: each micro batch's sum replaces the last one, which the heap keeps
+                parts.update({f"{k} (freed, kept by the heap)": v for k, v in st.grads.items()})
         return parts
     if phase == "optimizer":
         return {**st.kept, **st.grads, **st.step}

@@ -66,13 +66,16 @@ def role_states(total_params: int, trainable_params: int, degree: int, trains: b
     return StateBytes(params, grads, optimizer, offload_params)
 
 
-def gathered_bytes(total: int, root: int, block: int, dtype_bytes: int, *, grad: bool, reshard: bool) -> int:
+def gathered_bytes(total: int, root: int, block: int, dtype_bytes: int, *, grad: bool, reshard: bool,
+                   kept: bool = False) -> int:
     """Transient unsharded parameters of a sharded pass (FSDP2, or ZeRO-3 which gathers the same way): the
     root unit (``root`` elements: embeddings, head, vision patch embedding and merger) for the whole pass
     plus two blocks of ``block`` elements (current and prefetched), in the compute dtype; with ``grad``
     one block's unsharded fp32 gradient before its reduce-scatter. Without ``reshard`` (FSDP's
-    ``full_shard=false``) every unit stays gathered from its forward to its backward: the whole model."""
-    held = total if grad and not reshard else root + 2 * block
+    ``full_shard=false``) every unit stays gathered from its forward to its backward: the whole model. With ``kept`` (a CPU
+    worker under glibc's dynamic mmap threshold: :func:`easytrain.memory.host.heap_keeps_freed`) every unit a pass
+    gathered stays in the heap once freed, until the call ends: the whole model."""
+    held = total if kept or (grad and not reshard) else root + 2 * block
     return held * dtype_bytes + (block * FP32 if grad else 0)
 
 
