@@ -1,72 +1,205 @@
-"""A Batch in transit (pickled: every Ray call argument and result) carries each prompt's images once.
+"""A Batch holds, and in transit (pickled: every Ray call argument and result) carries, each prompt's images once.
 
-A rollout batch repeats every prompt's images for its n samples; pickling
-sends the first copy only and unpickling restores the rest, so what arrives
-equals what was sent while the bytes on the wire shrink by about (n-1)/n of
-the image share.
+A rollout batch repeats every prompt for its n samples; its patch rows are
+stored once per distinct image with an index per image, so repeating,
+selecting, splitting and joining samples share or keep stored rows instead of
+copying them, and pickling sends what is held. Expanded (``batch["pixel_values"]``),
+every operation gives what the per-sample layout (every sample's images back
+to back) gives.
 """
 
 from __future__ import annotations
 
+import json
 import pickle
 from pathlib import Path
 
+import pytest
 import ray.cloudpickle
 import torch
 
+from safetensors.torch import save_file
+
 from easytrain.distributed.batch import Batch
+from easytrain.trainer.ahead import FILE, Generated, load_generated, save_generated
 from easytrain.trainer.data import RLData
+from easytrain.workers.sequences import assemble
 
 from rl_batches import rl_config, rollout_batch
 
 
 def assert_same(a: Batch, b: Batch) -> None:
-    assert a.tensors.keys() == b.tensors.keys() and a.meta == b.meta
-    for key in a.tensors:
+    assert a.tensors.keys() == b.tensors.keys() and a.meta == b.meta and ("pixel_values" in a) == ("pixel_values" in b)
+    for key in [*a.tensors, *(["pixel_values"] if "pixel_values" in a else [])]:
         assert torch.equal(a[key], b[key]), key
     assert torch.equal(a.image_counts, b.image_counts)  # type: ignore[arg-type]
 
 
-def test_repeated_images_travel_once(tmp_path: Path) -> None:
-    config = rl_config(tmp_path, "worker.rollout.n=4")
-    batch = rollout_batch(config)
-    pixels = batch["pixel_values"]
-    image_bytes = pixels.numel() * pixels.element_size()
-    plain = len(pickle.dumps(dict(batch.__dict__)))  # the same content without the compaction
+def stored_bytes(batch: Batch) -> int:
+    """Bytes of the storage behind the batch's patch rows (a view counts its whole storage)."""
+    assert batch.pixels is not None
+    return batch.pixels.blocks.untyped_storage().nbytes()
+
+
+COUNTS = [2, 0, 1, 3]
+GRIDS = torch.tensor([[1, 2, 2], [1, 1, 3], [1, 2, 1], [2, 1, 2], [1, 1, 1], [1, 3, 1]])
+
+
+class PerSample:
+    """Prompts with zero to three visuals of different patch counts, and the per-sample reference: each sample's
+    grids, seconds and patch rows on their own, from which every expected batch is built."""
+
+    def __init__(self) -> None:
+        g = torch.Generator().manual_seed(0)
+        rows = GRIDS.prod(-1).tolist()
+        visual_at = [sum(COUNTS[:i]) for i in range(len(COUNTS) + 1)]
+        self.grids = [GRIDS[visual_at[i]:visual_at[i + 1]] for i in range(len(COUNTS))]
+        self.seconds = [torch.arange(visual_at[i], visual_at[i + 1], dtype=torch.float32) for i in range(len(COUNTS))]
+        self.rows = [torch.randn(sum(rows[visual_at[i]:visual_at[i + 1]]), 256, generator=g)
+                     for i in range(len(COUNTS))]
+        self.ids = torch.arange(len(COUNTS) * 3).reshape(len(COUNTS), 3)
+
+    def batch(self, samples: list[int]) -> Batch:
+        """The samples ``samples`` (by prompt) in today's per-sample layout: every sample's rows of its own."""
+        def joined(parts: list[torch.Tensor]) -> torch.Tensor:
+            return torch.cat([parts[i] for i in samples] + [parts[0][:0]])
+
+        return Batch({"input_ids": self.ids[samples], "pixel_values": joined(self.rows),
+                      "image_grid_thw": joined(self.grids), "visual_seconds": joined(self.seconds)},
+                     {"uids": [f"p{i}" for i in samples]}, torch.tensor([COUNTS[i] for i in samples], dtype=torch.long))
+
+
+@pytest.fixture
+def prompts() -> PerSample:
+    return PerSample()
+
+
+def repeated(prompts: PerSample, n: int) -> tuple[Batch, list[int]]:
+    """The prompts' batch repeated n times (as a rollout batch holds them) and the prompt of each sample."""
+    samples = [i for i in range(len(COUNTS)) for _ in range(n)]
+    return prompts.batch(list(range(len(COUNTS)))).repeat_interleave(n), samples
+
+
+def test_a_prompt_repeated_n_times_holds_its_pixels_once(prompts: PerSample) -> None:
+    once = prompts.batch(list(range(len(COUNTS))))
+    batch, samples = once.repeat_interleave(16), [i for i in range(len(COUNTS)) for _ in range(16)]
+    assert stored_bytes(batch) == stored_bytes(once) == sum(r.numel() * r.element_size() for r in prompts.rows)
+    assert batch.pixels.blocks is once.pixels.blocks  # type: ignore[union-attr]  # shared, not copied
+    assert_same(batch, prompts.batch(samples))
+
+
+def test_a_rollout_batch_holds_each_prompts_pixels_once(tmp_path: Path) -> None:
+    data = RLData(rl_config(tmp_path))
+    prompts = next(data.train_batches())
+    generated = Batch({"responses": torch.ones(8 * len(prompts), 3, dtype=torch.long),
+                       "response_mask": torch.ones(8 * len(prompts), 3, dtype=torch.long)})
+    batch = assemble(prompts, generated, 8, data.family)
+    pixels = prompts["pixel_values"]
+    assert stored_bytes(batch) == pixels.numel() * pixels.element_size()
+    grids = prompts["image_grid_thw"].prod(-1).tolist()
+    starts = [sum(grids[:j]) for j in range(len(grids) + 1)]
+    visual_at = [0] + torch.cumsum(prompts.image_counts, 0).tolist()  # type: ignore[arg-type]
+    per_prompt = [pixels[starts[visual_at[i]]:starts[visual_at[i + 1]]] for i in range(len(prompts))]
+    assert torch.equal(batch["pixel_values"], torch.cat([per_prompt[i] for i in range(len(prompts)) for _ in range(8)]))
+    assert_same(pickle.loads(pickle.dumps(batch)), batch)
+
+
+@pytest.mark.parametrize("indices", [[3, 0, 5], [1, 4], [], [2, 2, 0, 2], [5, 4, 3, 2, 1, 0], [7, 6, 7, 0]])
+def test_select_equals_the_per_sample_layout(prompts: PerSample, indices: list[int]) -> None:
+    batch, samples = repeated(prompts, 2)
+    assert_same(batch.select(indices), prompts.batch([samples[i] for i in indices]))
+
+
+def test_split_concat_and_interleave_equal_the_per_sample_layout(prompts: PerSample) -> None:
+    batch, samples = repeated(prompts, 4)
+    parts = batch.split(3)
+    bounds = [len(samples) * p // 3 for p in range(4)]
+    for p, part in enumerate(parts):
+        assert_same(part, prompts.batch(samples[bounds[p]:bounds[p + 1]]))
+    assert_same(Batch.concat(parts), prompts.batch(samples))
+    other = prompts.batch([1, 3, 3])
+    assert_same(Batch.concat([parts[2], other, parts[0]]),
+                prompts.batch(samples[bounds[2]:] + [1, 3, 3] + samples[:bounds[1]]))
+    order = [s * 8 + r * 4 + i for r in range(2) for s in range(2) for i in range(4)]
+    assert_same(batch.interleave_for_ranks(8, 2), prompts.batch([samples[i] for i in order]))
+
+
+def test_a_ranks_share_carries_only_its_samples_images(prompts: PerSample) -> None:
+    batch, samples = repeated(prompts, 4)
+    for p, part in enumerate(batch.split(len(COUNTS))):  # one prompt's samples per rank
+        own = prompts.rows[p].numel() * prompts.rows[p].element_size()
+        arrived = pickle.loads(pickle.dumps(part))
+        assert stored_bytes(arrived) == own
+        assert_same(arrived, prompts.batch(samples[4 * p:4 * p + 4]))
+    mixed = batch.select([12, 0, 13])  # prompts 3 and 0, not neighbours: a copy of their rows only
+    assert stored_bytes(mixed) == sum(prompts.rows[i].numel() * prompts.rows[i].element_size() for i in (0, 3))
+    assert_same(mixed, prompts.batch([3, 0, 3]))
+
+
+def test_pickling_sends_what_is_held_and_compares_nothing(prompts: PerSample,
+                                                          monkeypatch: pytest.MonkeyPatch) -> None:
+    batch, samples = repeated(prompts, 16)
+    equal_calls = []
+    real_equal = torch.equal
+    monkeypatch.setattr(torch, "equal", lambda *a: equal_calls.append(1) or real_equal(*a))
+    arrivals = []
     for dumps, loads in ((pickle.dumps, pickle.loads), (ray.cloudpickle.dumps, ray.cloudpickle.loads)):
         wire = dumps(batch)
-        assert_same(loads(wire), batch)
-        assert plain - len(wire) > 0.7 * image_bytes  # 3 of every 4 copies stayed home
-    # what arrives behaves like the original: a worker's share with its images
-    arrived = pickle.loads(pickle.dumps(batch))
-    for part, original in zip(arrived.split(3), batch.split(3)):
-        assert_same(part, original)
+        assert len(wire) < stored_bytes(batch) + 8000  # one copy of the rows, not sixteen
+        arrivals.append(loads(wire))
+    buffers: list[pickle.PickleBuffer] = []
+    wire = pickle.dumps(batch, protocol=5, buffer_callback=buffers.append)
+    arrivals.append(pickle.loads(wire, buffers=[memoryview(b).toreadonly() for b in buffers]))
+    assert not equal_calls
+    monkeypatch.undo()
+    for arrived in arrivals:
+        assert stored_bytes(arrived) == stored_bytes(batch)  # still compact on arrival
+        assert_same(arrived, prompts.batch(samples))
+        assert_same(arrived.split(3)[1], batch.split(3)[1])
 
 
-def test_different_images_are_all_sent(tmp_path: Path) -> None:
-    """Samples whose images differ in one pixel, or that are not neighbours, keep their own copies."""
-    config = rl_config(tmp_path, "worker.rollout.n=2")
-    batch = rollout_batch(config)
-    pixels = batch["pixel_values"].clone()
-    counts = batch.image_counts
-    first_of_second_sample = int(batch["image_grid_thw"][: int(counts[0])].prod(-1).sum())  # type: ignore[index]
-    pixels[first_of_second_sample, 0] += 1e-3  # sample 1 (a copy of sample 0's image) now differs slightly
-    changed = Batch({**batch.tensors, "pixel_values": pixels}, batch.meta, counts)
-    arrived = pickle.loads(pickle.dumps(changed))
-    assert_same(arrived, changed)
-    assert changed._repeated_image_owners()[:2] == [0, 1]  # type: ignore[index]
+def test_equal_pixels_in_different_blocks_compare_equal(prompts: PerSample) -> None:
+    """What prompt grouping asks: samples that share blocks are equal at once; blocks stored apart are compared."""
+    one = prompts.batch([0, 2])
+    joined = Batch.concat([one, one, prompts.batch([2])])  # equal rows, stored apart
+    assert joined.same_pixels(0, 2) and joined.same_pixels(1, 3) and joined.same_pixels(1, 4)
+    assert not joined.same_pixels(0, 1)
+    changed = prompts.batch([0])
+    changed.pixels.blocks[0, 0] += 1e-3  # type: ignore[union-attr]
+    assert not Batch.concat([one, changed]).same_pixels(0, 2)
 
-    prompts = next(RLData(config).train_batches())  # one row per prompt: distinct images, nothing to share
-    assert prompts._repeated_image_owners() is None
-    assert_same(pickle.loads(pickle.dumps(prompts)), prompts)
-    interleaved = prompts.select([0, 1, 0, 1])  # equal images that are not neighbours are sent twice
-    assert interleaved._repeated_image_owners() is None
+
+def test_a_batch_built_from_anothers_tensors_without_its_pixels_is_refused(prompts: PerSample) -> None:
+    batch = prompts.batch([0, 3])
+    assert "pixel_values" in batch and "pixel_values" not in batch.tensors
+    with pytest.raises(ValueError, match="pixels=batch.pixels"):
+        Batch({**batch.tensors, "targets": batch["input_ids"]}, batch.meta, batch.image_counts)
+    kept = batch.union(Batch({"targets": batch["input_ids"]}))
+    assert torch.equal(kept["pixel_values"], batch["pixel_values"])
+    assert torch.equal(batch.expanded_tensors()["pixel_values"], torch.cat([prompts.rows[0], prompts.rows[3]]))
+
+
+def test_a_saved_generated_batch_loads_as_it_was_held(prompts: PerSample, tmp_path: Path) -> None:
+    """trainer/ahead.py's save for an exact resume keeps the stored rows once (a rank's view of them too); a save
+    from before (every sample's rows) loads as well."""
+    batch, samples = repeated(prompts, 4)
+    part = batch.split(2)[1]  # a view into the stored rows
+    scores = {"overall": torch.arange(len(part), dtype=torch.float32)}
+    state = save_generated(Generated(part, scores, 3), tmp_path)
+    loaded = load_generated(json.loads(json.dumps(state)), tmp_path)
+    assert stored_bytes(loaded.batch) == stored_bytes(pickle.loads(pickle.dumps(part)))  # its own rows, once
+    assert_same(loaded.batch, prompts.batch(samples[8:]))
+    assert loaded.version == 3 and torch.equal(loaded.scores["overall"], scores["overall"])
+    old = {f"batch/{k}": v for k, v in part.expanded_tensors().items()}
+    old.update({"image_counts": part.image_counts, "scores/overall": scores["overall"]})  # type: ignore[dict-item]
+    save_file(old, str(tmp_path / FILE))
+    assert_same(load_generated(state, tmp_path).batch, part)
 
 
 def test_text_only_batches_are_untouched(tmp_path: Path) -> None:
     config = rl_config(tmp_path, "model.path=tiny:qwen2", "data.image_key=null")
     batch = rollout_batch(config)
-    assert batch.image_counts is None and batch._repeated_image_owners() is None
+    assert batch.image_counts is None and batch.pixels is None and "pixel_values" not in batch
     arrived = pickle.loads(pickle.dumps(batch))
     assert arrived.__dict__.keys() == batch.__dict__.keys() and arrived.image_counts is None
     for key in batch.tensors:

@@ -213,6 +213,9 @@ def painted(tmp_path: Path, colour: str) -> tuple[Config, Batch, list[bool]]:
     assert again.image_counts.tolist() == [prompt_images + 1] * 2
     assert all(again[k].shape[0] == 2 * (prompt_images + 1) for k in ("image_grid_thw", "visual_seconds") if k in again)
     assert out.image_counts.tolist() == [prompt_images + 1]
+    prompt_rows = int(prompts["image_grid_thw"].prod(-1).sum())  # the row's patch rows: its prompt's, then the tool's
+    assert torch.equal(out["pixel_values"][:prompt_rows], prompts["pixel_values"])
+    assert torch.equal(out["pixel_values"], engine.prompts[1]["pixel_values"])
     held = int(out["response_attention_mask"][0].sum())
     trained = out["response_mask"][0, :held].bool().tolist()
     assert trained == [True] * len(call) + [False] * (held - len(call) - len(answer)) + [True] * len(answer)

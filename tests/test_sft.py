@@ -222,14 +222,14 @@ def test_text_only_rows_pack_apart_on_a_vision_model(tmp_path: Path) -> None:
 def test_blank_image_sample_changes_no_loss_and_runs_the_vision_tower(data: SFTData, tmp_path: Path) -> None:
     """What the driver appends to a micro batch without images (so every rank runs the sharded vision tower)."""
     w = worker(sft_config(tmp_path))
-    text_only = uneven_batch(data, [0, 1])
-    text_only.tensors["pixel_values"] = text_only["pixel_values"][:0]  # how a selected micro batch without
-    text_only.tensors["image_grid_thw"] = text_only["image_grid_thw"][:0]  # images holds them: empty
-    text_only.tensors["input_ids"] = torch.where(text_only["mm_token_type_ids"].bool(), 0, text_only["input_ids"])
-    text_only.tensors["mm_token_type_ids"] = torch.zeros_like(text_only["mm_token_type_ids"])
+    samples = uneven_batch(data, [0, 1])
+    text_only = Batch({**samples.tensors, "pixel_values": samples["pixel_values"][:0],  # how a selected micro
+                       "image_grid_thw": samples["image_grid_thw"][:0],  # batch without images holds them: empty
+                       "input_ids": torch.where(samples["mm_token_type_ids"].bool(), 0, samples["input_ids"]),
+                       "mm_token_type_ids": torch.zeros_like(samples["mm_token_type_ids"])},
+                      samples.meta, torch.zeros(2, dtype=torch.long))
     assert data.blank is not None
-    with_blank = Batch.concat([Batch(text_only.tensors, text_only.meta, torch.zeros(2, dtype=torch.long)),
-                               data.blank])
+    with_blank = Batch.concat([text_only, data.blank])
     no_images = {k: v for k, v in text_only.tensors.items() if k not in ("pixel_values", "image_grid_thw")}
     for inputs in (padded, flatten):
         alone = accumulate_gradients(w.model, torch.Tensor.backward,

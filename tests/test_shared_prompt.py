@@ -109,7 +109,7 @@ def test_responses_of_one_prompt_do_not_see_each_other(tmp_path: Path) -> None:
         responses[0, :3] = (responses[0, :3] + 7) % 200 + 20
         ids = batch["input_ids"].clone()
         ids[0, -responses.shape[1]:] = responses[0] * batch["response_mask"][0]
-        changed = Batch({**batch.tensors, "responses": responses, "input_ids": ids}, batch.meta, batch.image_counts)
+        changed = batch.union(Batch({"responses": responses, "input_ids": ids}))
         after, _ = log_probs_of(model, planned(changed, model, False, True), 1.0, CPU)
     mask = batch["response_mask"].bool()
     assert not torch.equal(before[0][mask[0]], after[0][mask[0]])  # the changed response itself moved

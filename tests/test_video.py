@@ -71,7 +71,7 @@ def test_positions_equal_the_models_rope_index(family: str, tmp_path: Path) -> N
     config = video_config(tmp_path, family)
     prompts = prompts_with_both(config)
     model = actor_model(config)
-    inputs = family_of(model).visual_kwargs(prompts.tensors, seconds_arg=True)
+    inputs = family_of(model).visual_kwargs(prompts.expanded_tensors(), seconds_arg=True)
     assert inputs["video_grid_thw"][:, 0].tolist() == [2] * len(inputs["video_grid_thw"])  # 4 frames: 2 patches
     extra = {"second_per_grid_ts": inputs["second_per_grid_ts"]} if takes_video_seconds(model) else {}
     want, _ = model.model.get_rope_index(prompts["input_ids"], prompts["mm_token_type_ids"],
@@ -115,9 +115,7 @@ def reverse_frames(batch: Batch) -> Batch:
             block = pixels[start:start + size].view(t, h * w, 3, 2, -1)  # (patch, place, C, frame, 14*14)
             pixels[start:start + size] = block.flip(0).flip(3).reshape(size, -1)
         start += size
-    out = Batch(dict(batch.tensors), batch.meta, batch.image_counts)
-    out.tensors["pixel_values"] = pixels
-    return out
+    return Batch({**batch.tensors, "pixel_values": pixels}, batch.meta, batch.image_counts)
 
 
 @pytest.mark.parametrize("drop_finished,share,fps", [(True, True, 2.0), (True, False, 2.0), (False, True, 2.0),

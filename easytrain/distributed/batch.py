@@ -1,14 +1,19 @@
 """The batch that travels between the driver and worker groups.
 
-Most tensors have one row per sample. Images are packed: ``pixel_values``
-holds the patch rows of every image back to back and ``image_grid_thw`` one
-row per image, so splitting or selecting samples must carry the right image
-and patch ranges along; :class:`Batch` does that, so dispatch code and
-workers never re-derive it. Videos travel in the same stream
-(``visual_seconds`` tells them apart), so ``image_counts`` counts a sample's
-images and videos. Python lists (uids, answers, PIL images for
-vLLM) ride in ``meta``, one entry per sample. A :class:`MicroBatch` is one
-forward's samples as the driver planned them, with how to run them.
+Most tensors have one row per sample. Visuals are packed: ``image_grid_thw``
+(and ``visual_seconds``) hold a row per image or video, back to back, and
+``image_counts`` how many each sample has. Their patch rows are stored once
+per distinct visual (:class:`Pixels`): a prompt repeated for its n responses
+points its n copies at the same stored rows, so the driver holds, and each
+Ray call sends, every prompt's pixels once. ``batch["pixel_values"]`` and
+:meth:`Batch.expanded_tensors` build every visual's rows back to back, as a
+forward takes them (a worker's micro batch, not a rollout batch, should ask).
+Selecting, splitting and joining samples carries the right visuals and stored
+rows along, so dispatch code and workers never re-derive them. Videos travel
+in the same stream (``visual_seconds`` tells them apart). Python lists (uids,
+answers, PIL images for vLLM) ride in ``meta``, one entry per sample. A
+:class:`MicroBatch` is one forward's samples as the driver planned them, with
+how to run them.
 """
 
 from __future__ import annotations
@@ -18,7 +23,8 @@ from typing import Any, Optional, Sequence
 
 import torch
 
-PACKED_PATCH_KEYS = ("pixel_values",)
+PIXELS = "pixel_values"
+"""Every visual's patch rows back to back, as a forward takes them; a :class:`Batch` stores them as :class:`Pixels`."""
 PACKED_IMAGE_KEYS = ("image_grid_thw", "visual_seconds")
 """Per-visual tensors (a row per image or video: :mod:`easytrain.data.vision`'s stream)."""
 PAD_VALUES = {"targets": -100}
@@ -27,15 +33,88 @@ targets are ignored there (the label index cross-entropy skips)."""
 
 
 @dataclass
+class Pixels:
+    """A batch's patch rows with each distinct visual stored once: the stored blocks' rows back to back, and for
+    every visual of the batch the block it shows. Repeating a sample repeats its block indices, not its rows."""
+
+    blocks: torch.Tensor
+    """The stored blocks' patch rows, back to back."""
+    sizes: torch.Tensor
+    """Patch rows of each stored block (long)."""
+    index: torch.Tensor
+    """For each visual of the batch, in stream order, the stored block it shows (long)."""
+
+    @staticmethod
+    def of(rows: torch.Tensor, sizes: torch.Tensor) -> "Pixels":
+        """Per-visual patch rows (``sizes`` rows each, back to back) as a block per visual."""
+        return Pixels(rows, sizes.long(), torch.arange(len(sizes)))
+
+    def expand(self) -> torch.Tensor:
+        """Every visual's patch rows back to back (a block shown k times, k times): the stored rows themselves when
+        each block is shown once, in order."""
+        if len(self.index) == len(self.sizes) and torch.equal(self.index, torch.arange(len(self.sizes))):
+            return self.blocks
+        return self.rows(torch.arange(len(self.index)))
+
+    def rows(self, visuals: torch.Tensor) -> torch.Tensor:
+        """The patch rows of the visuals at ``visuals``, back to back (a copy)."""
+        return self.blocks.index_select(0, _ranges(_offsets(self.sizes), self.index[visuals]))
+
+    def take(self, visuals: torch.Tensor) -> "Pixels":
+        """The visuals at ``visuals`` (in that order; repeats share their block) with only the blocks they show: all
+        blocks as they are, a run of blocks as a view, else a copy of the blocks used."""
+        index = self.index[visuals]
+        used, inverse = torch.unique(index, return_inverse=True)
+        if len(used) == len(self.sizes):
+            return Pixels(self.blocks, self.sizes, index)
+        offsets = _offsets(self.sizes)
+        if len(used) and int(used[-1] - used[0]) + 1 == len(used):
+            first, last = int(used[0]), int(used[-1]) + 1
+            return Pixels(self.blocks[int(offsets[first]):int(offsets[last])], self.sizes[first:last], index - first)
+        return Pixels(self.blocks.index_select(0, _ranges(offsets, used)), self.sizes[used], inverse)
+
+    @staticmethod
+    def concat(parts: Sequence["Pixels"]) -> "Pixels":
+        """The visuals of every part in order, each part's blocks stored after the previous part's."""
+        if len(parts) == 1:
+            return parts[0]
+        starts = [0] + torch.cumsum(torch.tensor([len(p.sizes) for p in parts]), 0).tolist()
+        return Pixels(torch.cat([p.blocks for p in parts]), torch.cat([p.sizes for p in parts]),
+                      torch.cat([p.index + start for p, start in zip(parts, starts)]))
+
+    def __getstate__(self) -> dict[str, Any]:
+        """The stored rows as they are (a view sends its own rows only), as :meth:`Batch.__getstate__` sends tensors."""
+        return {k: _to_wire(v) for k, v in self.__dict__.items()}
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__dict__.update({k: _from_wire(v) for k, v in state.items()})
+
+
+@dataclass
 class Batch:
     tensors: dict[str, torch.Tensor] = field(default_factory=dict)
+    """Tensors with a row per sample, and the per-visual :data:`PACKED_IMAGE_KEYS`. ``pixel_values`` given here
+    (every visual's rows back to back) moves into :attr:`pixels`, a block per visual."""
     meta: dict[str, list[Any]] = field(default_factory=dict)
     image_counts: Optional[torch.Tensor] = None
-    """Images per sample (needed to split packed image tensors); None when there are no images."""
+    """Visuals per sample (needed to split packed visual tensors); None when there are no images."""
+    pixels: Optional[Pixels] = None
+    """The visuals' patch rows, each distinct visual stored once; None without images."""
+
+    def __post_init__(self) -> None:
+        if PIXELS in self.tensors:
+            if self.pixels is not None or "image_grid_thw" not in self.tensors:
+                raise ValueError("a Batch takes pixel_values with image_grid_thw (each visual's patch rows), and "
+                                 "not beside pixels")
+            self.tensors = dict(self.tensors)
+            self.pixels = Pixels.of(self.tensors.pop(PIXELS), self.tensors["image_grid_thw"].prod(-1))
+        elif "image_grid_thw" in self.tensors and self.pixels is None:
+            raise ValueError("a Batch with image_grid_thw needs its patch rows: pass pixels=batch.pixels (a batch "
+                             "built from another's tensors does not carry them)")
 
     def __len__(self) -> int:
         for key, value in self.tensors.items():
-            if key not in PACKED_PATCH_KEYS + PACKED_IMAGE_KEYS:
+            if key not in PACKED_IMAGE_KEYS:
                 return int(value.shape[self._sample_dim(key, value)])
         for value in self.meta.values():
             return len(value)
@@ -46,37 +125,49 @@ class Batch:
         return 1 if key == "position_ids" and value.dim() == 3 else 0  # multimodal rope rows: (3, batch, length)
 
     def __getitem__(self, key: str) -> torch.Tensor:
+        """A tensor by name; ``pixel_values``: every visual's patch rows, built from the stored blocks."""
+        if key == PIXELS and self.pixels is not None:
+            return self.pixels.expand()
         return self.tensors[key]
 
     def __contains__(self, key: str) -> bool:
-        return key in self.tensors
+        return key in self.tensors or (key == PIXELS and self.pixels is not None)
 
-    def _image_ranges(self) -> tuple[list[int], list[int]]:
-        """Cumulative image and patch offsets per sample boundary."""
+    def expanded_tensors(self) -> dict[str, torch.Tensor]:
+        """Every tensor, ``pixel_values`` included (every visual's rows back to back): what a forward and the
+        model family's adapter take."""
+        return {**self.tensors, PIXELS: self.pixels.expand()} if self.pixels is not None else dict(self.tensors)
+
+    def _visuals(self, sample: int) -> torch.Tensor:
         assert self.image_counts is not None
-        image_offsets = [0] + torch.cumsum(self.image_counts, 0).tolist()
-        patches = self.tensors["image_grid_thw"].prod(-1) if "image_grid_thw" in self.tensors else None
-        patch_offsets = [0] + (torch.cumsum(patches, 0).tolist() if patches is not None else [])
-        return image_offsets, patch_offsets
+        offsets = _offsets(self.image_counts)
+        return torch.arange(int(offsets[sample]), int(offsets[sample + 1]))
+
+    def same_pixels(self, a: int, b: int) -> bool:
+        """Whether samples ``a`` and ``b`` have equal patch rows: at once when they show the same stored blocks,
+        else compared value by value."""
+        if self.pixels is None:
+            return True
+        first, second = self._visuals(a), self._visuals(b)
+        return (torch.equal(self.pixels.index[first], self.pixels.index[second])
+                or torch.equal(self.pixels.rows(first), self.pixels.rows(second)))
 
     def select(self, indices: Sequence[int]) -> "Batch":
-        """The samples at ``indices`` (in that order), with their images."""
+        """The samples at ``indices`` (in that order), with their visuals; repeated samples share stored rows, and
+        only the rows the selected samples show are kept."""
         index = torch.as_tensor(list(indices), dtype=torch.long)
         out = Batch(meta={k: [v[i] for i in indices] for k, v in self.meta.items()})
         for key, value in self.tensors.items():
-            if key not in PACKED_PATCH_KEYS + PACKED_IMAGE_KEYS:
+            if key not in PACKED_IMAGE_KEYS:
                 out.tensors[key] = value.index_select(self._sample_dim(key, value), index)
         if self.image_counts is not None:
             out.image_counts = self.image_counts[index]
-            images = _ranges(_offsets(self.image_counts), index)
+            visuals = _ranges(_offsets(self.image_counts), index)
             for key in PACKED_IMAGE_KEYS:
                 if key in self.tensors:
-                    out.tensors[key] = self.tensors[key].index_select(0, images)
-            if any(key in self.tensors for key in PACKED_PATCH_KEYS):
-                patches = _ranges(_offsets(self.tensors["image_grid_thw"].prod(-1)), images)
-                for key in PACKED_PATCH_KEYS:
-                    if key in self.tensors:
-                        out.tensors[key] = self.tensors[key].index_select(0, patches)
+                    out.tensors[key] = self.tensors[key].index_select(0, visuals)
+            if self.pixels is not None:
+                out.pixels = self.pixels.take(visuals)
         return out
 
     def split(self, parts: int) -> list["Batch"]:
@@ -86,7 +177,7 @@ class Batch:
         return [self.select(range(bounds[p], bounds[p + 1])) for p in range(parts)]
 
     def repeat_interleave(self, times: int) -> "Batch":
-        """Each sample ``times`` times in a row (a prompt's n responses)."""
+        """Each sample ``times`` times in a row (a prompt's n responses), its stored rows shared, not copied."""
         return self.select([i for i in range(len(self)) for _ in range(times)])
 
     @staticmethod
@@ -100,11 +191,13 @@ class Batch:
         out = Batch(meta={k: [x for b in batches for x in b.meta[k]] for k in first.meta})
         for key in first.tensors:
             values = [b.tensors[key] for b in batches]
-            dim = 0 if key in PACKED_PATCH_KEYS + PACKED_IMAGE_KEYS else Batch._sample_dim(key, values[0])
+            dim = 0 if key in PACKED_IMAGE_KEYS else Batch._sample_dim(key, values[0])
             out.tensors[key] = torch.cat(_pad_last(values, PAD_VALUES.get(key, 0)) if values[0].dim() > dim + 1
                                          else values, dim=dim)
         if first.image_counts is not None:
             out.image_counts = torch.cat([b.image_counts for b in batches])  # type: ignore[misc]
+        if first.pixels is not None:
+            out.pixels = Pixels.concat([b.pixels for b in batches])  # type: ignore[misc]
         return out
 
     def interleave_for_ranks(self, per_step: int, ranks: int) -> "Batch":
@@ -118,63 +211,22 @@ class Batch:
                             for i in range(share)])
 
     def __getstate__(self) -> dict[str, Any]:
-        """What pickling (and so every Ray call and result) carries. A sample whose images equal the previous
-        sample's (a prompt's n rows) sends none of its own; :meth:`__setstate__` copies them back. CPU tensors
-        travel as numpy arrays, which Ray serialises out of band (no copy into the pickle stream; a torch
-        tensor is pickled byte by byte: ~4x slower per call for a rollout batch here)."""
+        """What pickling (and so every Ray call and result) carries: the batch as it is held, stored rows once
+        (:class:`Pixels`). CPU tensors travel as numpy arrays, which Ray serialises out of band (no copy into the
+        pickle stream; a torch tensor is pickled byte by byte: ~4x slower per call for a rollout batch here)."""
         state = dict(self.__dict__)
-        tensors = self.tensors
-        owners = self._repeated_image_owners()
-        if owners is not None:
-            kept = sorted(set(owners))
-            compact = self._images_only().select(kept)
-            tensors = {**self.tensors, **compact.tensors}
-            position = {owner: k for k, owner in enumerate(kept)}
-            state["_image_rows"] = [position[o] for o in owners]
-            state["_compact_counts"] = compact.image_counts
-        state["tensors"] = {k: _to_wire(v) for k, v in tensors.items()}
+        state["tensors"] = {k: _to_wire(v) for k, v in self.tensors.items()}
         return state
 
-    def _images_only(self) -> "Batch":
-        return Batch({k: v for k, v in self.tensors.items() if k in PACKED_PATCH_KEYS + PACKED_IMAGE_KEYS},
-                     image_counts=self.image_counts)
-
     def __setstate__(self, state: dict[str, Any]) -> None:
-        rows = state.pop("_image_rows", None)
-        compact_counts = state.pop("_compact_counts", None)
         state["tensors"] = {k: _from_wire(v) for k, v in state["tensors"].items()}
         self.__dict__.update(state)
-        if rows is not None:
-            full = Batch(self._images_only().tensors, image_counts=compact_counts).select(rows)
-            self.tensors.update(full.tensors)
-
-    def _repeated_image_owners(self) -> Optional[list[int]]:
-        """For each sample, the first of the run of consecutive samples with equal images it belongs to; None when
-        no sample repeats its predecessor's images (nothing to save)."""
-        if (self.image_counts is None or "pixel_values" not in self.tensors or "image_grid_thw" not in self.tensors
-                or len(self) < 2):
-            return None
-        image_offsets, patch_offsets = self._image_ranges()
-        grids, pixels = self.tensors["image_grid_thw"], self.tensors["pixel_values"]
-
-        def images(i: int) -> tuple[int, int]:
-            return image_offsets[i], image_offsets[i + 1]
-
-        owners = [0]
-        for i in range(1, len(self)):
-            (a0, a1), (b0, b1) = images(i - 1), images(i)
-            seconds = self.tensors.get("visual_seconds")
-            same = (a1 - a0 == b1 - b0 > 0 and torch.equal(grids[a0:a1], grids[b0:b1])
-                    and (seconds is None or torch.equal(seconds[a0:a1], seconds[b0:b1]))
-                    and torch.equal(pixels[patch_offsets[a0]:patch_offsets[a1]],
-                                    pixels[patch_offsets[b0]:patch_offsets[b1]]))
-            owners.append(owners[-1] if same else i)
-        return owners if len(set(owners)) < len(owners) else None
 
     def union(self, other: "Batch") -> "Batch":
         """This batch with ``other``'s tensors and meta added (same samples)."""
         assert len(self) == len(other) or not len(other), (len(self), len(other))
-        return Batch({**self.tensors, **other.tensors}, {**self.meta, **other.meta}, self.image_counts)
+        return Batch({**self.tensors, **other.tensors}, {**self.meta, **other.meta}, self.image_counts,
+                     self.pixels if self.pixels is not None else other.pixels)
 
 
 def _offsets(counts: torch.Tensor) -> torch.Tensor:
@@ -198,7 +250,7 @@ def _with_seconds(batch: Batch) -> Batch:
     if "visual_seconds" in batch.tensors or "image_grid_thw" not in batch.tensors:
         return batch
     seconds = torch.zeros(batch.tensors["image_grid_thw"].shape[0], dtype=torch.float32)
-    return Batch({**batch.tensors, "visual_seconds": seconds}, batch.meta, batch.image_counts)
+    return Batch({**batch.tensors, "visual_seconds": seconds}, batch.meta, batch.image_counts, batch.pixels)
 
 
 def _to_wire(tensor: torch.Tensor) -> Any:

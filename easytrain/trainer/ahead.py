@@ -26,7 +26,7 @@ from typing import Any
 import torch
 from safetensors.torch import load_file, save_file
 
-from easytrain.distributed.batch import Batch
+from easytrain.distributed.batch import Batch, Pixels
 
 FILE = "rollout_ahead.safetensors"
 """The generated next batch in a checkpoint folder (tensors only; its lists are in the trainer state)."""
@@ -56,6 +56,8 @@ def save_generated(generated: Generated, folder: Path) -> dict[str, Any]:
     tensors.update({f"scores/{k}": v.contiguous() for k, v in generated.scores.items()})
     if generated.batch.image_counts is not None:
         tensors["image_counts"] = generated.batch.image_counts.contiguous()
+    if generated.batch.pixels is not None:  # each prompt's patch rows once, as the batch holds them
+        tensors.update({f"pixels/{k}": v.contiguous() for k, v in vars(generated.batch.pixels).items()})
     save_file(tensors, str(folder / FILE))
     meta = {k: list(generated.batch.meta[k]) for k in META_KEYS if k in generated.batch.meta}
     json.dumps(meta)  # fails here, before the checkpoint is published, if a list holds something JSON cannot
@@ -65,7 +67,9 @@ def save_generated(generated: Generated, folder: Path) -> dict[str, Any]:
 def load_generated(state: dict[str, Any], folder: Path) -> Generated:
     """The batch :func:`save_generated` wrote into ``folder``."""
     tensors = load_file(str(folder / FILE))
+    pixels = {k[len("pixels/"):]: v for k, v in tensors.items() if k.startswith("pixels/")}
     batch = Batch({k[len("batch/"):]: v for k, v in tensors.items() if k.startswith("batch/")},
-                  {k: list(v) for k, v in state["meta"].items()}, tensors.get("image_counts"))
+                  {k: list(v) for k, v in state["meta"].items()}, tensors.get("image_counts"),
+                  Pixels(**pixels) if pixels else None)
     scores = {k[len("scores/"):]: v for k, v in tensors.items() if k.startswith("scores/")}
     return Generated(batch, scores, int(state["version"]))

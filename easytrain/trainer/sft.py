@@ -158,5 +158,4 @@ class SFTTrainer(Trainer):
 
 def untrained(batch: Batch) -> Batch:
     """``batch`` with nothing to train (every target ignored): fills a rank's share without changing the loss."""
-    return Batch({**batch.tensors, "targets": torch.full_like(batch["targets"], IGNORE)}, dict(batch.meta),
-                 batch.image_counts)
+    return batch.union(Batch({"targets": torch.full_like(batch["targets"], IGNORE)}))

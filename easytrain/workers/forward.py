@@ -27,7 +27,7 @@ def model_inputs(batch: Batch, device: torch.device, family: Family, keys: tuple
     ``family``'s adapter says the model takes them (``seconds_arg`` where the model computes positions itself)."""
     inputs = {k: batch[k].to(device) for k in keys if k in batch and k not in VISUAL_KEYS and k != TOKEN_TYPES}
     if any(k in VISUAL_KEYS for k in keys):
-        extra = family.model_kwargs(batch.tensors, seconds_arg)
+        extra = family.model_kwargs(batch.expanded_tensors(), seconds_arg)
         if TOKEN_TYPES not in keys:
             extra.pop(TOKEN_TYPES, None)
         inputs.update({k: v.to(device) for k, v in extra.items()})

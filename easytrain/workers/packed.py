@@ -56,7 +56,7 @@ def flatten(batch: Batch, family: Family) -> dict[str, torch.Tensor]:
         out["position_ids"] = text[None, None].expand(4, 1, -1)
     else:
         out["position_ids"] = positions[mask][None]
-    out.update(family.visual_kwargs(batch.tensors))
+    out.update(family.visual_kwargs(batch.expanded_tensors()))
     if "mm_token_type_ids" in batch and family.takes_token_types():
         out["mm_token_type_ids"] = batch["mm_token_type_ids"][mask][None]
     return out

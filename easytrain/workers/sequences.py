@@ -57,6 +57,6 @@ def assemble(prompts: Batch, generated: Batch, n: int, family: Optional[Family] 
     else:
         tensors["position_ids"] = text_positions(attention_mask)
     for key in VISUAL_KEYS:
-        if key in images:
-            tensors[key] = images[key]
-    return Batch(tensors, rows.meta, images.image_counts)
+        if key in images.tensors:  # the per-visual rows; the patch rows stay stored once per prompt (pixels)
+            tensors[key] = images.tensors[key]
+    return Batch(tensors, rows.meta, images.image_counts, images.pixels)

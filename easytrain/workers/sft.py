@@ -43,7 +43,7 @@ def padded(batch: Batch, family: Family) -> dict[str, torch.Tensor]:
     width = int(batch["attention_mask"].sum(-1).max())
     out = {k: batch[k] for k in (*MODEL_INPUTS, "targets")
            if k in batch and k not in VISUAL_KEYS and k != "mm_token_type_ids"}
-    out.update(family.model_kwargs(batch.tensors))  # images and videos as the model's own arguments
+    out.update(family.model_kwargs(batch.expanded_tensors()))  # images and videos as the model's own arguments
     for key in ("input_ids", "attention_mask", "targets", "mm_token_type_ids", "position_ids"):
         if key in out:
             out[key] = out[key][..., :width]

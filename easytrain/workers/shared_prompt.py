@@ -60,14 +60,6 @@ def supports_shared_prompt(model: nn.Module) -> bool:
             and not getattr(text_config(model), "use_sliding_window", False))
 
 
-def _image_slices(batch: Batch) -> Optional[list[slice]]:
-    """Each sample's rows of ``pixel_values`` (None without images)."""
-    if batch.image_counts is None or "pixel_values" not in batch:
-        return None
-    image_offsets, patch_offsets = batch._image_ranges()
-    return [slice(patch_offsets[image_offsets[i]], patch_offsets[image_offsets[i + 1]]) for i in range(len(batch))]
-
-
 def prompt_groups(batch: Batch) -> list[list[int]]:
     """Samples with the same prompt (tokens and image pixels), grouped in order of first appearance. A sample
     whose response holds images (a multi-turn tool turn's) is a group of its own: a shared row carries only its
@@ -75,7 +67,6 @@ def prompt_groups(batch: Batch) -> list[list[int]]:
     mask = batch["attention_mask"].bool()
     prompt_width = mask.shape[1] - batch["responses"].shape[1]
     ids = batch["input_ids"][:, :prompt_width]
-    pixels = _image_slices(batch)
     alone = (batch["mm_token_type_ids"][:, prompt_width:] != 0).any(-1) if "mm_token_type_ids" in batch else None
     groups: list[list[int]] = []
     by_tokens: dict[tuple[int, ...], list[int]] = {}  # prompt tokens -> indices into groups
@@ -86,7 +77,7 @@ def prompt_groups(batch: Batch) -> list[list[int]]:
         key = tuple(ids[row][mask[row, :prompt_width]].tolist())
         for g in by_tokens.setdefault(key, []):
             lead = groups[g][0]
-            if pixels is None or torch.equal(batch["pixel_values"][pixels[lead]], batch["pixel_values"][pixels[row]]):
+            if batch.image_counts is None or batch.same_pixels(lead, row):
                 groups[g].append(row)
                 break
         else:
@@ -214,7 +205,7 @@ def shared_inputs(batch: Batch, groups: list[list[int]], family: Family, dtype: 
         inputs["mm_token_type_ids"] = stack("types", 0)
     if batch.image_counts is not None and "pixel_values" in batch:
         leads = batch.select([m[0] for m in groups])
-        inputs.update(family.visual_kwargs(leads.tensors))
+        inputs.update(family.visual_kwargs(leads.expanded_tensors()))
     return inputs, torch.cat(sources), torch.cat(targets)
 
 

@@ -27,7 +27,7 @@ import torch
 from easytrain.config.schema import MultiTurnConfig
 from easytrain.data.images import BadSample, fit_image
 from easytrain.data.vision import MM_IMAGE, VISUAL_KEYS, mm_token_type_ids
-from easytrain.distributed.batch import Batch
+from easytrain.distributed.batch import Batch, Pixels
 from easytrain.tools.calls import call_end, parse_tool_call
 from easytrain.tools.registry import Tool, load_tools
 from easytrain.tools.runner import ToolRunner
@@ -211,30 +211,29 @@ class MultiTurn:
                     "of data.max_response_length")
         return ids, pixel_values, grid
 
-    def _row_images(self, rows: Batch, i: int, e: Episode) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
-        """Row ``i``'s images so far: its prompt's, then its tool turns' (``pixel_values`` and grids)."""
-        pixel_values, grids = list(e.pixel_values), list(e.grids)
-        if rows.image_counts is not None and "image_grid_thw" in rows:
-            one = rows.select([i])
-            pixel_values.insert(0, one["pixel_values"])
-            grids.insert(0, one["image_grid_thw"])
-        return pixel_values, grids
-
     def _with_images(self, tensors: dict[str, torch.Tensor], rows: Batch, episodes: list[Episode],
-                     indices: list[int]) -> Optional[torch.Tensor]:
-        """Put the images of rows ``indices`` (prompt and tool turns) into ``tensors``; their counts per row."""
-        pixel_values: list[torch.Tensor] = []
-        grids: list[torch.Tensor] = []
-        counts = []
-        for i in indices:
-            row_pixels, row_grids = self._row_images(rows, i, episodes[i])
-            pixel_values += row_pixels
-            grids += row_grids
-            counts.append(sum(int(g.shape[0]) for g in row_grids))
-        if not grids:
-            return None
-        tensors["pixel_values"], tensors["image_grid_thw"] = torch.cat(pixel_values), torch.cat(grids)
-        return torch.tensor(counts)
+                     indices: list[int]) -> tuple[Optional[torch.Tensor], Optional[Pixels]]:
+        """The visuals of rows ``indices``, each row's prompt images then its tool turns': their grids into
+        ``tensors``, their counts per row and their patch rows (a prompt's stored once, as ``rows`` holds them)."""
+        prompts = rows.select(indices) if rows.image_counts is not None and "image_grid_thw" in rows else None
+        from_prompt = [0] * len(indices) if prompts is None else prompts.image_counts.tolist()  # type: ignore[union-attr]
+        from_tools = [sum(int(g.shape[0]) for g in episodes[i].grids) for i in indices]
+        tool_grids = [g for i in indices for g in episodes[i].grids]
+        if prompts is None and not tool_grids:
+            return None, None
+        grids = [prompts["image_grid_thw"]] if prompts is not None else []
+        parts = [prompts.pixels] if prompts is not None and prompts.pixels is not None else []
+        if tool_grids:
+            grids.append(torch.cat(tool_grids))
+            tool_rows = torch.cat([p for i in indices for p in episodes[i].pixel_values])
+            parts.append(Pixels.of(tool_rows, grids[-1].prod(-1)))
+        order, prompt_next, tool_next = [], 0, sum(from_prompt)  # row by row: its prompt's visuals, its tools'
+        for own, tools in zip(from_prompt, from_tools):
+            order += [*range(prompt_next, prompt_next + own), *range(tool_next, tool_next + tools)]
+            prompt_next, tool_next = prompt_next + own, tool_next + tools
+        index = torch.tensor(order, dtype=torch.long)
+        tensors["image_grid_thw"] = torch.cat(grids)[index]
+        return torch.tensor([p + t for p, t in zip(from_prompt, from_tools)]), Pixels.concat(parts).take(index)
 
     def _continuation(self, rows: Batch, episodes: list[Episode], active: list[int]) -> Batch:
         """The prompts of the next model turn: each active row's prompt and its response so far, left-padded."""
@@ -258,7 +257,7 @@ class MultiTurn:
         tensors["attention_mask"] = left([torch.ones(len(s), dtype=sub["attention_mask"].dtype) for s in sequences], 0)
         if types:
             tensors["mm_token_type_ids"] = left(types, 0)
-        return Batch(tensors, sub.meta, self._with_images(tensors, rows, episodes, active))
+        return Batch(tensors, sub.meta, *self._with_images(tensors, rows, episodes, active))
 
     def _types(self, ids: torch.Tensor) -> torch.Tensor:
         """``mm_token_type_ids`` of response tokens: the image pads of tool turns are image tokens."""
@@ -284,4 +283,5 @@ class MultiTurn:
         if not any(e.grids for e in episodes):
             return Batch(tensors)
         tensors["response_mm_token_type_ids"] = self._types(responses) * present.long()
-        return Batch(tensors, image_counts=self._with_images(tensors, rows, episodes, list(range(len(episodes)))))
+        counts, pixels = self._with_images(tensors, rows, episodes, list(range(len(episodes))))
+        return Batch(tensors, image_counts=counts, pixels=pixels)
