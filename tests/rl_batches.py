@@ -54,7 +54,11 @@ def assert_same_pass(got: tuple[torch.Tensor, torch.Tensor, dict[str, torch.Tens
     assert (lp[~mask] == 0).all()
     assert g.keys() == want_g.keys()
     for name, value in want_g.items():
-        torch.testing.assert_close(g[name], value, rtol=1e-4, atol=1e-6, msg=name)
+        # two paths sum a gradient's terms in different orders: fp32 rounding errors scale with the terms summed,
+        # not with the element they land in (an element that cancels to ~0 keeps an absolute error of the
+        # tensor's scale), so the bound is relative to the tensor's largest element
+        scale = float(value.abs().max())
+        torch.testing.assert_close(g[name], value, rtol=0, atol=1e-4 * scale + 1e-9, msg=lambda m: f"{name}: {m}")
 
 
 def planned(batch: Batch, model: torch.nn.Module, packed: bool = False, share_prompt: bool = False) -> MicroBatch:
