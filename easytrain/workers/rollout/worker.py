@@ -13,6 +13,7 @@ from typing import Any, Optional
 import torch
 
 from easytrain.config.schema import Config
+from easytrain.data.vision import VISUAL_KEYS
 from easytrain.distributed.batch import Batch
 from easytrain.distributed.group import Dispatch, dispatch
 from easytrain.memory.flag import PressureFlag
@@ -128,6 +129,9 @@ class RolloutWorker(WorkerBase):
             generated = self.multi_turn.generate(self.engine, prompts, params)
         else:
             generated = self.engine.generate(prompts, params)
+        if validate:  # the driver only scores these: their tokens go back, not the prompts' pixels and positions
+            tokens = {k: v for k, v in generated.tensors.items() if k not in VISUAL_KEYS}
+            return Batch(tokens, prompts.repeat_interleave(params.n).meta)
         return assemble(prompts, generated, params.n, self.family)
 
     @dispatch(Dispatch.BROADCAST)
