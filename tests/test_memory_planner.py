@@ -73,12 +73,16 @@ def test_fused_workers_one_process_and_one_cuda_context_per_gpu() -> None:
     # and the object store's pages of the weight sync in every actor and rollout process (split pools only)
     pages = p.host_parts["object store pages (weight sync)"]
     assert "object store pages (weight sync)" not in f.host_parts
-    assert p.host - f.host == 8 * (roles - 1) * GPU_WORKER_BYTES + pages
+    # every worker process keeps its share of the object store's pages the largest batch went through
+    share = f.host_parts["object store pages (batches)"] // 8
+    assert p.host_parts["object store pages (batches)"] == 8 * roles * share
+    assert p.host - f.host == 8 * (roles - 1) * (GPU_WORKER_BYTES + share) + pages
     config = load(["+exp=tiny"])
     cpu = plan(config)  # CPU, colocated: one process per CPU worker, it holds every role's tensors in its RSS
     for row in cpu.rows:
         assert row.host_parts["worker processes (framework)"] == config.trainer.workers_per_node * WORKER_BYTES
-        assert row.process_host == WORKER_BYTES + PHASE_WORKING_SET[row.phase] + row.device, row.phase
+        pages = row.host_parts["object store pages (batches)"] // config.trainer.workers_per_node  # its batch share
+        assert row.process_host == WORKER_BYTES + PHASE_WORKING_SET[row.phase] + row.device + pages, row.phase
 
 
 def test_phase_rows_follow_the_step_order_of_phases_step() -> None:

@@ -140,9 +140,10 @@ def test_pixel_values_follow_the_models_patches() -> None:
         config = load(["+exp=qwen3vl_8b", f"model.path={hub_id}"])
         s = shape_of(config, KNOWN[hub_id])
         assert s.values_per_token == values
-        sequences = config.data.rollout_batch_size * config.worker.rollout.n
+        prompts = config.data.rollout_batch_size
         text = s.seq_tokens * 8 * 6 + s.response * (8 + 8 + 4 * 4)
-        assert batch_bytes(config, s) == sequences * (text + s.images * s.image_tokens * values * 4)
+        # every sequence's tensors; a prompt's pixels once, shared by its n samples
+        assert batch_bytes(config, s) == prompts * (config.worker.rollout.n * text + s.images * s.image_tokens * values * 4)
 
 
 @pytest.mark.parametrize("hub_id,per_image,values", [

@@ -57,7 +57,8 @@ from easytrain.memory.activations import MicroShape, activation_bytes, logits_by
 from easytrain.memory.budget import engine_budget, kv_bytes_per_token
 from easytrain.memory.capacity import (CUDA_CONTEXT_BYTES, GB, Capacity, Plan, Row, capacity_of, gpu_process_device,
                                        sum_parts)
-from easytrain.memory.host import heap_keeps_freed, node_host, run_phases, worker_process
+from easytrain.memory.host import (batch_pages, batches_in_flight, heap_keeps_freed, node_host, run_phases,
+                                   worker_process)
 from easytrain.memory.layout import (engine_held, engine_weights, fused, layout_note, processes_per_device,
                                      role_names, shared_staging, step_phases, sync_bucket, sync_parts)
 from easytrain.memory.sft import plan_sft, sft_worker_parts, validation_prompts
@@ -291,12 +292,14 @@ def _host(st: _Step, phase: Phase, role: str, active: dict[str, int], device: di
     other processes, the step batch, the sync's transport across processes. On CPU a worker's tensors are all
     in its RSS; on a GPU node its offloaded states and an asleep engine's weights (level 1)."""
     s, config, n, name = st.s, st.config, st.s.per_node, phase.planned
-    extra = {"step batch (driver, object store)": 2 * batch_bytes(config, s)}
+    largest = largest_batch(config, s)
+    extra = batches_in_flight(batch_bytes(config, s, validate=name == "validation"), largest)
+    pages = batch_pages(largest, s.world)
     if name == "weight_sync":
         extra.update(sync_parts(config, sync_bucket(config, s.largest_module, s.total_params, s.dtype_bytes), n)[1])
     if fused(config):
         held = dict(device) if not s.on_gpu else {**_offloaded(st), **engine_host}
-        process = worker_process(name, held, s.on_gpu)
+        process = worker_process(name, {**held, **pages}, s.on_gpu)
         return node_host(config, name, [(n, process)], True, extra), process
     # one step off, the rollout pool generates the next batch while the actor's phases run: both at once
     generating = config.trainer.rollout_mode == "one_step_off" and name in OVERLAPPED
@@ -310,7 +313,7 @@ def _host(st: _Step, phase: Phase, role: str, active: dict[str, int], device: di
             held = dict(st.awake if generating else st.resident)
         else:
             held = dict(st.idle[other])
-        held.update(st.mapped.get(other, {}))
+        held.update({**st.mapped.get(other, {}), **pages})
         busy = other == role or (other == "rollout" and generating)
         one = worker_process(name if other == role else "generation" if busy else "idle", held, s.on_gpu)
         workers.append((n, one))
@@ -405,18 +408,29 @@ def _run_rows(st: _Step, capacity: Capacity) -> list[Row]:
                       largest_tensor=s.largest_module, largest_shard=-(-s.largest_module // degree) * FP32,
                       total_params=s.total_params, per_node=s.per_node,
                       processes_per_node=s.per_node * processes_per_device(st.config, s.with_ref),
-                      savers_per_node=s.per_node,
+                      savers_per_node=s.per_node, largest_batch=largest_batch(st.config, s),
                       node_ram=capacity.node_ram, on_gpu=s.on_gpu, rl=True, device=device)
 
 
-def batch_bytes(config: Config, s: Shape) -> int:
-    """A step's batch as the driver holds it: per sequence the ids, masks, 3-D positions and token types
-    (int64) over the whole sequence, the per-token response tensors (ids, mask, three log-probs, advantages),
-    and the pixel values of its images (each of a prompt's n samples carries its own copy)."""
-    sequences = config.data.rollout_batch_size * config.worker.rollout.n
-    per_sequence = s.seq_tokens * 8 * 6 + s.response * (8 + 8 + 4 * 4)
+def largest_batch(config: Config, s: Shape) -> int:
+    """The largest batch the run sends through the object store: a step's or a validation call's."""
+    return max(batch_bytes(config, s), batch_bytes(config, s, validate=True) if config.data.val_files else 0)
+
+
+def batch_bytes(config: Config, s: Shape, validate: bool = False) -> int:
+    """A step's batch as the driver holds it: per sequence the ids, masks, 3-D positions and token types (int64)
+    over the whole sequence, the per-token response tensors (ids, mask, three log-probs, advantages), and its
+    prompts' pixel values, once per prompt (a prompt's n samples share them: ``distributed.batch.Pixels``).
+    ``validate``: a validation call's prompts (their ids, masks, positions and pixels) and the response tokens
+    that come back (ids, mask, log-probs; the pixels stay with the engine)."""
     pixels = s.images * s.image_tokens * s.values_per_token * FP32
-    return sequences * (per_sequence + pixels)
+    if validate:
+        prompts = validation_prompts(config, config.data.rollout_batch_size)
+        samples = prompts * config.worker.rollout.val_override.n
+        return prompts * ((s.seq_tokens - s.response) * 8 * 3 + pixels) + samples * s.response * (8 + 8 + 4)
+    prompts = config.data.rollout_batch_size
+    per_sequence = s.seq_tokens * 8 * 6 + s.response * (8 + 8 + 4 * 4)
+    return prompts * config.worker.rollout.n * per_sequence + prompts * pixels
 
 
 def micro_note(config: Config, s: Shape, micro: MicroShape) -> str:
@@ -463,10 +477,9 @@ def _notes(config: Config, s: Shape, hf_config: dict[str, Any], capacity: Capaci
             notes.append("vLLM: the weights do not fit in gpu_memory_utilization x GPU: no room for a KV cache")
     batch = batch_bytes(config, s)
     if batch > GB:
-        pixels = config.data.rollout_batch_size * r.n * s.images * s.image_tokens * s.values_per_token * FP32
+        pixels = config.data.rollout_batch_size * s.images * s.image_tokens * s.values_per_token * FP32
         notes.append(f"step batch: {batch / GB:.1f} GB per copy, {pixels / GB:.1f} GB of it pixel values "
-                     f"({s.images} image(s) of {s.image_tokens} tokens per sequence, each of the n={r.n} samples "
-                     "of a prompt carrying its own copy)")
+                     f"({s.images} image(s) of {s.image_tokens} tokens per prompt, shared by its n={r.n} samples)")
     if not s.on_gpu:
         notes.append("CPU run: the workers are processes in node RAM; offload moves nothing")
     return notes

@@ -39,7 +39,8 @@ from easytrain.memory.activations import (MicroShape, activation_bytes, model_di
                                           sft_logits_bytes, shard_units)
 from easytrain.memory.budget import kv_bytes_per_token
 from easytrain.memory.capacity import CUDA_WORKSPACE_BYTES, Capacity, Plan, Row, gpu_process_device, sum_parts
-from easytrain.memory.host import CHECKPOINT_FILE_BYTES, heap_keeps_freed, node_host, run_phases, worker_process
+from easytrain.memory.host import (CHECKPOINT_FILE_BYTES, batch_pages, batches_in_flight, heap_keeps_freed, node_host,
+                                   run_phases, worker_process)
 from easytrain.memory.params import (count_parameters, hf_config_object, largest_module, largest_trainable,
                                      trainable_by_component)
 from easytrain.memory.states import (DTYPE_BYTES, FP32, ZERO_REDUCE_BUCKET, ZERO_SUB_GROUP, gathered_bytes,
@@ -283,6 +284,18 @@ def batch_bytes(config: Config, s: SFTShape) -> int:
     return config.worker.actor.global_batch_size * (s.sample_tokens * 8 * TOKEN_TENSORS + pixels)
 
 
+def largest_batch(config: Config, s: SFTShape) -> int:
+    """The largest batch the run sends through the object store: a step's or a validation's."""
+    return max(batch_bytes(config, s), val_batch_bytes(config, s) if config.data.val_files else 0)
+
+
+def val_batch_bytes(config: Config, s: SFTShape) -> int:
+    """A validation's batches as the driver holds them: the validation rows for the loss, and again as the
+    prompts it generates from (both with their pixels)."""
+    rows = validation_prompts(config, config.worker.actor.global_batch_size)
+    return 2 * rows * (s.sample_tokens * 8 * TOKEN_TENSORS + s.images * s.image_tokens * s.values_per_token * FP32)
+
+
 def phase_offloaded(st: ActorStates, phase: str) -> dict[str, int]:
     """What one worker keeps in host RAM in ``phase``: offloaded states, gradients until the step, the
     step's temporaries when the optimizer steps there."""
@@ -308,8 +321,12 @@ def _host(config: Config, s: SFTShape, st: ActorStates, phase: str,
         others = worker_process("load", _shard(st) if not s.on_gpu else {}, s.on_gpu)
         return node_host(config, "load", [(readers, process), (n - readers, others)], False), process
     held = phase_offloaded(st, phase) if s.on_gpu else {**device, **phase_offloaded(st, phase)}
-    process = worker_process(phase, held, s.on_gpu)
-    extra["step batch (driver, object store)"] = 2 * batch_bytes(config, s)
+    largest = largest_batch(config, s)
+    process = worker_process(phase, {**held, **batch_pages(largest, s.world)}, s.on_gpu)
+    # validating, the driver also holds the loss batches' micro batches it cut (copies: padding-free micro batches
+    # regroup samples by length)
+    held = val_batch_bytes(config, s) * 3 // 2 if phase == "validate" else batch_bytes(config, s)
+    extra.update(batches_in_flight(held, largest))
     return node_host(config, phase, [(n, process)], False, extra), process
 
 
@@ -346,7 +363,7 @@ def plan_sft(config: Config, hf_config: dict[str, Any], capacity: Capacity) -> P
     once += run_phases(config, kept=kept, state=state, trainable=trainable, largest_tensor=s.largest_trainable,
                        largest_shard=-(-s.largest_module // s.world) * FP32,
                        total_params=s.total_params, per_node=s.per_node, processes_per_node=s.per_node,
-                       node_ram=capacity.node_ram, on_gpu=s.on_gpu, rl=False,
+                       node_ram=capacity.node_ram, on_gpu=s.on_gpu, rl=False, largest_batch=largest_batch(config, s),
                        device={**st.kept, **gpu_process_device("checkpoint_save")} if s.on_gpu else dict(st.kept))
     return Plan([r for r in rows if r not in once], capacity, s.on_gpu, _notes(config, s), once=once)
 
