@@ -2,7 +2,7 @@
 
 A seed draws a set of runs (model size, images per prompt and their side, prompt and response lengths, n, batch
 and micro-batch sizes, padded or padding-free, prompt sharing, workers per node, fused or split pools, LoRA,
-offload, a KL term; RL or SFT) that no planner constant was read from. Accuracy is quoted on such a set only;
+offload, a KL term, reward workers; RL or SFT) that no planner constant was read from. Accuracy is quoted on such a set only;
 when a miss on it leads to a fix, the next quote draws with a fresh seed. Every drawn run's config passes
 easytrain's validation and its worker pools fit the bench machine's CPUs (else it is drawn again); every shape
 the generator draws fits its 24 GB of RAM (the largest, the ~184M model in split pools, needs ~10 GB).
@@ -50,7 +50,8 @@ def _rl(rng: random.Random) -> list[str]:
             f"worker.actor.micro_batch_size_per_device_for_experience={rng.choice([1, 2, 4, 8])}",
             f"data.max_response_length={rng.choice([4, 8, 16, 32])}", f"algorithm.kl_coef={rng.choice([0, 0.01])}",
             f"worker.actor.share_prompt={rng.choice(['true', 'false'])}",
-            f"trainer.colocate={'false' if rng.random() < 0.2 else 'true'}"]
+            f"trainer.colocate={'false' if rng.random() < 0.2 else 'true'}",
+            f"reward.num_workers={rng.choice([1, 2, 4])}"]
 
 
 def _sft(rng: random.Random) -> list[str]:
