@@ -131,6 +131,15 @@ def batches_in_flight(held: int, largest: int) -> dict[str, int]:
     return {"batch (driver)": held, "object store pages (driver)": largest}
 
 
+def validated_by(config: Config, phase: str) -> bool:
+    """Whether a validation has run by the time ``phase`` runs: validation itself and a checkpoint save (the last
+    one follows the end-of-run validation); a step phase when the run validates before or between steps."""
+    t = config.trainer
+    if not config.data.val_files:
+        return False
+    return phase in ("validation", "validate", "checkpoint_save") or t.val_before_train or t.val_freq > 0
+
+
 def batch_pages(largest: int, processes: int) -> dict[str, int]:
     """One worker process's share of the object store's pages the run's largest batch went through (its slice
     of it, among ``processes`` receivers): see :func:`batches_in_flight`."""

@@ -58,7 +58,7 @@ from easytrain.memory.budget import engine_budget, kv_bytes_per_token
 from easytrain.memory.capacity import (CUDA_CONTEXT_BYTES, GB, Capacity, Plan, Row, capacity_of, gpu_process_device,
                                        sum_parts)
 from easytrain.memory.host import (batch_pages, batches_in_flight, heap_keeps_freed, node_host, run_phases,
-                                   worker_process)
+                                   validated_by, worker_process)
 from easytrain.memory.layout import (engine_held, engine_weights, fused, layout_note, processes_per_device,
                                      role_names, shared_staging, step_phases, sync_bucket, sync_parts)
 from easytrain.memory.sft import plan_sft, sft_worker_parts, validation_prompts
@@ -292,7 +292,7 @@ def _host(st: _Step, phase: Phase, role: str, active: dict[str, int], device: di
     other processes, the step batch, the sync's transport across processes. On CPU a worker's tensors are all
     in its RSS; on a GPU node its offloaded states and an asleep engine's weights (level 1)."""
     s, config, n, name = st.s, st.config, st.s.per_node, phase.planned
-    largest = largest_batch(config, s)
+    largest = largest_batch(config, s, name)
     extra = batches_in_flight(batch_bytes(config, s, validate=name == "validation"), largest)
     pages = batch_pages(largest, s.world)
     if name == "weight_sync":
@@ -412,9 +412,10 @@ def _run_rows(st: _Step, capacity: Capacity) -> list[Row]:
                       node_ram=capacity.node_ram, on_gpu=s.on_gpu, rl=True, device=device)
 
 
-def largest_batch(config: Config, s: Shape) -> int:
-    """The largest batch the run sends through the object store: a step's or a validation call's."""
-    return max(batch_bytes(config, s), batch_bytes(config, s, validate=True) if config.data.val_files else 0)
+def largest_batch(config: Config, s: Shape, phase: str = "checkpoint_save") -> int:
+    """The largest batch the run has sent through the object store by ``phase``: a step's, or a validation
+    call's once one has run (a step phase sees one only when validation comes before or between steps)."""
+    return max(batch_bytes(config, s), batch_bytes(config, s, validate=True) if validated_by(config, phase) else 0)
 
 
 def batch_bytes(config: Config, s: Shape, validate: bool = False) -> int:

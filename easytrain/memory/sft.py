@@ -40,7 +40,7 @@ from easytrain.memory.activations import (MicroShape, activation_bytes, model_di
 from easytrain.memory.budget import kv_bytes_per_token
 from easytrain.memory.capacity import CUDA_WORKSPACE_BYTES, Capacity, Plan, Row, gpu_process_device, sum_parts
 from easytrain.memory.host import (CHECKPOINT_FILE_BYTES, batch_pages, batches_in_flight, heap_keeps_freed, node_host,
-                                   run_phases, worker_process)
+                                   run_phases, validated_by, worker_process)
 from easytrain.memory.params import (count_parameters, hf_config_object, largest_module, largest_trainable,
                                      trainable_by_component)
 from easytrain.memory.states import (DTYPE_BYTES, FP32, ZERO_REDUCE_BUCKET, ZERO_SUB_GROUP, gathered_bytes,
@@ -284,9 +284,10 @@ def batch_bytes(config: Config, s: SFTShape) -> int:
     return config.worker.actor.global_batch_size * (s.sample_tokens * 8 * TOKEN_TENSORS + pixels)
 
 
-def largest_batch(config: Config, s: SFTShape) -> int:
-    """The largest batch the run sends through the object store: a step's or a validation's."""
-    return max(batch_bytes(config, s), val_batch_bytes(config, s) if config.data.val_files else 0)
+def largest_batch(config: Config, s: SFTShape, phase: str = "checkpoint_save") -> int:
+    """The largest batch the run has sent through the object store by ``phase``: a step's or a validation's
+    (:func:`easytrain.memory.host.validated_by`)."""
+    return max(batch_bytes(config, s), val_batch_bytes(config, s) if validated_by(config, phase) else 0)
 
 
 def val_batch_bytes(config: Config, s: SFTShape) -> int:
@@ -321,7 +322,7 @@ def _host(config: Config, s: SFTShape, st: ActorStates, phase: str,
         others = worker_process("load", _shard(st) if not s.on_gpu else {}, s.on_gpu)
         return node_host(config, "load", [(readers, process), (n - readers, others)], False), process
     held = phase_offloaded(st, phase) if s.on_gpu else {**device, **phase_offloaded(st, phase)}
-    largest = largest_batch(config, s)
+    largest = largest_batch(config, s, phase)
     process = worker_process(phase, {**held, **batch_pages(largest, s.world)}, s.on_gpu)
     # validating, the driver also holds the loss batches' micro batches it cut (copies: padding-free micro batches
     # regroup samples by length)
