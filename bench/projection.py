@@ -99,7 +99,7 @@ def forward_flops(c: Any, dims: Any, hf: dict[str, Any], positions: float, logit
 def project(nnodes: int, args: argparse.Namespace, driver: dict[str, float]) -> dict[str, Any]:
     from easytrain.config import load
     from easytrain.memory.budget import engine_budget, kv_bytes_per_token, sequence_shape
-    from easytrain.memory.activations import PATCH_VALUES, model_dims
+    from easytrain.memory.activations import model_dims
     from easytrain.memory.params import count_parameters
     from easytrain.memory.planner import GB as PGB, batch_bytes, plan, shape_of
     from easytrain.memory.states import DTYPE_BYTES, FP32
@@ -197,12 +197,11 @@ def project(nnodes: int, args: argparse.Namespace, driver: dict[str, float]) -> 
 
     # orchestration: the measured per-call driver cost plus the driver (de)serialising the step batch for
     # each call that carries it (the prompts out = 1/n of it, generate's result, ref, old log-probs, update);
-    # the shares of workers on other nodes also cross the network. In transit a Batch carries each prompt's
-    # pixel values once (easytrain/distributed/batch.py), not once per sample as the driver holds them
+    # the shares of workers on other nodes also cross the network. A Batch holds and carries each prompt's pixel
+    # values once (easytrain/distributed/batch.py), as batch_bytes counts them
     carries = 1 + 1 / r.n + 1 + (1 if s.with_ref else 0) + (1 if s.old_log_probs else 0)
     step_batch = batch_bytes(cfg, replace(s, seq_tokens=round(width), image_tokens=round(image_tokens)))
-    pixels = sequences * s.images * round(image_tokens) * 4 * PATCH_VALUES * FP32  # as batch_bytes counts them
-    wire_batch = step_batch - pixels * (1 - 1 / r.n)
+    wire_batch = step_batch
     transfer = carries * wire_batch * (1 / (args.driver_copy_gbs * GB) + (nnodes - 1) / nnodes / (per_node * net))
     fixed = (driver["generate"] + driver["update"] + driver["sync"] + driver["rest"]
              + (driver["ref"] if s.with_ref else 0.0) + (driver["ref"] if s.old_log_probs else 0.0))
@@ -309,9 +308,9 @@ def assumptions(args: argparse.Namespace, rows: list[dict[str, Any]], driver: di
         f"{', '.join(args.measured)}: "
         + ", ".join(f"{k} {v * 1e3:.0f} ms" for k, v in driver.items())
         + "; old log-probs priced as ref), a fixed cost, likely an upper bound; plus the driver (de)serialising the "
-        f"planner's step batch at this shape ({rows[0]['detail']['step_batch_gb']:.0f} GB as the driver holds it, "
-        f"pixel values per sample; {rows[0]['detail']['step_batch_in_transit_gb']:.0f} GB in transit, each "
-        "prompt's pixel values once) once "
+        f"planner's step batch at this shape ({rows[0]['detail']['step_batch_gb']:.0f} GB as the driver holds it "
+        f"and {rows[0]['detail']['step_batch_in_transit_gb']:.0f} GB in transit, each prompt's pixel values "
+        "once) once "
         f"per call that carries it at {args.driver_copy_gbs:g} GB/s, remote shares over the network",
         "tokens/s/GPU = sequences x (prompt + mean response) / step time / GPUs (EasyR1's definition); "
         "phases run one after another (colocated roles); validation, checkpoints and reward scoring not counted",

@@ -20,6 +20,7 @@ from easytrain.trainer.data import RLData
 from easytrain.trainer.roles import build_roles
 from easytrain.workers.rollout.engine import SamplingParams
 from easytrain.workers.rollout.worker import RolloutWorker
+from easytrain.workers.sequences import assemble
 from easytrain.workers.weight_sync import BucketedTransport, InProcessTransport
 from grpo_helpers import log_probs, update
 
@@ -171,8 +172,9 @@ def test_vllm_greedy_equals_hf_before_and_after_a_sync_from_fsdp(setup: dict[str
     after = roles.rollout.call("generate", prompts, 1, True)
     assert torch.equal(_masked(after), _masked(hf.call("generate", prompts, 1, True)))
     assert not torch.equal(_masked(after), _masked(before))  # the sync took effect
-    # and the engine's log-probs are the actor's, for the new weights
-    recomputed = log_probs(roles.actor, "compute_log_probs", after, setup["config"])
+    # and the engine's log-probs are the actor's, for the new weights (a validation call returns the responses
+    # alone: joined with their prompts here, as a step's generate does)
+    recomputed = log_probs(roles.actor, "compute_log_probs", assemble(prompts, after, 1), setup["config"])
     mask = after["response_mask"].bool()
     assert (recomputed - after["rollout_log_probs"]).abs()[mask].max() < 1e-4
 
