@@ -105,6 +105,12 @@ CASES = [
                                           "data.limit_images=2", "data.rollout_batch_size=4", "worker.rollout.n=8",
                                           "worker.actor.global_batch_size=4", "worker.actor.padding_free=true"]),
     Case("mid_rl_split", "calibration", RL + MID + ["trainer.colocate=false", "trainer.workers_per_node=1"]),
+    # added after the second held-out draw (seed 2) missed on one-process actors and validation files: calibration
+    Case("tiny_rl_1worker", "calibration", RL + ["trainer.workers_per_node=1", "algorithm.kl_coef=0.01"]),
+    Case("small_rl_448x3", "calibration", SMALL + PX448 + [
+        "data.max_prompt_length=832", "data.train_files={bench_images_3_train}", "data.val_files={bench_images_3_val}",
+        "data.limit_images=3", "data.rollout_batch_size=4", "worker.rollout.n=2", "worker.actor.global_batch_size=4",
+        "worker.actor.micro_batch_size_per_device_for_update=2", "worker.actor.padding_free=true"]),
 ]
 """The calibration set: the cases the constants of easytrain/memory/host.py and the structure of the plan's
 run phases were read from, or that earlier sessions looked at. The held-out set is drawn by

@@ -266,6 +266,26 @@ def open_source(spec: str, cache_dir: Optional[str] = None, seed: int = 0, split
     raise DataError(f"{spec}: no such file or folder (a hub dataset is written repo@split)")
 
 
+def local_rows(specs: Sequence[str], synthetic_size: int) -> Optional[int]:
+    """Rows of the data entries ``specs`` when every one is on this machine (a parquet file's footer, a jsonl
+    file's non-empty lines, a saved dataset folder's length, a synthetic task's ``synthetic_size``); None when
+    one is a hub dataset or cannot be opened (counting it would download or fail: the caller assumes a bound)."""
+    total = 0
+    for spec in specs:
+        entry = classify_data(spec)
+        if entry.kind == "synthetic":
+            total += synthetic_size
+            continue
+        if entry.kind not in ("parquet", "jsonl", "folder"):
+            return None
+        try:
+            total += len(open_source(spec))
+        except (DataError, OSError, ValueError) as err:
+            logger.debug("%s: rows not counted (%s)", spec, err)
+            return None
+    return total
+
+
 def require_columns(source: RowSource, keys: Sequence[tuple[str, Optional[str]]]) -> None:
     """Raise DataError naming the file, the missing column, the config key and the columns that exist."""
     columns = source.columns()

@@ -32,8 +32,10 @@ parts and LoRA shrink the trained count as they do for the RL actor.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any
+from functools import lru_cache
+from typing import Any, Optional
 
+from easytrain.config.data_spec import split_files
 from easytrain.config.schema import Config
 from easytrain.memory.activations import (MicroShape, activation_bytes, model_dims, packed_micro,
                                           sft_logits_bytes, shard_units)
@@ -207,12 +209,21 @@ def pass_bytes(config: Config, s: SFTShape, st: ActorStates, hf_config: dict[str
 
 def validation_prompts(config: Config, otherwise: int) -> int:
     """Prompts one validation generation call takes (all ranks together): ``data.val_batch_size``, or the
-    whole validation set (the synthetic one's size; ``otherwise`` for files, whose length is unknown here)."""
+    whole validation set, and never more than the set's rows (counted when its files are on this machine:
+    :func:`validation_rows`; ``otherwise`` for a hub dataset, whose length is unknown before it downloads)."""
     d = config.data
+    rows = validation_rows(tuple(split_files(d.val_files)), d.synthetic_val_size)
     if d.val_batch_size > 0:
-        return d.val_batch_size
-    files = d.val_files if isinstance(d.val_files, str) else ""
-    return d.synthetic_val_size if files.startswith("synthetic:") else otherwise
+        return d.val_batch_size if rows is None else max(1, min(d.val_batch_size, rows))
+    return otherwise if rows is None else max(1, rows)
+
+
+@lru_cache(maxsize=8)
+def validation_rows(specs: tuple[str, ...], synthetic_size: int) -> Optional[int]:
+    """Rows of the validation data (read once per process: a jsonl file is scanned for its lines)."""
+    from easytrain.data.sources import local_rows
+
+    return local_rows(specs, synthetic_size)
 
 
 def generation_bytes(config: Config, s: SFTShape, st: ActorStates, hf_config: dict[str, Any]) -> dict[str, int]:
