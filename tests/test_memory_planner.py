@@ -6,8 +6,11 @@ import json
 import os
 import subprocess
 import sys
+from pathlib import Path
 from typing import Any
 
+import pyarrow as pa
+import pyarrow.parquet as pq
 import pytest
 
 from easytrain.config import compose, to_config, with_default_preset
@@ -432,3 +435,24 @@ def test_one_step_off_counts_the_generation_beside_the_actors_phases() -> None:
         assert off.row(phase).host > sync.row(phase).host
     assert off.row("generation").host == sync.row("generation").host  # the generation itself is the same
     assert off.row("weight_sync").host == sync.row("weight_sync").host  # after the wait: nothing overlaps the sync
+
+
+def test_validation_batch_is_priced_on_the_validation_files_rows(tmp_path: Path) -> None:
+    from easytrain.data.sources import local_rows
+    from easytrain.memory.sft import validation_prompts
+
+    rows = [{"problem": f"question {i}", "answer": str(i)} for i in range(24)]
+    jsonl = tmp_path / "val.jsonl"
+    jsonl.write_text("\n".join(json.dumps(r) for r in rows) + "\n\n")  # a blank line is not a row
+    parquet = tmp_path / "val.parquet"
+    pq.write_table(pa.Table.from_pylist(rows[:5]), parquet)
+    assert local_rows([str(jsonl)], 64) == 24
+    assert local_rows([str(jsonl), str(parquet), "synthetic:shapes"], 64) == 24 + 5 + 64
+    assert local_rows(["someone/dataset@validation"], 64) is None  # counting a hub dataset would download it
+    assert validation_prompts(load([f"data.val_files={jsonl}", "data.val_batch_size=-1"]), 4) == 24
+    assert validation_prompts(load([f"data.val_files={jsonl}", "data.val_batch_size=16"]), 4) == 16
+    assert validation_prompts(load([f"data.val_files={parquet}", "data.val_batch_size=16"]), 4) == 5
+    # the driver's validation batch follows the rows: 24 prompts against 5
+    whole = plan(load([f"data.val_files={jsonl}", "data.val_batch_size=-1"])).row("validation")
+    five = plan(load([f"data.val_files={parquet}", "data.val_batch_size=-1"])).row("validation")
+    assert whole.host_parts["batch (driver)"] > five.host_parts["batch (driver)"]

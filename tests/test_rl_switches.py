@@ -23,6 +23,7 @@ import torch
 
 from easytrain.algorithms.kl import KLController, kl_in_reward
 from easytrain.config import load
+from easytrain.data.vision import VISUAL_KEYS
 from easytrain.distributed.batch import Batch
 from easytrain.memory.detect import level
 from easytrain.memory.readings import node_ram
@@ -192,6 +193,18 @@ def test_advantages_of_rewards_minus_the_kl_of_the_actors_log_probs(
     torch.testing.assert_close(out["advantages"], expected, rtol=1e-5, atol=1e-6)
     assert metrics["actor/reward_kl"] == pytest.approx(float(kl.sum() / mask.sum()), rel=1e-5)
     assert float(kl.sum()) != pytest.approx(0.0, abs=1e-3)
+
+
+@pytest.mark.slow
+def test_validation_generations_come_back_without_the_prompts_pixels(trainer: RLTrainer, prompts: Prompts) -> None:
+    batch = prompts.batch("SF")
+    assert "pixel_values" in batch and "image_grid_thw" in batch  # the default task's prompts carry images
+    train = trainer.generate(batch, PhaseTimer())
+    val = trainer.generate(batch, PhaseTimer(), validate=True)
+    assert "pixel_values" in train and "image_grid_thw" in train  # the update needs them
+    assert not any(key in val for key in VISUAL_KEYS)  # the driver only scores a validation's responses
+    assert len(val) == len(batch) * trainer.config.worker.rollout.val_override.n
+    assert val["responses"].shape[1] == train["responses"].shape[1]  # the responses themselves come back
 
 
 @pytest.mark.slow

@@ -140,6 +140,12 @@ def validated_by(config: Config, phase: str) -> bool:
     return phase in ("validation", "validate", "checkpoint_save") or t.val_before_train or t.val_freq > 0
 
 
+def largest_batch(config: Config, phase: str, step: int, validation: int) -> int:
+    """The largest batch the run has sent through the object store by ``phase``: a ``step``'s, or a
+    ``validation`` call's once one has run (:func:`validated_by`)."""
+    return max(step, validation if validated_by(config, phase) else 0)
+
+
 def batch_pages(largest: int, processes: int) -> dict[str, int]:
     """One worker process's share of the object store's pages the run's largest batch went through (its slice
     of it, among ``processes`` receivers): see :func:`batches_in_flight`."""
@@ -218,25 +224,25 @@ def save_staging(config: Config, state: int, node_ram: int, processes_per_node: 
     return {"checkpoint staging (buffer)": min(state, buffer)}
 
 
-def run_phases(config: Config, *, kept: dict[str, int], state: int, trainable: int, largest_tensor: int,
-               largest_shard: int, total_params: int, per_node: int, processes_per_node: int, node_ram: int,
-               on_gpu: bool, rl: bool, device: dict[str, int], savers_per_node: Optional[int] = None,
-               others: Optional[dict[str, list[tuple[int, dict[str, int]]]]] = None, largest_batch: int = 0) -> list[Row]:
+def run_phases(config: Config, *, kept: dict[str, int], resumed: dict[str, int], state: int, trainable: int,
+               largest_tensor: int, largest_shard: int, total_params: int, per_node: int, processes_per_node: int,
+               node_ram: int, on_gpu: bool, rl: bool, device: dict[str, int], savers_per_node: Optional[int] = None,
+               others: Optional[dict[str, list[tuple[int, dict[str, int]]]]] = None,
+               largest_batch: int = 0) -> list[Row]:
     """The checkpoint save, resume load and export rows. ``kept`` is what one worker process keeps in host RAM
-    between steps (on CPU: every tensor), ``state`` the bytes of its share of the checkpoint (fp32 parameters
-    and optimizer moments), ``trainable`` those of its trainable parameter shards (fp32), ``largest_shard`` the
-    bytes of its largest shard, ``device`` what its GPU holds between steps. A resume runs right after the
-    load, before any weight sync: on CPU an engine's weights are still the checkpoint file's mapped pages (not
-    resident) and no sync staging or object store pages are mapped yet; the load holds a copy of the trainable shards (the optimizer's
-    state dict read into: a LoRA resume measured none for the frozen base) and one tensor in flight.
+    between steps (on CPU: every tensor), ``resumed`` what it holds when it resumes (before any step or sync:
+    on CPU without an engine's weights, sync staging or object store pages), ``state`` the bytes of its share
+    of the checkpoint (fp32 parameters and optimizer moments), ``trainable`` those of its trainable parameter
+    shards (fp32), ``largest_shard`` the bytes of its largest shard, ``device`` what its GPU holds between
+    steps. A resume runs right after the load, before any weight sync (an engine's weights are still the
+    checkpoint file's mapped pages); the load holds a copy of the trainable shards (the optimizer's state dict
+    read into: a LoRA resume measured none for the frozen base) and one tensor in flight.
     ``savers_per_node`` processes per node save and resume (default: every one of ``processes_per_node``);
     ``others`` lists, per phase, the other worker processes (how many per node, what each holds) beside them:
     with split pools the reference's and the engine's. A save comes after steps: every process keeps the object
     store's pages of the ``largest_batch`` (:func:`batches_in_flight`); a resume comes before any."""
     rows = []
     kept = {**kept, **batch_pages(largest_batch, savers_per_node or processes_per_node)}
-    resumed = {k: v for k, v in kept.items()
-               if on_gpu or not any(w in k for w in ("rollout", "weights", "staging", "object store"))}
     staged = save_staging(config, state, node_ram, per_node, largest_shard, on_gpu)
     for phase, held in (("checkpoint_save", {**kept, **staged}),
                         ("resume_load", {**resumed, "checkpoint read (trainable shards, a tensor in flight)":

@@ -57,8 +57,8 @@ from easytrain.memory.activations import MicroShape, activation_bytes, logits_by
 from easytrain.memory.budget import engine_budget, kv_bytes_per_token
 from easytrain.memory.capacity import (CUDA_CONTEXT_BYTES, GB, Capacity, Plan, Row, capacity_of, gpu_process_device,
                                        sum_parts)
-from easytrain.memory.host import (batch_pages, batches_in_flight, heap_keeps_freed, node_host, run_phases,
-                                   validated_by, worker_process)
+from easytrain.memory.host import (batch_pages, batches_in_flight, heap_keeps_freed, largest_batch,
+                                   node_host, run_phases, worker_process)
 from easytrain.memory.layout import (engine_held, engine_weights, fused, layout_note, processes_per_device,
                                      role_names, shared_staging, step_phases, sync_bucket, sync_parts)
 from easytrain.memory.sft import plan_sft, sft_worker_parts, validation_prompts
@@ -292,7 +292,7 @@ def _host(st: _Step, phase: Phase, role: str, active: dict[str, int], device: di
     other processes, the step batch, the sync's transport across processes. On CPU a worker's tensors are all
     in its RSS; on a GPU node its offloaded states and an asleep engine's weights (level 1)."""
     s, config, n, name = st.s, st.config, st.s.per_node, phase.planned
-    largest = largest_batch(config, s, name)
+    largest = largest_batch(config, name, batch_bytes(config, s), batch_bytes(config, s, validate=True))
     extra = batches_in_flight(batch_bytes(config, s, validate=name == "validation"), largest)
     pages = batch_pages(largest, s.world)
     if name == "weight_sync":
@@ -390,32 +390,31 @@ def _run_rows(st: _Step, capacity: Capacity) -> list[Row]:
     s = st.s
     others: dict[str, list[tuple[int, dict[str, int]]]] = {}
     if fused(st.config):
-        kept = {**st.idle["actor"], **st.idle["ref"], **st.resident, **st.staging}
+        resumed = {**st.idle["actor"], **st.idle["ref"]}
+        kept = {**resumed, **st.resident, **st.staging}
     else:  # the actor processes save and resume; the reference and the engine wait in their own processes
-        kept = {**st.idle["actor"], **st.mapped["actor"]}
+        resumed = dict(st.idle["actor"])
+        kept = {**resumed, **st.mapped["actor"]}
         ref = [(s.per_node, dict(st.idle["ref"]))] if s.with_ref else []
         # resumed before any sync: the engine's weights are still the checkpoint file's pages, not resident
         others = {"checkpoint_save": [(s.per_node, {**st.resident, **st.mapped["rollout"]}), *ref],
                   "resume_load": [(s.per_node, {}), *ref]}
     device = {**kept, **gpu_process_device("checkpoint_save")} if s.on_gpu else dict(kept)
     if s.on_gpu:
-        kept = _offloaded(st)
+        kept = resumed = _offloaded(st)
         others = {phase: [(n, {k: v for k, v in _offloaded(st).items() if k.startswith(("ref", "rollout"))})
                           for n, _ in rest] for phase, rest in others.items()}
     degree = shard_degree(st.config.worker.actor.fsdp.shard_size, s.world)
-    return run_phases(st.config, kept=kept, others=others, state=st.actor.params + st.actor.optimizer,
+    largest = largest_batch(st.config, "checkpoint_save", batch_bytes(st.config, s),
+                            batch_bytes(st.config, s, validate=True))
+    return run_phases(st.config, kept=kept, resumed=resumed, others=others,
+                      state=st.actor.params + st.actor.optimizer,
                       trainable=st.actor.grads,  # the trainable shards in fp32: what their gradients take
                       largest_tensor=s.largest_module, largest_shard=-(-s.largest_module // degree) * FP32,
                       total_params=s.total_params, per_node=s.per_node,
                       processes_per_node=s.per_node * processes_per_device(st.config, s.with_ref),
-                      savers_per_node=s.per_node, largest_batch=largest_batch(st.config, s),
+                      savers_per_node=s.per_node, largest_batch=largest,
                       node_ram=capacity.node_ram, on_gpu=s.on_gpu, rl=True, device=device)
-
-
-def largest_batch(config: Config, s: Shape, phase: str = "checkpoint_save") -> int:
-    """The largest batch the run has sent through the object store by ``phase``: a step's, or a validation
-    call's once one has run (a step phase sees one only when validation comes before or between steps)."""
-    return max(batch_bytes(config, s), batch_bytes(config, s, validate=True) if validated_by(config, phase) else 0)
 
 
 def batch_bytes(config: Config, s: Shape, validate: bool = False) -> int:

@@ -42,7 +42,7 @@ from easytrain.memory.activations import (MicroShape, activation_bytes, model_di
 from easytrain.memory.budget import kv_bytes_per_token
 from easytrain.memory.capacity import CUDA_WORKSPACE_BYTES, Capacity, Plan, Row, gpu_process_device, sum_parts
 from easytrain.memory.host import (CHECKPOINT_FILE_BYTES, batch_pages, batches_in_flight, heap_keeps_freed, node_host,
-                                   run_phases, validated_by, worker_process)
+                                   largest_batch, run_phases, worker_process)
 from easytrain.memory.params import (count_parameters, hf_config_object, largest_module, largest_trainable,
                                      trainable_by_component)
 from easytrain.memory.states import (DTYPE_BYTES, FP32, ZERO_REDUCE_BUCKET, ZERO_SUB_GROUP, gathered_bytes,
@@ -295,12 +295,6 @@ def batch_bytes(config: Config, s: SFTShape) -> int:
     return config.worker.actor.global_batch_size * (s.sample_tokens * 8 * TOKEN_TENSORS + pixels)
 
 
-def largest_batch(config: Config, s: SFTShape, phase: str = "checkpoint_save") -> int:
-    """The largest batch the run has sent through the object store by ``phase``: a step's or a validation's
-    (:func:`easytrain.memory.host.validated_by`)."""
-    return max(batch_bytes(config, s), val_batch_bytes(config, s) if validated_by(config, phase) else 0)
-
-
 def val_batch_bytes(config: Config, s: SFTShape) -> int:
     """A validation's batches as the driver holds them: the validation rows for the loss, and again as the
     prompts it generates from (both with their pixels)."""
@@ -333,7 +327,7 @@ def _host(config: Config, s: SFTShape, st: ActorStates, phase: str,
         others = worker_process("load", _shard(st) if not s.on_gpu else {}, s.on_gpu)
         return node_host(config, "load", [(readers, process), (n - readers, others)], False), process
     held = phase_offloaded(st, phase) if s.on_gpu else {**device, **phase_offloaded(st, phase)}
-    largest = largest_batch(config, s, phase)
+    largest = largest_batch(config, phase, batch_bytes(config, s), val_batch_bytes(config, s))
     process = worker_process(phase, {**held, **batch_pages(largest, s.world)}, s.on_gpu)
     # validating, the driver also holds the loss batches' micro batches it cut (copies: padding-free micro batches
     # regroup samples by length)
@@ -372,10 +366,12 @@ def plan_sft(config: Config, hf_config: dict[str, Any], capacity: Capacity) -> P
     kept = {**st.kept, **st.host} if not s.on_gpu else dict(st.host)
     state = sum(v for k, v in {**st.kept, **st.host}.items() if "params" in k or "optimizer" in k)
     trainable = -(-s.trainable // s.world) * FP32  # the trainable shards in fp32 (FSDP full shard, ZeRO)
-    once += run_phases(config, kept=kept, state=state, trainable=trainable, largest_tensor=s.largest_trainable,
+    largest = largest_batch(config, "checkpoint_save", batch_bytes(config, s), val_batch_bytes(config, s))
+    once += run_phases(config, kept=kept, resumed=kept, state=state, trainable=trainable,
+                       largest_tensor=s.largest_trainable,
                        largest_shard=-(-s.largest_module // s.world) * FP32,
                        total_params=s.total_params, per_node=s.per_node, processes_per_node=s.per_node,
-                       node_ram=capacity.node_ram, on_gpu=s.on_gpu, rl=False, largest_batch=largest_batch(config, s),
+                       node_ram=capacity.node_ram, on_gpu=s.on_gpu, rl=False, largest_batch=largest,
                        device={**st.kept, **gpu_process_device("checkpoint_save")} if s.on_gpu else dict(st.kept))
     return Plan([r for r in rows if r not in once], capacity, s.on_gpu, _notes(config, s), once=once)
 
