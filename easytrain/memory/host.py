@@ -28,7 +28,7 @@ while loading, the process that reads the checkpoint holds it in host RAM.
 
 from __future__ import annotations
 
-from typing import Optional
+from typing import Any, Optional
 
 from easytrain.config.schema import Config
 from easytrain.memory.capacity import GB, Row, sum_parts
@@ -37,23 +37,24 @@ from easytrain.memory.states import FP32
 WORKER_BYTES = int(0.54 * GB)
 """A worker process after its set-up, before any tensor of note: python, torch, transformers, peft, Ray's core
 worker and the roles' code (0.54 GB measured: a fused worker of the tiny model after setup)."""
-PHASE_WORKING_SET = {"load": 0, "generation": int(0.12 * GB), "validation": int(0.12 * GB),
-                     "ref_log_probs": int(0.12 * GB), "old_log_probs": int(0.12 * GB), "update": int(0.20 * GB),
-                     "weight_sync": int(0.09 * GB), "checkpoint_save": int(0.09 * GB),
-                     "resume_load": int(0.01 * GB), "forward_backward": int(0.07 * GB), "optimizer": int(0.07 * GB),
-                     "validate": int(0.09 * GB)}
+PHASE_WORKING_SET = {"load": 0, "generation": int(0.06 * GB), "validation": int(0.085 * GB),
+                     "ref_log_probs": int(0.08 * GB), "old_log_probs": int(0.08 * GB), "update": int(0.085 * GB),
+                     "weight_sync": int(0.08 * GB), "checkpoint_save": int(0.075 * GB),
+                     "resume_load": int(0.02 * GB), "forward_backward": int(0.045 * GB), "optimizer": int(0.045 * GB),
+                     "validate": int(0.075 * GB)}
 """CPU: what a phase's code path adds to a worker's RSS beyond the tensors the plan prices (kernel scratch,
-the autograd engine and its threads, malloc arenas that keep freed blocks): measured on the tiny model, where
-tensors are negligible."""
-DRIVER_START_BYTES = int(0.66 * GB)
-"""The driver while the workers load or resume (0.64 GB measured)."""
-DRIVER_BYTES = int(0.75 * GB)
-"""The driver during the steps besides the step batch it holds: data, rewards, metrics and loggers (0.72 to 0.88
-GB measured with the batch)."""
-RAY_HEAD_BYTES = int(0.54 * GB)
+the autograd engine and its threads, malloc arenas that keep freed blocks): the largest reading of the tiny
+model's calibration runs (tiny_rl_fused, tiny_rl_1worker, tiny_sft; one and two workers), where tensors are
+negligible."""
+DRIVER_START_BYTES = int(0.62 * GB)
+"""The driver while the workers load or resume (0.60 to 0.62 GB measured in the calibration runs)."""
+DRIVER_BYTES = int(0.66 * GB)
+"""The driver during the steps besides the batches it holds (:func:`batches_in_flight`): data, rewards, metrics
+and loggers (median 0.65 GB over the calibration runs' step phases, 0.60 to 0.97)."""
+RAY_HEAD_BYTES = int(0.50 * GB)
 """Ray's own processes on the head node without the dashboard: GCS, raylet (the object store's touched pages
 are counted with the batch), log monitor, monitor, dashboard and runtime-env agents, multiprocessing helpers
-(0.53 GB measured)."""
+(with the dashboard 1.58 to 1.60 GB measured in every calibration run's phases)."""
 RAY_DASHBOARD_BYTES = int(1.10 * GB)
 """The dashboard and its module processes (``ray.include_dashboard=true``, the default; 1.08 GB measured)."""
 SAMPLER_BYTES = int(0.14 * GB)
@@ -64,8 +65,9 @@ LOADER_WORKER_BYTES = int(0.48 * GB)
 """A data-loader worker process (torch and the data code imported; assumed as an empty worker, unmeasured)."""
 EXPORT_PROCESS_BYTES = int(0.59 * GB)
 """``easytrain export`` besides the fp32 model, writing the whole model (0.586 GB measured with the tiny model)."""
-EXPORT_ADAPTER_PROCESS_BYTES = int(0.48 * GB)
-"""The same writing a LoRA adapter alone (0.479 GB measured with the small model)."""
+EXPORT_ADAPTER_PROCESS_BYTES = int(0.50 * GB)
+"""The same writing a LoRA adapter alone (0.47 to 0.50 GB measured with the tiny, small and ~184M models): a base
+model stored in fp32 stays the safetensors file's mapped pages, never touched (:func:`run_phases`)."""
 STARTING = ("load", "resume_load")
 
 
@@ -168,6 +170,13 @@ def node_host(config: Config, phase: str, workers: list[tuple[int, dict[str, int
 CHECKPOINT_FILE_BYTES = 5 * 10**9
 """The most one file of a Hugging Face checkpoint holds (``save_pretrained``'s default ``max_shard_size``, 5 GB): what a
 worker reading the checkpoint a file at a time holds of it (ZeRO-3 construction)."""
+def stored_fp32(hf_config: dict[str, Any]) -> bool:
+    """Whether the model's checkpoint holds fp32 weights (its config's ``dtype`` / ``torch_dtype``)."""
+    text = hf_config.get("text_config") or {}
+    dtype = hf_config.get("dtype") or hf_config.get("torch_dtype") or text.get("dtype") or text.get("torch_dtype")
+    return str(dtype).removeprefix("torch.") == "float32"
+
+
 def malloc_threshold_bytes(config: Config) -> int:
     """The mmap threshold worker processes fix (``trainer.malloc_mmap_threshold_kb``); 0 = glibc's dynamic one
     (the default), which keeps a call's freed blocks of up to 32 MiB in its heap (what the plan then prices)."""
@@ -183,6 +192,24 @@ def heap_keeps_freed(config: Config, on_gpu: bool) -> bool:
     pass held the whole gathered model, an update that accumulates over micro batches one more copy of the
     gradient shards, a LoRA weight sync every merged bucket."""
     return not on_gpu and malloc_threshold_bytes(config) == 0
+
+
+VISION_HEAP_KEPT = 1.0
+"""Fitted on the calibration runs (bench/results/planner_accuracy.json; the image-heavy small_rl_448x3,
+small_sft_448x3 and small_rl_448 chose it: 0.6 left their passes 5-7% low, 1.5 put mid_sft 11% high). Probed
+apart on the ~184M bench model, one rank, 448 px against 56 px images (bench/_memory_probe.py, update): the
+images added 1.6 times their planned bytes with prompt sharing and 0.7 times without, which this does not
+explain; the vision tower alone without gradients, in a fresh process, about 3 times."""
+
+
+def freed_vision_temporaries(config: Config, vision: int, on_gpu: bool) -> dict[str, int]:
+    """What a CPU worker's heap keeps of the vision tower's freed temporaries under glibc's dynamic threshold
+    (:func:`heap_keeps_freed`): its attention runs one window or image at a time, each chunk's copies of q, k
+    and v and its output allocated and freed beside what a block saves, blocks the heap keeps until the call
+    returns: VISION_HEAP_KEPT of the images' planned pass bytes (``vision``)."""
+    if not vision or not heap_keeps_freed(config, on_gpu):
+        return {}
+    return {"vision temporaries (freed, kept by the heap)": int(VISION_HEAP_KEPT * vision)}
 
 
 NODE_FRACTION = 1 / 64
@@ -228,7 +255,7 @@ def run_phases(config: Config, *, kept: dict[str, int], resumed: dict[str, int],
                largest_tensor: int, largest_shard: int, total_params: int, per_node: int, processes_per_node: int,
                node_ram: int, on_gpu: bool, rl: bool, device: dict[str, int], savers_per_node: Optional[int] = None,
                others: Optional[dict[str, list[tuple[int, dict[str, int]]]]] = None,
-               largest_batch: int = 0) -> list[Row]:
+               largest_batch: int = 0, stored_fp32: bool = False) -> list[Row]:
     """The checkpoint save, resume load and export rows. ``kept`` is what one worker process keeps in host RAM
     between steps (on CPU: every tensor), ``resumed`` what it holds when it resumes (before any step or sync:
     on CPU without an engine's weights, sync staging or object store pages), ``state`` the bytes of its share
@@ -240,7 +267,9 @@ def run_phases(config: Config, *, kept: dict[str, int], resumed: dict[str, int],
     ``savers_per_node`` processes per node save and resume (default: every one of ``processes_per_node``);
     ``others`` lists, per phase, the other worker processes (how many per node, what each holds) beside them:
     with split pools the reference's and the engine's. A save comes after steps: every process keeps the object
-    store's pages of the ``largest_batch`` (:func:`batches_in_flight`); a resume comes before any."""
+    store's pages of the ``largest_batch`` (:func:`batches_in_flight`); a resume comes before any. The export
+    loads the base model in fp32: converted (resident) unless it is ``stored_fp32``, and then a merged or full
+    export still reads every weight, an adapter export none."""
     rows = []
     kept = {**kept, **batch_pages(largest_batch, savers_per_node or processes_per_node)}
     staged = save_staging(config, state, node_ram, per_node, largest_shard, on_gpu)
@@ -254,7 +283,8 @@ def run_phases(config: Config, *, kept: dict[str, int], resumed: dict[str, int],
         on_device = dict(device) if on_gpu else held  # on CPU the device is the process's own memory
         rows.append(Row(phase, "all", sum_parts(on_device), sum_parts(host), on_device, host, sum_parts(process)))
     adapter = config.model.lora.rank > 0  # easytrain export without --merge writes the adapter alone
-    export = {"export process": EXPORT_ADAPTER_PROCESS_BYTES if adapter else EXPORT_PROCESS_BYTES,
-              "model (fp32)": total_params * FP32}
+    export = {"export process": EXPORT_ADAPTER_PROCESS_BYTES if adapter else EXPORT_PROCESS_BYTES}
+    if not (adapter and stored_fp32):  # an fp32 base the adapter export never reads stays mapped, not resident
+        export["model (fp32)"] = total_params * FP32
     rows.append(Row("export", "export", 0, sum_parts(export), {}, export, sum_parts(export)))
     return rows

@@ -53,12 +53,12 @@ from dataclasses import dataclass
 from typing import Any, Optional
 
 from easytrain.config.schema import Config
-from easytrain.memory.activations import MicroShape, activation_bytes, logits_bytes, model_dims
+from easytrain.memory.activations import MicroShape, activation_bytes, logits_bytes, model_dims, vision_part
 from easytrain.memory.budget import engine_budget, kv_bytes_per_token
 from easytrain.memory.capacity import (CUDA_CONTEXT_BYTES, GB, Capacity, Plan, Row, capacity_of, gpu_process_device,
                                        sum_parts)
-from easytrain.memory.host import (batch_pages, batches_in_flight, heap_keeps_freed, largest_batch,
-                                   node_host, run_phases, worker_process)
+from easytrain.memory.host import (batch_pages, batches_in_flight, freed_vision_temporaries, heap_keeps_freed,
+                                   largest_batch, node_host, run_phases, stored_fp32, worker_process)
 from easytrain.memory.layout import (engine_held, engine_weights, fused, layout_note, processes_per_device,
                                      role_names, shared_staging, step_phases, sync_bucket, sync_parts)
 from easytrain.memory.sft import plan_sft, sft_worker_parts, validation_prompts
@@ -103,13 +103,16 @@ def forward_peak(config: Config, s: Shape, hf_config: dict[str, Any], *, grad: b
     dims = model_dims(hf_config)
     u = getattr(config.worker, role).ulysses_size
     eager = config.model.attn_implementation == "eager"
-    acts = activation_bytes(dims, micro, s.dtype_bytes, grad=grad, checkpointing=config.model.gradient_checkpointing,
-                            vision_grad=_vision_grad(s), eager=eager, ulysses=u)
+    how = dict(grad=grad, checkpointing=config.model.gradient_checkpointing, vision_grad=_vision_grad(s),
+               eager=eager, ulysses=u)
+    acts = activation_bytes(dims, micro, s.dtype_bytes, **how)
+    kept = freed_vision_temporaries(config, vision_part(dims, micro, s.dtype_bytes, **how), s.on_gpu)
     if config.worker.actor.padding_free:
         logits = logits_bytes(1, -(-micro.response // u), dims.vocab, s.dtype_bytes, grad=grad)
     else:
         logits = logits_bytes(micro.sequences, micro.response + 1, dims.vocab, s.dtype_bytes, grad=grad)
-    return {"activations": acts, "logits": logits, "gathered": gathered_units(config, s, hf_config, role, grad)}
+    return {"activations": acts, "logits": logits, "gathered": gathered_units(config, s, hf_config, role, grad),
+            **kept}
 
 
 def rollout_phase(config: Config, s: Shape, hf_config: dict[str, Any], capacity: Capacity,
@@ -134,10 +137,11 @@ def rollout_phase(config: Config, s: Shape, hf_config: dict[str, Any], capacity:
         logits = 4 * rows * s.response * dims.vocab * s.dtype_bytes
     # worker.rollout.share_prefill: each prompt's prefill runs once for its n samples
     prefill_rows = -(-prompts // (s.world // tp)) if r.share_prefill and n > 1 else rows
-    prefill = activation_bytes(dims, MicroShape(prefill_rows, s.seq_tokens - s.response, 0, s.images,
-                                                s.image_tokens), s.dtype_bytes, grad=False, checkpointing=False,
-                               vision_grad=False)
-    return {"weights": weights, "kv cache": kv, "logits": logits, "prefill": prefill}
+    prompt = MicroShape(prefill_rows, s.seq_tokens - s.response, 0, s.images, s.image_tokens)
+    how = dict(grad=False, checkpointing=False, vision_grad=False)
+    prefill = activation_bytes(dims, prompt, s.dtype_bytes, **how)
+    return {"weights": weights, "kv cache": kv, "logits": logits, "prefill": prefill,
+            **freed_vision_temporaries(config, vision_part(dims, prompt, s.dtype_bytes, **how), s.on_gpu)}
 
 
 def engine_resident(config: Config, s: Shape, awake: dict[str, int]) -> dict[str, int]:
@@ -219,7 +223,8 @@ def plan(config: Config, hf_config: Optional[dict[str, Any]] = None, capacity: O
     rows = [_row(step, p, *work[p.planned]) for p in phases]
     notes = [layout_note(config, s.with_ref, s.ref_by_actor, s.on_gpu, set(work)),
              micro_note(config, s, upd_micro), *_notes(config, s, hf_config, capacity)]
-    return Plan(rows, capacity, s.on_gpu, notes, once=[_load_row(step), *_run_rows(step, capacity)])
+    once = [_load_row(step), *_run_rows(step, capacity, stored_fp32(hf_config))]
+    return Plan(rows, capacity, s.on_gpu, notes, once=once)
 
 
 def object_store_pages(config: Config, s: Shape, role: str) -> dict[str, int]:
@@ -385,7 +390,7 @@ def _maps_checkpoint(config: Config, s: Shape, role: str) -> bool:
             and s.dtype_bytes == FP32 and not getattr(config.worker, role).offload.params)
 
 
-def _run_rows(st: _Step, capacity: Capacity) -> list[Row]:
+def _run_rows(st: _Step, capacity: Capacity, fp32_checkpoint: bool) -> list[Row]:
     """Checkpoint save, resume load and export (:func:`easytrain.memory.host.run_phases`)."""
     s = st.s
     others: dict[str, list[tuple[int, dict[str, int]]]] = {}
@@ -413,7 +418,7 @@ def _run_rows(st: _Step, capacity: Capacity) -> list[Row]:
                       largest_tensor=s.largest_module, largest_shard=-(-s.largest_module // degree) * FP32,
                       total_params=s.total_params, per_node=s.per_node,
                       processes_per_node=s.per_node * processes_per_device(st.config, s.with_ref),
-                      savers_per_node=s.per_node, largest_batch=largest,
+                      savers_per_node=s.per_node, largest_batch=largest, stored_fp32=fp32_checkpoint,
                       node_ram=capacity.node_ram, on_gpu=s.on_gpu, rl=True, device=device)
 
 

@@ -38,11 +38,12 @@ from typing import Any, Optional
 from easytrain.config.data_spec import split_files
 from easytrain.config.schema import Config
 from easytrain.memory.activations import (MicroShape, activation_bytes, model_dims, packed_micro,
-                                          sft_logits_bytes, shard_units)
+                                          sft_logits_bytes, shard_units, vision_part)
 from easytrain.memory.budget import kv_bytes_per_token
 from easytrain.memory.capacity import CUDA_WORKSPACE_BYTES, Capacity, Plan, Row, gpu_process_device, sum_parts
-from easytrain.memory.host import (CHECKPOINT_FILE_BYTES, batch_pages, batches_in_flight, heap_keeps_freed, node_host,
-                                   largest_batch, run_phases, worker_process)
+from easytrain.memory.host import (CHECKPOINT_FILE_BYTES, batch_pages, batches_in_flight,
+                                   freed_vision_temporaries, heap_keeps_freed, node_host,
+                                   largest_batch, run_phases, stored_fp32, worker_process)
 from easytrain.memory.params import (count_parameters, hf_config_object, largest_module, largest_trainable,
                                      trainable_by_component)
 from easytrain.memory.states import (DTYPE_BYTES, FP32, ZERO_REDUCE_BUCKET, ZERO_SUB_GROUP, gathered_bytes,
@@ -197,11 +198,13 @@ def pass_bytes(config: Config, s: SFTShape, st: ActorStates, hf_config: dict[str
     """Transient bytes of one micro batch's forward (with ``grad``: what backward finds at its start)."""
     dims = model_dims(hf_config)
     u = config.worker.actor.ulysses_size
-    acts = activation_bytes(dims, s.micro, s.dtype_bytes, grad=grad, checkpointing=config.model.gradient_checkpointing,
-                            vision_grad=s.vision_grad, eager=config.model.attn_implementation == "eager", ulysses=u)
+    how = dict(grad=grad, checkpointing=config.model.gradient_checkpointing, vision_grad=s.vision_grad,
+               eager=config.model.attn_implementation == "eager", ulysses=u)
     positions = -(-s.micro.sequences * s.micro.tokens // u)
-    parts = {"activations": acts, "logits": sft_logits_bytes(positions, dims.vocab, grad=grad),
-             "gathered": _gathered(config, st, s, hf_config, grad)}
+    parts = {"activations": activation_bytes(dims, s.micro, s.dtype_bytes, **how),
+             "logits": sft_logits_bytes(positions, dims.vocab, grad=grad),
+             "gathered": _gathered(config, st, s, hf_config, grad),
+             **freed_vision_temporaries(config, vision_part(dims, s.micro, s.dtype_bytes, **how), s.on_gpu)}
     if grad and st.bucket:
         parts["reduce bucket"] = st.bucket
     return parts
@@ -234,12 +237,13 @@ def generation_bytes(config: Config, s: SFTShape, st: ActorStates, hf_config: di
     dims = model_dims(hf_config)
     response = config.data.max_response_length
     prompt = MicroShape(rows, s.sample_tokens, 0, s.images, s.image_tokens)
+    how: dict[str, Any] = dict(grad=False, checkpointing=False, vision_grad=False)
     fsdp = config.worker.actor.strategy == "fsdp"
     gathered = s.total_params * s.dtype_bytes if fsdp and st.sharded else _gathered(config, st, s, hf_config, False)
     return {"kv cache": rows * (s.sample_tokens + response) * kv_bytes_per_token(hf_config, config.model.dtype),
-            "prefill": activation_bytes(dims, prompt, s.dtype_bytes, grad=False, checkpointing=False,
-                                        vision_grad=False),
-            "logits": rows * dims.vocab * (s.dtype_bytes + FP32), "gathered": gathered}
+            "prefill": activation_bytes(dims, prompt, s.dtype_bytes, **how),
+            "logits": rows * dims.vocab * (s.dtype_bytes + FP32), "gathered": gathered,
+            **freed_vision_temporaries(config, vision_part(dims, prompt, s.dtype_bytes, **how), s.on_gpu)}
 
 
 def phase_device(config: Config, s: SFTShape, st: ActorStates, hf_config: dict[str, Any],
@@ -372,6 +376,7 @@ def plan_sft(config: Config, hf_config: dict[str, Any], capacity: Capacity) -> P
                        largest_shard=-(-s.largest_module // s.world) * FP32,
                        total_params=s.total_params, per_node=s.per_node, processes_per_node=s.per_node,
                        node_ram=capacity.node_ram, on_gpu=s.on_gpu, rl=False, largest_batch=largest,
+                       stored_fp32=stored_fp32(hf_config),
                        device={**st.kept, **gpu_process_device("checkpoint_save")} if s.on_gpu else dict(st.kept))
     return Plan([r for r in rows if r not in once], capacity, s.on_gpu, _notes(config, s), once=once)
 
