@@ -19,8 +19,7 @@ Besides the step's phases a run has phases of its own (:func:`run_phases`), each
 
 The constants are resident sets measured on CPU on this machine (torch 2.13, transformers 5.x, ray 2.60, glibc
 malloc) by ``bench/planner_accuracy.py``'s calibration cases (``bench/results/planner_accuracy.json``, the rows
-tagged ``calibration``: tiny_rl_fused, small_rl_fused_lora, small_rl_split, tiny_sft, mid_rl_fused, mid_sft);
-its held-out rows check them. On a GPU node
+tagged ``calibration``, re-measured at 3ab11d5); its held-out rows, a drawn seed, check them. On a GPU node
 the tensors live on the device and are priced there; a worker's host figure is its framework with the CUDA
 libraries, the phase's working set (both measured on one H200: ``bench/gpu_smoke.py``) and what is offloaded;
 while loading, the process that reads the checkpoint holds it in host RAM.
