@@ -155,6 +155,20 @@ def test_load_reads_one_whole_checkpoint_per_node() -> None:
     assert row.device == 2 * (total * 4 // 8) + int(0.6 * 80 * GB) + CUDA_CONTEXT_BYTES  # no kernel has run yet
 
 
+def test_one_cpu_rank_holds_the_checkpoint_it_copies_its_parameters_out_of() -> None:
+    from easytrain.memory.planner import shape_of
+
+    one = ["+exp=tiny", "trainer.workers_per_node=1"]  # tiny: read from a folder the first call writes
+    hf = hf_config_for(load(one).model)
+    s = shape_of(load(one), hf)
+    mapped = plan(load(one), hf).row("load")  # fp32, not offloaded: the file's pages, read lazily
+    assert not any(key.startswith("checkpoint read") for key in mapped.host_parts)
+    copied = plan(load(one + ["worker.actor.offload.params=true"]), hf).row("load")  # FSDP's own copy
+    whole = copied.host_parts["checkpoint read (whole, fp32, rank 0)"]
+    assert whole == s.total_params * 4
+    assert copied.process_host == mapped.process_host + whole + copied.host_parts["actor params"]
+
+
 def test_lora_reference_pass_runs_on_the_actor() -> None:
     p = plan(load(["+exp=qwen25vl_7b", "model.lora.rank=16"]))
     assert p.row("ref_log_probs").role == "actor" and "ref params" not in p.row("ref_log_probs").parts
@@ -396,7 +410,11 @@ def test_hf_engine_on_cpu_sleeps_at_level_2_only_in_fused_workers() -> None:
     assert lora.row("weight_sync").parts["gathered bucket (engine dtype)"] == bucket
     one = plan(load(["+exp=tiny", "trainer.workers_per_node=1"]), hf)
     assert "sync staging (shared memory)" not in one.row("update").parts  # one rank: nothing to gather
-    assert one.row("weight_sync").parts["gathered bucket (engine dtype)"] == bucket
+    # one process copies its weights into the engine's where they lie (weight_sync.unsplit): nothing gathered;
+    # LoRA merges them bucket by bucket on the way
+    assert "gathered bucket (engine dtype)" not in one.row("weight_sync").parts
+    one_lora = plan(load(["+exp=tiny", "trainer.workers_per_node=1", "model.lora.rank=8"]), hf)
+    assert one_lora.row("weight_sync").parts["gathered bucket (engine dtype)"] == bucket
     assert level1.row("update").parts["rollout weights"] == weights  # level 1 on CPU: nowhere to offload to
     pools = plan(load(["+exp=tiny", "trainer.colocate=false"]), hf)
     assert pools.row("update").host_parts["rollout weights"] == config.trainer.workers_per_node * weights

@@ -33,7 +33,7 @@ copies, two log-softmaxes, an exp and a mask over them.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from functools import lru_cache
 from typing import Any
 
@@ -188,13 +188,6 @@ def activation_bytes(d: ModelDims, mb: MicroShape, dtype_bytes: int, *, grad: bo
                             else d.vision_layers * block)
         vision += patches * 4 * d.vision_hidden  # patch embedding, merger norm and MLP
     return pixels + (text + vision) * dtype_bytes // ulysses
-
-
-def vision_part(d: ModelDims, mb: MicroShape, dtype_bytes: int, **kwargs: Any) -> int:
-    """What the micro batch's images add to :func:`activation_bytes` (their pixels and the vision tower's
-    activations): the same call with the same positions and no images, subtracted."""
-    return (activation_bytes(d, mb, dtype_bytes, **kwargs)
-            - activation_bytes(d, replace(mb, images=0), dtype_bytes, **kwargs))
 
 
 def logits_bytes(sequences: int, positions: int, vocab: int, dtype_bytes: int, *, grad: bool) -> int:

@@ -27,9 +27,11 @@ while loading, the process that reads the checkpoint holds it in host RAM.
 
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import Any, Optional
 
 from easytrain.config.schema import Config
+from easytrain.memory.activations import MicroShape, ModelDims, activation_bytes
 from easytrain.memory.capacity import GB, Row, sum_parts
 from easytrain.memory.states import FP32
 
@@ -169,11 +171,6 @@ def node_host(config: Config, phase: str, workers: list[tuple[int, dict[str, int
 CHECKPOINT_FILE_BYTES = 5 * 10**9
 """The most one file of a Hugging Face checkpoint holds (``save_pretrained``'s default ``max_shard_size``, 5 GB): what a
 worker reading the checkpoint a file at a time holds of it (ZeRO-3 construction)."""
-def stored_fp32(hf_config: dict[str, Any]) -> bool:
-    """Whether the model's checkpoint holds fp32 weights (its config's ``dtype`` / ``torch_dtype``)."""
-    text = hf_config.get("text_config") or {}
-    dtype = hf_config.get("dtype") or hf_config.get("torch_dtype") or text.get("dtype") or text.get("torch_dtype")
-    return str(dtype).removeprefix("torch.") == "float32"
 
 
 def malloc_threshold_bytes(config: Config) -> int:
@@ -201,14 +198,18 @@ images added 1.6 times their planned bytes with prompt sharing and 0.7 times wit
 explain; the vision tower alone without gradients, in a fresh process, about 3 times."""
 
 
-def freed_vision_temporaries(config: Config, vision: int, on_gpu: bool) -> dict[str, int]:
-    """What a CPU worker's heap keeps of the vision tower's freed temporaries under glibc's dynamic threshold
-    (:func:`heap_keeps_freed`): its attention runs one window or image at a time, each chunk's copies of q, k
-    and v and its output allocated and freed beside what a block saves, blocks the heap keeps until the call
-    returns: VISION_HEAP_KEPT of the images' planned pass bytes (``vision``)."""
-    if not vision or not heap_keeps_freed(config, on_gpu):
-        return {}
-    return {"vision temporaries (freed, kept by the heap)": int(VISION_HEAP_KEPT * vision)}
+def pass_activations(config: Config, name: str, d: ModelDims, mb: MicroShape, dtype_bytes: int, on_gpu: bool,
+                     **how: Any) -> dict[str, int]:
+    """A pass's activations (:func:`easytrain.memory.activations.activation_bytes` with ``how``) under ``name``;
+    on a CPU worker under glibc's dynamic threshold (:func:`heap_keeps_freed`) also what its heap keeps of the
+    vision tower's freed temporaries: the attention runs one window or image at a time, each chunk's copies of
+    q, k and v and its output allocated and freed beside what a block saves, blocks the heap keeps until the
+    call returns: VISION_HEAP_KEPT of what the micro batch's images add to the pass."""
+    total = activation_bytes(d, mb, dtype_bytes, **how)
+    if not mb.images or not heap_keeps_freed(config, on_gpu):
+        return {name: total}
+    vision = total - activation_bytes(d, replace(mb, images=0), dtype_bytes, **how)
+    return {name: total, "vision temporaries (freed, kept by the heap)": int(VISION_HEAP_KEPT * vision)}
 
 
 NODE_FRACTION = 1 / 64
@@ -250,11 +251,11 @@ def save_staging(config: Config, state: int, node_ram: int, processes_per_node: 
     return {"checkpoint staging (buffer)": min(state, buffer)}
 
 
-def run_phases(config: Config, *, kept: dict[str, int], resumed: dict[str, int], state: int, trainable: int,
-               largest_tensor: int, largest_shard: int, total_params: int, per_node: int, processes_per_node: int,
-               node_ram: int, on_gpu: bool, rl: bool, device: dict[str, int], savers_per_node: Optional[int] = None,
-               others: Optional[dict[str, list[tuple[int, dict[str, int]]]]] = None,
-               largest_batch: int = 0, stored_fp32: bool = False) -> list[Row]:
+def run_phases(config: Config, *, kept: dict[str, int], resumed: dict[str, int], stored_fp32: bool, state: int,
+               trainable: int, largest_tensor: int, largest_shard: int, total_params: int, per_node: int,
+               processes_per_node: int, node_ram: int, on_gpu: bool, rl: bool, device: dict[str, int],
+               savers_per_node: Optional[int] = None, others: Optional[dict[str, list[tuple[int, dict[str, int]]]]] = None,
+               largest_batch: int = 0) -> list[Row]:
     """The checkpoint save, resume load and export rows. ``kept`` is what one worker process keeps in host RAM
     between steps (on CPU: every tensor), ``resumed`` what it holds when it resumes (before any step or sync:
     on CPU without an engine's weights, sync staging or object store pages), ``state`` the bytes of its share

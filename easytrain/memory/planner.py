@@ -53,14 +53,15 @@ from dataclasses import dataclass
 from typing import Any, Optional
 
 from easytrain.config.schema import Config
-from easytrain.memory.activations import MicroShape, activation_bytes, logits_bytes, model_dims, vision_part
+from easytrain.memory.activations import MicroShape, logits_bytes, model_dims
 from easytrain.memory.budget import engine_budget, kv_bytes_per_token
 from easytrain.memory.capacity import (CUDA_CONTEXT_BYTES, GB, Capacity, Plan, Row, capacity_of, gpu_process_device,
                                        sum_parts)
-from easytrain.memory.host import (batch_pages, batches_in_flight, freed_vision_temporaries, heap_keeps_freed,
-                                   largest_batch, node_host, run_phases, stored_fp32, worker_process)
+from easytrain.memory.host import (batch_pages, batches_in_flight, heap_keeps_freed, largest_batch, node_host,
+                                   pass_activations, run_phases, worker_process)
 from easytrain.memory.layout import (engine_held, engine_weights, fused, layout_note, processes_per_device,
                                      role_names, shared_staging, step_phases, sync_bucket, sync_parts)
+from easytrain.memory.params import stored_fp32
 from easytrain.memory.sft import plan_sft, sft_worker_parts, validation_prompts
 from easytrain.memory.states import FP32, role_states, shard_degree
 from easytrain.memory.phases import Phase
@@ -103,16 +104,14 @@ def forward_peak(config: Config, s: Shape, hf_config: dict[str, Any], *, grad: b
     dims = model_dims(hf_config)
     u = getattr(config.worker, role).ulysses_size
     eager = config.model.attn_implementation == "eager"
-    how = dict(grad=grad, checkpointing=config.model.gradient_checkpointing, vision_grad=_vision_grad(s),
-               eager=eager, ulysses=u)
-    acts = activation_bytes(dims, micro, s.dtype_bytes, **how)
-    kept = freed_vision_temporaries(config, vision_part(dims, micro, s.dtype_bytes, **how), s.on_gpu)
+    acts = pass_activations(config, "activations", dims, micro, s.dtype_bytes, s.on_gpu, grad=grad,
+                            checkpointing=config.model.gradient_checkpointing, vision_grad=_vision_grad(s),
+                            eager=eager, ulysses=u)
     if config.worker.actor.padding_free:
         logits = logits_bytes(1, -(-micro.response // u), dims.vocab, s.dtype_bytes, grad=grad)
     else:
         logits = logits_bytes(micro.sequences, micro.response + 1, dims.vocab, s.dtype_bytes, grad=grad)
-    return {"activations": acts, "logits": logits, "gathered": gathered_units(config, s, hf_config, role, grad),
-            **kept}
+    return {**acts, "logits": logits, "gathered": gathered_units(config, s, hf_config, role, grad)}
 
 
 def rollout_phase(config: Config, s: Shape, hf_config: dict[str, Any], capacity: Capacity,
@@ -138,10 +137,9 @@ def rollout_phase(config: Config, s: Shape, hf_config: dict[str, Any], capacity:
     # worker.rollout.share_prefill: each prompt's prefill runs once for its n samples
     prefill_rows = -(-prompts // (s.world // tp)) if r.share_prefill and n > 1 else rows
     prompt = MicroShape(prefill_rows, s.seq_tokens - s.response, 0, s.images, s.image_tokens)
-    how = dict(grad=False, checkpointing=False, vision_grad=False)
-    prefill = activation_bytes(dims, prompt, s.dtype_bytes, **how)
-    return {"weights": weights, "kv cache": kv, "logits": logits, "prefill": prefill,
-            **freed_vision_temporaries(config, vision_part(dims, prompt, s.dtype_bytes, **how), s.on_gpu)}
+    return {"weights": weights, "kv cache": kv, "logits": logits,
+            **pass_activations(config, "prefill", dims, prompt, s.dtype_bytes, s.on_gpu, grad=False,
+                               checkpointing=False, vision_grad=False)}
 
 
 def engine_resident(config: Config, s: Shape, awake: dict[str, int]) -> dict[str, int]:
@@ -218,7 +216,8 @@ def plan(config: Config, hf_config: Optional[dict[str, Any]] = None, capacity: O
     # every bucket a sync gathered stays in a CPU worker's heap until the call returns (heap_keeps_freed)
     kept = heap_keeps_freed(config, s.on_gpu) and fused(config)  # split pools put shards as they are: no gather
     gathered = max(bucket, s.total_params * s.dtype_bytes) if kept else bucket
-    work["weight_sync"] = ("actor", sync_parts(config, gathered, s.per_node, staged=bool(staging))[0])
+    work["weight_sync"] = ("actor", sync_parts(config, gathered, s.per_node, staged=bool(staging))[0]
+                           if not _unsplit(config, s) else _unsplit_sync(config, s))
     phases = list(step_phases(set(work)))
     rows = [_row(step, p, *work[p.planned]) for p in phases]
     notes = [layout_note(config, s.with_ref, s.ref_by_actor, s.on_gpu, set(work)),
@@ -343,7 +342,13 @@ def _load_row(st: _Step) -> Row:
                      dict(st.resident)), key=sum_parts)
     if s.on_gpu:
         parts.update(gpu_process_device("load"))
-    whole = {"checkpoint read (whole, fp32, rank 0)": s.total_params * FP32} if s.world > 1 else {}
+    # on CPU one rank that copies its parameters out of the checkpoint (offloaded or cast: FSDP's own shards)
+    # holds the file's pages it read beside the copy until the load returns (measured: the ~184M model offloaded
+    # on one rank, held-out seed 3's s3_19, 2.0 GB while loading: twice the fp32 model over the framework)
+    lazy = {"actor params": _maps_checkpoint(config, s, "actor"), "ref params": _maps_checkpoint(config, s, "ref")}
+    copied = (not s.on_gpu and not config.model.path.startswith(RANDOM_PREFIX)
+              and any(v and not lazy[k] for k, v in on_device.items()))
+    whole = {"checkpoint read (whole, fp32, rank 0)": s.total_params * FP32} if s.world > 1 or copied else {}
     if s.on_gpu and not config.model.path.startswith(RANDOM_PREFIX):
         # the reading process holds the file's pages, and the engine's weights pass through host RAM in the
         # compute dtype on their way to the device (measured: the ~0.6B model's load on an H200,
@@ -352,10 +357,9 @@ def _load_row(st: _Step) -> Row:
                  "engine weights (host, on their way to the device)":
                      s.total_params * s.dtype_bytes if s.dtype_bytes != FP32 and fused(config) else 0}
     offloaded = {f"{k} (offloaded)": v for k, v in shards.items() if v and on_device[k] == 0}
-    # on CPU a role that is not sharded (one rank) keeps the checkpoint file's pages mapped, as the rollout engine
-    # does: not resident until a pass first reads them (measured: the ~184M bench model on one rank, calibration
-    # row mid_rl_split, 0.54 GB per process while loading)
-    lazy = {"actor params": _maps_checkpoint(config, s, "actor"), "ref params": _maps_checkpoint(config, s, "ref")}
+    # on CPU a role that is not sharded (one rank) and not copied keeps the checkpoint file's pages mapped, as the
+    # rollout engine does: not resident until a pass first reads them (measured: the ~184M bench model on one rank,
+    # calibration row mid_rl_split, 0.54 GB per process while loading)
     if fused(config):
         # on CPU an engine's weights are the checkpoint file's pages, mapped: resident once the engine first runs
         held = {k: v for k, v in on_device.items() if v and not lazy[k]} if not s.on_gpu else offloaded
@@ -380,6 +384,21 @@ def _load_row(st: _Step) -> Row:
     host = node_host(config, "load", workers, True, whole)
     return Row("load", "all" if fused(config) else "each", sum_parts(parts), sum_parts(host), parts, host,
                sum_parts(one) + sum_parts(whole))
+
+
+def _unsplit(config: Config, s: Shape) -> bool:
+    """Whether the sync copies the actor's weights into the engine's where they lie, without gathering: one
+    fused process without LoRA (:func:`easytrain.workers.weight_sync.unsplit`)."""
+    return fused(config) and s.world == 1 and config.model.lora.rank == 0
+
+
+def _unsplit_sync(config: Config, s: Shape) -> dict[str, int]:
+    """The one-process sync's transient: the HF engine takes every weight in place; vLLM takes none in place
+    (its layers are renamed and fused), so the whole model passes through ``load_weights`` cast to the engine's
+    dtype, a copy unless the master weights already are in it."""
+    if config.worker.rollout.engine == "hf" or s.dtype_bytes == FP32:
+        return {}
+    return {"engine-dtype copy (whole model, to load_weights)": s.total_params * s.dtype_bytes}
 
 
 def _maps_checkpoint(config: Config, s: Shape, role: str) -> bool:

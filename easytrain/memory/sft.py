@@ -37,15 +37,13 @@ from typing import Any, Optional
 
 from easytrain.config.data_spec import split_files
 from easytrain.config.schema import Config
-from easytrain.memory.activations import (MicroShape, activation_bytes, model_dims, packed_micro,
-                                          sft_logits_bytes, shard_units, vision_part)
+from easytrain.memory.activations import MicroShape, model_dims, packed_micro, sft_logits_bytes, shard_units
 from easytrain.memory.budget import kv_bytes_per_token
 from easytrain.memory.capacity import CUDA_WORKSPACE_BYTES, Capacity, Plan, Row, gpu_process_device, sum_parts
-from easytrain.memory.host import (CHECKPOINT_FILE_BYTES, batch_pages, batches_in_flight,
-                                   freed_vision_temporaries, heap_keeps_freed, node_host,
-                                   largest_batch, run_phases, stored_fp32, worker_process)
+from easytrain.memory.host import (CHECKPOINT_FILE_BYTES, batch_pages, batches_in_flight, heap_keeps_freed,
+                                   largest_batch, node_host, pass_activations, run_phases, worker_process)
 from easytrain.memory.params import (count_parameters, hf_config_object, largest_module, largest_trainable,
-                                     trainable_by_component)
+                                     stored_fp32, trainable_by_component)
 from easytrain.memory.states import (DTYPE_BYTES, FP32, ZERO_REDUCE_BUCKET, ZERO_SUB_GROUP, gathered_bytes,
                                      role_states, shard_degree, zero_states)
 
@@ -198,13 +196,12 @@ def pass_bytes(config: Config, s: SFTShape, st: ActorStates, hf_config: dict[str
     """Transient bytes of one micro batch's forward (with ``grad``: what backward finds at its start)."""
     dims = model_dims(hf_config)
     u = config.worker.actor.ulysses_size
-    how = dict(grad=grad, checkpointing=config.model.gradient_checkpointing, vision_grad=s.vision_grad,
-               eager=config.model.attn_implementation == "eager", ulysses=u)
     positions = -(-s.micro.sequences * s.micro.tokens // u)
-    parts = {"activations": activation_bytes(dims, s.micro, s.dtype_bytes, **how),
+    parts = {**pass_activations(config, "activations", dims, s.micro, s.dtype_bytes, s.on_gpu, grad=grad,
+                                checkpointing=config.model.gradient_checkpointing, vision_grad=s.vision_grad,
+                                eager=config.model.attn_implementation == "eager", ulysses=u),
              "logits": sft_logits_bytes(positions, dims.vocab, grad=grad),
-             "gathered": _gathered(config, st, s, hf_config, grad),
-             **freed_vision_temporaries(config, vision_part(dims, s.micro, s.dtype_bytes, **how), s.on_gpu)}
+             "gathered": _gathered(config, st, s, hf_config, grad)}
     if grad and st.bucket:
         parts["reduce bucket"] = st.bucket
     return parts
@@ -237,13 +234,12 @@ def generation_bytes(config: Config, s: SFTShape, st: ActorStates, hf_config: di
     dims = model_dims(hf_config)
     response = config.data.max_response_length
     prompt = MicroShape(rows, s.sample_tokens, 0, s.images, s.image_tokens)
-    how: dict[str, Any] = dict(grad=False, checkpointing=False, vision_grad=False)
     fsdp = config.worker.actor.strategy == "fsdp"
     gathered = s.total_params * s.dtype_bytes if fsdp and st.sharded else _gathered(config, st, s, hf_config, False)
     return {"kv cache": rows * (s.sample_tokens + response) * kv_bytes_per_token(hf_config, config.model.dtype),
-            "prefill": activation_bytes(dims, prompt, s.dtype_bytes, **how),
-            "logits": rows * dims.vocab * (s.dtype_bytes + FP32), "gathered": gathered,
-            **freed_vision_temporaries(config, vision_part(dims, prompt, s.dtype_bytes, **how), s.on_gpu)}
+            **pass_activations(config, "prefill", dims, prompt, s.dtype_bytes, s.on_gpu, grad=False,
+                               checkpointing=False, vision_grad=False),
+            "logits": rows * dims.vocab * (s.dtype_bytes + FP32), "gathered": gathered}
 
 
 def phase_device(config: Config, s: SFTShape, st: ActorStates, hf_config: dict[str, Any],
