@@ -216,8 +216,8 @@ def plan(config: Config, hf_config: Optional[dict[str, Any]] = None, capacity: O
     # every bucket a sync gathered stays in a CPU worker's heap until the call returns (heap_keeps_freed)
     kept = heap_keeps_freed(config, s.on_gpu) and fused(config)  # split pools put shards as they are: no gather
     gathered = max(bucket, s.total_params * s.dtype_bytes) if kept else bucket
-    work["weight_sync"] = ("actor", sync_parts(config, gathered, s.per_node, staged=bool(staging))[0]
-                           if not _unsplit(config, s) else _unsplit_sync(config, s))
+    work["weight_sync"] = ("actor", _unsplit_sync(config, s) if _unsplit(config, s) else
+                           sync_parts(config, gathered, s.per_node, staged=bool(staging))[0])
     phases = list(step_phases(set(work)))
     rows = [_row(step, p, *work[p.planned]) for p in phases]
     notes = [layout_note(config, s.with_ref, s.ref_by_actor, s.on_gpu, set(work)),
@@ -387,16 +387,19 @@ def _load_row(st: _Step) -> Row:
 
 
 def _unsplit(config: Config, s: Shape) -> bool:
-    """Whether the sync copies the actor's weights into the engine's where they lie, without gathering: one
-    fused process without LoRA (:func:`easytrain.workers.weight_sync.unsplit`)."""
-    return fused(config) and s.world == 1 and config.model.lora.rank == 0
+    """Whether the sync copies the actor's weights into the engine's where they lie, without gathering, and
+    without a cast: one fused process without LoRA (:func:`easytrain.workers.weight_sync.unsplit`) whose engine
+    dtype is the fp32 of its master weights, or a vLLM engine (which takes nothing in place)."""
+    one = fused(config) and s.world == 1 and config.model.lora.rank == 0
+    return one and (s.dtype_bytes == FP32 or config.worker.rollout.engine == "vllm")
 
 
 def _unsplit_sync(config: Config, s: Shape) -> dict[str, int]:
-    """The one-process sync's transient: the HF engine takes every weight in place; vLLM takes none in place
-    (its layers are renamed and fused), so the whole model passes through ``load_weights`` cast to the engine's
-    dtype, a copy unless the master weights already are in it."""
-    if config.worker.rollout.engine == "hf" or s.dtype_bytes == FP32:
+    """The one-process sync's transient: in fp32 nothing (the HF engine takes every weight in place, vLLM's
+    ``load_weights`` gets the master tensors themselves); vLLM in another dtype gets the whole model cast. (The
+    HF engine cast to bf16 is priced as a gathered bucket: torch's peak in that sync on one H200 held about one
+    bucket beside the weights, bench/results/gpu_smoke.json.)"""
+    if s.dtype_bytes == FP32:
         return {}
     return {"engine-dtype copy (whole model, to load_weights)": s.total_params * s.dtype_bytes}
 
