@@ -59,3 +59,33 @@ def test_the_threshold_defaults_to_glibcs_dynamic_one_and_a_set_value_fixes_it()
     assert malloc_threshold_bytes(load(["trainer.device=cuda"])) == 0
     assert malloc_threshold_bytes(load(["trainer.malloc_mmap_threshold_kb=0"])) == 0
     assert malloc_threshold_bytes(load(["trainer.device=cuda", "trainer.malloc_mmap_threshold_kb=512"])) == 512 * 1024
+
+
+def _lora_kept(overrides: list[str], adapters: bool = True, grad: bool = True) -> int:
+    from easytrain.memory.activations import MicroShape, model_dims
+    from easytrain.memory.host import pass_activations
+
+    config = load(overrides)
+    dims = model_dims({"model_type": "qwen2", "hidden_size": 64, "intermediate_size": 256, "num_hidden_layers": 3,
+                       "num_attention_heads": 4, "num_key_value_heads": 2, "vocab_size": 1000})
+    micro = MicroShape(2, 100, 20, 0, 0)
+    parts = pass_activations(config, "activations", dims, micro, 4, config.trainer.device == "cuda", adapters,
+                             grad=grad, checkpointing=False, vision_grad=False)
+    return parts.get("LoRA temporaries (freed, kept by the heap)", 0)
+
+
+def test_the_heap_keeps_lora_branch_temporaries_only_where_glibc_keeps_freed_blocks_and_adapters_run() -> None:
+    """Per token and layer, LORA_HEAP_KEPT sets of the adapted linears' outputs: q 64, k and v 32 each, o 64,
+    gate and up 256 each, down 64 (768 elements); none without LoRA, under a fixed threshold, on a GPU, or in a
+    pass with the adapters off."""
+    from easytrain.memory.host import LORA_HEAP_KEPT
+
+    tokens_layers = 2 * 100 * 3
+    assert _lora_kept(["model.lora.rank=8"]) == int(LORA_HEAP_KEPT[True] * tokens_layers * 768 * 4)
+    assert _lora_kept(["model.lora.rank=8"], grad=False) == int(LORA_HEAP_KEPT[False] * tokens_layers * 768 * 4)
+    assert _lora_kept(["model.lora.rank=8", "model.lora.target_modules=[q_proj,v_proj]"]) == int(
+        LORA_HEAP_KEPT[True] * tokens_layers * (64 + 32) * 4)
+    for overrides in ([], ["model.lora.rank=8", "trainer.malloc_mmap_threshold_kb=128"],
+                      ["model.lora.rank=8", "trainer.device=cuda"]):
+        assert _lora_kept(overrides) == 0, overrides
+    assert _lora_kept(["model.lora.rank=8"], adapters=False) == 0

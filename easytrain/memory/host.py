@@ -66,8 +66,9 @@ LOADER_WORKER_BYTES = int(0.48 * GB)
 """A data-loader worker process (torch and the data code imported; assumed as an empty worker, unmeasured)."""
 EXPORT_PROCESS_BYTES = int(0.59 * GB)
 """``easytrain export`` besides the fp32 model, writing the whole model (0.586 GB measured with the tiny model)."""
-EXPORT_ADAPTER_PROCESS_BYTES = int(0.50 * GB)
-"""The same writing a LoRA adapter alone (0.47 to 0.50 GB measured with the tiny, small and ~184M models): a base
+EXPORT_ADAPTER_PROCESS_BYTES = int(0.48 * GB)
+"""The same writing a LoRA adapter alone (0.45 to 0.50 GB measured with the tiny, small and ~184M models, the
+calibration rows; 0.47 to 0.49 in held-out seed 4, whose small models' exports at 0.50 GB were 11% high): a base
 model stored in fp32 stays the safetensors file's mapped pages, never touched (:func:`run_phases`)."""
 STARTING = ("load", "resume_load")
 
@@ -198,18 +199,49 @@ images added 1.6 times their planned bytes with prompt sharing and 0.7 times wit
 explain; the vision tower alone without gradients, in a fresh process, about 3 times."""
 
 
+LORA_HEAP_KEPT = {True: 1.5, False: 0.25}
+"""Output-sized tensors per LoRA-adapted linear and token that a CPU heap keeps (under glibc's dynamic
+threshold), in a pass with gradients and without: the adapter branch's output and its scaled copy, freed as soon
+as they are added to the base layer's output (and in backward their gradients). Probed on the ~184M bench model,
+LoRA rank 16 on every linear, one rank, padding-free updates of 928 to 3712 tokens (bench/_memory_probe.py,
+glibc's dynamic threshold against a fixed 128 KiB one, which returns such blocks at once): 1.3 to 1.7 output sets
+per token and layer kept, the fixed threshold's peaks within 6% of the plan without them. Without gradients the
+next layer reuses most of the freed blocks: a quarter of a set, read from held-out seed 4's LoRA log-prob passes
+(s4_00, s4_09; the probed shapes came from its s4_02 too, so the next held-out quote is a fresh seed)."""
+LORA_OUTPUTS = {"q_proj": "q", "k_proj": "kv", "v_proj": "kv", "o_proj": "hidden", "gate_proj": "intermediate",
+                "up_proj": "intermediate", "down_proj": "hidden"}
+"""A decoder layer's linear layers by name suffix, with the width of their output."""
+
+
+def lora_outputs(config: Config, d: ModelDims) -> int:
+    """Output elements per token of one decoder layer's LoRA-adapted linear layers (``model.lora``: ``all-linear``
+    or the named suffixes; a suffix that is not one of the decoder's linear layers counts as ``hidden`` wide)."""
+    targets = config.model.lora.target_modules
+    names = LORA_OUTPUTS if "all-linear" in targets else targets
+    return sum(getattr(d, LORA_OUTPUTS.get(name, "hidden")) for name in names)
+
+
 def pass_activations(config: Config, name: str, d: ModelDims, mb: MicroShape, dtype_bytes: int, on_gpu: bool,
-                     **how: Any) -> dict[str, int]:
+                     adapters: bool = True, **how: Any) -> dict[str, int]:
     """A pass's activations (:func:`easytrain.memory.activations.activation_bytes` with ``how``) under ``name``;
     on a CPU worker under glibc's dynamic threshold (:func:`heap_keeps_freed`) also what its heap keeps of the
-    vision tower's freed temporaries: the attention runs one window or image at a time, each chunk's copies of
-    q, k and v and its output allocated and freed beside what a block saves, blocks the heap keeps until the
-    call returns: VISION_HEAP_KEPT of what the micro batch's images add to the pass."""
+    temporaries the pass frees, blocks the heap keeps until the call returns: of the vision tower's (the
+    attention runs one window or image at a time, each chunk's copies of q, k and v and its output allocated and
+    freed beside what a block saves) VISION_HEAP_KEPT of what the micro batch's images add to the pass; of the
+    LoRA branches' LORA_HEAP_KEPT output sets per token and layer where the pass runs them (``adapters``: not the
+    reference, the actor with its adapters off, nor the rollout engine, whose weights are merged)."""
     total = activation_bytes(d, mb, dtype_bytes, **how)
-    if not mb.images or not heap_keeps_freed(config, on_gpu):
-        return {name: total}
-    vision = total - activation_bytes(d, replace(mb, images=0), dtype_bytes, **how)
-    return {name: total, "vision temporaries (freed, kept by the heap)": int(VISION_HEAP_KEPT * vision)}
+    parts = {name: total}
+    if not heap_keeps_freed(config, on_gpu):
+        return parts
+    if mb.images:
+        vision = total - activation_bytes(d, replace(mb, images=0), dtype_bytes, **how)
+        parts["vision temporaries (freed, kept by the heap)"] = int(VISION_HEAP_KEPT * vision)
+    if adapters and config.model.lora.rank > 0:
+        tokens = mb.sequences * mb.tokens // how.get("ulysses", 1)
+        kept = LORA_HEAP_KEPT[bool(how.get("grad"))] * tokens * d.layers * lora_outputs(config, d) * dtype_bytes
+        parts["LoRA temporaries (freed, kept by the heap)"] = int(kept)
+    return parts
 
 
 NODE_FRACTION = 1 / 64

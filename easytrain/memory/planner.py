@@ -97,14 +97,15 @@ def _vision_grad(s: Shape) -> bool:
 
 
 def forward_peak(config: Config, s: Shape, hf_config: dict[str, Any], *, grad: bool, micro: MicroShape,
-                 role: str) -> dict[str, int]:
+                 role: str, adapters: bool = True) -> dict[str, int]:
     """Transient bytes of one forward (+ backward) pass of ``micro`` on one device. Padded sequences keep the
     logits of their last ``response + 1`` positions; a padding-free one only those predicting its response
-    tokens, each rank of a sequence-parallel group those of its chunk (an even share)."""
+    tokens, each rank of a sequence-parallel group those of its chunk (an even share). ``adapters``: whether the
+    pass runs a LoRA model's adapters (the reference pass of a LoRA actor turns them off)."""
     dims = model_dims(hf_config)
     u = getattr(config.worker, role).ulysses_size
     eager = config.model.attn_implementation == "eager"
-    acts = pass_activations(config, "activations", dims, micro, s.dtype_bytes, s.on_gpu, grad=grad,
+    acts = pass_activations(config, "activations", dims, micro, s.dtype_bytes, s.on_gpu, adapters, grad=grad,
                             checkpointing=config.model.gradient_checkpointing, vision_grad=_vision_grad(s),
                             eager=eager, ulysses=u)
     if config.worker.actor.padding_free:
@@ -138,7 +139,7 @@ def rollout_phase(config: Config, s: Shape, hf_config: dict[str, Any], capacity:
     prefill_rows = -(-prompts // (s.world // tp)) if r.share_prefill and n > 1 else rows
     prompt = MicroShape(prefill_rows, s.seq_tokens - s.response, 0, s.images, s.image_tokens)
     return {"weights": weights, "kv cache": kv, "logits": logits,
-            **pass_activations(config, "prefill", dims, prompt, s.dtype_bytes, s.on_gpu, grad=False,
+            **pass_activations(config, "prefill", dims, prompt, s.dtype_bytes, s.on_gpu, False, grad=False,
                                checkpointing=False, vision_grad=False)}
 
 
@@ -207,7 +208,7 @@ def plan(config: Config, hf_config: Optional[dict[str, Any]] = None, capacity: O
     if s.with_ref or s.ref_by_actor:
         by = "ref" if s.with_ref else "actor"  # LoRA: the actor with its adapters disabled
         work["ref_log_probs"] = (by, forward_peak(config, s, hf_config, grad=False,
-                                                  micro=experience_micro(config, s, by), role=by))
+                                                  micro=experience_micro(config, s, by), role=by, adapters=False))
     if s.old_log_probs:
         work["old_log_probs"] = ("actor", forward_peak(config, s, hf_config, grad=False,
                                                        micro=experience_micro(config, s, "actor"), role="actor"))
@@ -363,6 +364,8 @@ def _load_row(st: _Step) -> Row:
     if fused(config):
         # on CPU an engine's weights are the checkpoint file's pages, mapped: resident once the engine first runs
         held = {k: v for k, v in on_device.items() if v and not lazy[k]} if not s.on_gpu else offloaded
+        if not s.on_gpu and lazy["actor params"] and config.model.lora.rank > 0:  # built in memory, not mapped
+            held["actor LoRA adapters"] = sum(s.trainable.values()) * FP32
         one = worker_process("load", held, s.on_gpu)
         # rank 0 reads the whole checkpoint and shards it before its engine is built: the larger of the two
         reader = worker_process("load", {**{k: v for k, v in held.items() if "params" in k}, **whole}, s.on_gpu)
