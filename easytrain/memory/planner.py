@@ -139,7 +139,7 @@ def rollout_phase(config: Config, s: Shape, hf_config: dict[str, Any], capacity:
     prefill_rows = -(-prompts // (s.world // tp)) if r.share_prefill and n > 1 else rows
     prompt = MicroShape(prefill_rows, s.seq_tokens - s.response, 0, s.images, s.image_tokens)
     return {"weights": weights, "kv cache": kv, "logits": logits,
-            **pass_activations(config, "prefill", dims, prompt, s.dtype_bytes, s.on_gpu, False, grad=False,
+            **pass_activations(config, "prefill", dims, prompt, s.dtype_bytes, s.on_gpu, adapters=False, grad=False,
                                checkpointing=False, vision_grad=False)}
 
 

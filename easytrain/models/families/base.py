@@ -105,9 +105,9 @@ class FixedImage:
     token_id: int
 
 
-def _first(config: Mapping[str, Any], keys: Sequence[str]) -> Any:
-    """The value of the first of ``keys`` that ``config`` sets (None: none)."""
-    return next((config[k] for k in keys if config.get(k) is not None), None)
+def _first(hf_config: Mapping[str, Any], keys: Sequence[str]) -> Any:
+    """The value of the first of ``keys`` that a model's ``config.json`` (``hf_config``) sets (None: none)."""
+    return next((hf_config[k] for k in keys if hf_config.get(k) is not None), None)
 
 
 class Family:
