@@ -252,3 +252,28 @@ def test_select_carries_each_samples_visuals_and_patch_rows() -> None:
         assert out.image_counts.tolist() == [counts[i] for i in indices]
         assert torch.equal(out["image_grid_thw"], grids[visuals]) and torch.equal(out["visual_seconds"], seconds[visuals])
         assert torch.equal(out["pixel_values"], torch.cat([reference(i)[1] for i in indices] or [pixels[:0]]))
+
+
+@pytest.mark.parametrize("packed", [False, True])
+def test_a_members_micro_batches_carry_each_prompts_pixels_once_and_read_as_planned(prompts: PerSample,
+                                                                                    packed: bool) -> None:
+    from easytrain.trainer.micro_batches import Forward, micro_batch, micro_batches
+
+    batch, samples = repeated(prompts, 4)
+    forward = Forward(packed, 0, share_prompt=False)
+    plan = [[[0], [1], [2], [3], [12, 13]], [[15, 14, 4], [5, 16]]]  # micro batches of one sample and reordered
+    sent = micro_batches(batch, plan, forward)
+    for member, cut in zip(plan, sent):
+        prompts_used = sorted({samples[i % len(samples)] for micro in member for i in micro})
+        own = sum(prompts.rows[p].numel() * prompts.rows[p].element_size() for p in prompts_used)
+        wire = pickle.dumps(cut)
+        assert len(wire) < own + 8000  # each prompt's rows once, not once per micro batch showing it
+        arrived = pickle.loads(wire)
+        assert len(arrived) == len(member)
+        for micro, got in zip(member, arrived):
+            want = micro_batch(batch, micro, forward)
+            assert got.packed == want.packed == packed and got.prompt_groups == want.prompt_groups
+            assert_same(got.batch, want.batch)
+            assert_same(got.batch, prompts.batch([samples[i % len(samples)] for i in micro]))
+    with pytest.raises(IndexError):
+        sent[1][2]

@@ -89,3 +89,45 @@ def test_the_heap_keeps_lora_branch_temporaries_only_where_glibc_keeps_freed_blo
                       ["model.lora.rank=8", "trainer.device=cuda"]):
         assert _lora_kept(overrides) == 0, overrides
     assert _lora_kept(["model.lora.rank=8"], adapters=False) == 0
+
+
+CALLS = """
+import json
+import torch
+from easytrain.distributed.group import Dispatch, dispatch
+from easytrain.memory import peaks
+
+def rss():
+    for line in open("/proc/self/status"):
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1]) * 1024
+
+class Worker:
+    @dispatch(Dispatch.BROADCAST)
+    def call(self, blocks):
+        return [torch.ones(256 * 1024) for _ in range(blocks)]  # a result of 1 MiB heap blocks
+
+worker = Worker()
+big = torch.ones(4 * 2**20)  # mmapped; freeing it raises glibc's dynamic threshold to 16 MiB
+del big
+result = worker.call(256)  # 256 MiB returned: alive past the call's own trim, as Ray holds a call's result
+keep = torch.ones(256 * 1024)  # above them in the heap
+del result  # freed after the call, as Ray drops a call's arguments and result: glibc keeps the pages
+freed = rss()
+peaks.drain()  # the first call's peak
+worker.call(0)
+print(json.dumps({"freed_resident": freed, "next_call_peak": peaks.drain()["call"]["host_bytes"]}))
+"""
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="glibc and /proc")
+def test_a_call_starts_after_the_last_calls_freed_arguments_and_result_went_back() -> None:
+    from easytrain.memory import peaks
+
+    if not peaks.CLEAR_REFS.exists():
+        pytest.skip("no /proc/self/clear_refs: peaks are lifetime peaks here")
+    out = subprocess.run([sys.executable, "-c", CALLS], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    got = json.loads(out.stdout.strip().splitlines()[-1])
+    # the 256 MiB freed after the last call were resident when the next one was called, and not during it
+    assert got["next_call_peak"] < got["freed_resident"] - 200 * MB

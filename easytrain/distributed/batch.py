@@ -13,13 +13,14 @@ rows along, so dispatch code and workers never re-derive them. Videos travel
 in the same stream (``visual_seconds`` tells them apart). Python lists (uids,
 answers, PIL images for vLLM) ride in ``meta``, one entry per sample. A
 :class:`MicroBatch` is one forward's samples as the driver planned them, with
-how to run them.
+how to run them; :class:`MicroBatches` a worker's planned micro batches as one
+call sends them (each prompt's pixels once, not once per micro batch).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Optional, Sequence
+from typing import Any, Iterator, Optional, Sequence
 
 import torch
 
@@ -304,3 +305,33 @@ class MicroBatch:
 
     def __len__(self) -> int:
         return len(self.batch)
+
+
+@dataclass
+class MicroBatches(Sequence[MicroBatch]):
+    """One member's planned micro batches as a call sends them: the samples they run, once and in micro-batch
+    order (so each prompt's visuals travel once, however many micro batches show them), and where each micro
+    batch's samples sit among them. Reading a micro batch cuts it out then (its rows a view where its visuals are
+    stored back to back), so a worker holds the member's pixels once plus the micro batch it runs. Sent as a
+    list of micro batches, a prompt's n samples in micro batches of one carried n copies of its pixels through
+    the object store and into the worker."""
+
+    batch: Batch
+    bounds: list[int]
+    """Micro batch k runs samples ``[bounds[k], bounds[k + 1])`` of :attr:`batch`."""
+    packed: bool = False
+    prompt_groups: list[Optional[list[list[int]]]] = field(default_factory=list)
+    """Each micro batch's :attr:`MicroBatch.prompt_groups` (empty: none shares)."""
+
+    def __len__(self) -> int:
+        return len(self.bounds) - 1
+
+    def __getitem__(self, k: int) -> MicroBatch:  # type: ignore[override]
+        if not -len(self) <= k < len(self):
+            raise IndexError(k)
+        k %= len(self)
+        groups = self.prompt_groups[k] if self.prompt_groups else None
+        return MicroBatch(self.batch.select(range(self.bounds[k], self.bounds[k + 1])), self.packed, groups)
+
+    def __iter__(self) -> Iterator[MicroBatch]:
+        return (self[k] for k in range(len(self)))

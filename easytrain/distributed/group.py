@@ -61,11 +61,16 @@ class Dispatch(enum.Enum):
 def dispatch(mode: Dispatch) -> Callable[[F], F]:
     """Declare how a worker method is called across the group; the worker's busy time is recorded
     per method (``self.busy``) so orchestration overhead can be told apart from work, and so are its host and
-    device memory peaks (:mod:`easytrain.memory.peaks`), which the plan check compares with the plan."""
+    device memory peaks (:mod:`easytrain.memory.peaks`), which the plan check compares with the plan. The
+    outermost call trims the heap (:func:`easytrain.memory.peaks.trim_heap`) when it ends and before it starts:
+    Ray drops a call's arguments and result only after the call returns, so what they held is freed after the
+    first trim and would stay resident through the next call without the second."""
     def mark(fn: F) -> F:
         @functools.wraps(fn)
         def timed(self: Any, *args: Any, **kwargs: Any) -> Any:
             start = time.perf_counter()
+            if not peaks.active():  # the last call's arguments and result, freed since its trim, go back first
+                peaks.trim_heap()
             peaks.enter()
             try:
                 return fn(self, *args, **kwargs)

@@ -28,7 +28,7 @@ import torch
 
 from easytrain.config.schema import Config
 from easytrain.data.packing import MicroPlan, plan_micro_batches
-from easytrain.distributed.batch import Batch, MicroBatch
+from easytrain.distributed.batch import Batch, MicroBatch, MicroBatches
 from easytrain.distributed.group import WorkerGroup
 from easytrain.memory.rl_shape import shares_prompts
 from easytrain.workers.shared_prompt import prompt_groups, rows_pay_off, worth_sharing
@@ -120,12 +120,26 @@ def micro_batch(batch: Batch, indices: list[int], forward: Forward) -> MicroBatc
     return MicroBatch(samples, forward.packed, groups)
 
 
-def micro_batches(batch: Batch, plan: MicroPlan, forward: Forward) -> list[list[MicroBatch]]:
-    return [[micro_batch(batch, micro, forward) for micro in member] for member in plan]
+def member_micro_batches(batch: Batch, member: list[list[int]], forward: Forward) -> MicroBatches:
+    """One member's planned micro batches (sample indices of ``batch``; past the end: the leading ones again) as
+    its call sends them: their samples once, each prompt's pixels once (:class:`MicroBatches`)."""
+    samples = batch.select([i % len(batch) for micro in member for i in micro])
+    bounds = [0]
+    for micro in member:
+        bounds.append(bounds[-1] + len(micro))
+    cut = MicroBatches(samples, bounds, forward.packed)
+    if forward.share_prompt:
+        cut.prompt_groups = [micro_batch(samples, list(range(bounds[k], bounds[k + 1])), forward).prompt_groups
+                             for k in range(len(member))]
+    return cut
+
+
+def micro_batches(batch: Batch, plan: MicroPlan, forward: Forward) -> list[MicroBatches]:
+    return [member_micro_batches(batch, member, forward) for member in plan]
 
 
 def log_prob_shares(batch: Batch, members: int, config: Config,
-                    forward: Forward) -> tuple[MicroPlan, list[list[MicroBatch]]]:
+                    forward: Forward) -> tuple[MicroPlan, list[MicroBatches]]:
     """The plan of a log-prob pass over ``batch`` and each member's micro batches."""
     plan = plan_indices(batch, members, config.worker.actor.micro_batch_size_per_device_for_experience, forward)
     return plan, micro_batches(batch, plan, forward)
@@ -142,7 +156,7 @@ def in_batch_order(batch: Batch, plan: MicroPlan, results: list[list[torch.Tenso
 
 
 def update_shares(batch: Batch, per_step: int, members: int, config: Config,
-                  forward: Forward) -> tuple[list[list[list[MicroBatch]]], list[MicroPlan]]:
+                  forward: Forward) -> tuple[list[list[MicroBatches]], list[MicroPlan]]:
     """Each member's micro batches per optimizer step (consecutive ``per_step`` samples make one step), and
     the plans behind them (indices within the step)."""
     micro_size = config.worker.actor.micro_batch_size_per_device_for_update

@@ -6,7 +6,7 @@ import logging
 import time
 from collections import defaultdict
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any, Optional, Sequence
 
 import torch
 import torch.distributed as dist
@@ -55,14 +55,14 @@ class ActorWorker(WorkerBase):
         return counts
 
     @dispatch(Dispatch.EACH)
-    def compute_log_probs(self, micros: list[MicroBatch]) -> list[torch.Tensor]:
+    def compute_log_probs(self, micros: Sequence[MicroBatch]) -> list[torch.Tensor]:
         """Old log-probs under the current weights (no grad) of this rank's planned micro batches, one (B, R)
         each."""
         self.model.eval()
         return micro_log_probs(self.model, micros, self.config.worker.rollout.temperature, self.device, self.sp)
 
     @dispatch(Dispatch.EACH)
-    def compute_ref_log_probs(self, micros: list[MicroBatch]) -> list[torch.Tensor]:
+    def compute_ref_log_probs(self, micros: Sequence[MicroBatch]) -> list[torch.Tensor]:
         """With LoRA the reference is this model with its adapters disabled: no second copy."""
         if self.config.model.lora.rank == 0:
             raise RuntimeError("the actor serves reference log-probs only with LoRA (model.lora.rank > 0)")
@@ -71,7 +71,7 @@ class ActorWorker(WorkerBase):
             return micro_log_probs(self.model, micros, self.config.worker.rollout.temperature, self.device, self.sp)
 
     @dispatch(Dispatch.EACH)
-    def update(self, steps: list[list[MicroBatch]], kl_coef: float) -> dict[str, float]:
+    def update(self, steps: Sequence[Sequence[MicroBatch]], kl_coef: float) -> dict[str, float]:
         """PPO epochs over this rank's planned micro batches, a list per optimizer step; returns summed metrics
         for the driver."""
         self.model.train()
@@ -93,7 +93,7 @@ class ActorWorker(WorkerBase):
         the step's global gradient norm and learning rate: what the driver's step metrics add up."""
         return self.last_update
 
-    def _optimizer_step(self, micros: list[MicroBatch], kl_coef: float) -> dict[str, float]:
+    def _optimizer_step(self, micros: Sequence[MicroBatch], kl_coef: float) -> dict[str, float]:
         algo, temperature = self.config.algorithm, self.config.worker.rollout.temperature
         mode = self.cfg.loss_agg_mode
         local = sum(float(m.batch["response_mask"].sum()) if mode == "token-mean" else float(len(m)) for m in micros)

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Any, Optional
+from typing import Any, Optional, Sequence
 
 import torch
 from torch import nn
@@ -85,7 +85,7 @@ def log_probs_of(model: nn.Module, micro: MicroBatch, temperature: float, device
 
 
 @torch.no_grad()
-def micro_log_probs(model: nn.Module, micros: list[MicroBatch], temperature: float, device: torch.device,
+def micro_log_probs(model: nn.Module, micros: Sequence[MicroBatch], temperature: float, device: torch.device,
                     sp: Optional[SequenceParallel] = None) -> list[torch.Tensor]:
     """Response log-probs of this rank's planned micro batches, one (B, R) tensor each, on CPU."""
     return [log_probs_of(model, micro, temperature, device, sp)[0].cpu() for micro in micros]

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Sequence
 
 import torch
 
@@ -25,6 +25,6 @@ class ReferenceWorker(WorkerBase):
         return {"total": sum(p.numel() for p in self.model.parameters())}
 
     @dispatch(Dispatch.EACH)
-    def compute_ref_log_probs(self, micros: list[MicroBatch]) -> list[torch.Tensor]:
+    def compute_ref_log_probs(self, micros: Sequence[MicroBatch]) -> list[torch.Tensor]:
         """Reference log-probs of this rank's planned micro batches, one (B, R) each."""
         return micro_log_probs(self.model, micros, self.config.worker.rollout.temperature, self.device, self.sp)
