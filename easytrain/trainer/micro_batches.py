@@ -1,7 +1,8 @@
 """The micro batches of every log-prob and update call of the RL roles, planned by the driver.
 
-Each worker method runs exactly the micro batches it is sent (``Dispatch.EACH``: a list per data-parallel
-member) the way the plan says; no worker re-cuts a batch or decides a layout of its own.
+Each worker method runs exactly the micro batches it is sent (``Dispatch.EACH``: a
+:class:`~easytrain.distributed.batch.MicroBatches` per data-parallel member, its samples and each prompt's pixels
+sent once) the way the plan says; no worker re-cuts a batch or decides a layout of its own.
 
 - Padded (the default): each member gets a contiguous share of the samples (the batch is padded to a
   multiple of the members by repeating leading samples, whose results are dropped), cut into micro batches of
