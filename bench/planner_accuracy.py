@@ -323,6 +323,8 @@ def measure_case(case: Case, folder: Path) -> dict[str, Any]:
                         "processes": 1, "sampled_tree_peak_bytes": max(sum(r.values()) for _, r, _ in run["samples"]),
                         "node_used_above_before_bytes": max(u for _, _, u in run["samples"]) - run["node_before"],
                         "command": "export"}
+    for written in ("checkpoints", "hf_export"):  # kept, one calibration and one held-out set filled 64 GB of disk
+        shutil.rmtree(run_dir / written, ignore_errors=True)
     return {"name": case.name, "tag": case.tag, "overrides": BASE + case.overrides, "phases": phases,
             "malloc_mmap_threshold_kb": threshold_kb(overrides_of(case, folder)), "others_peaks": "vmhwm",
             "wall_s": time.perf_counter() - start}
