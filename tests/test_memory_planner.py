@@ -420,6 +420,23 @@ def test_hf_engine_on_cpu_sleeps_at_level_2_only_in_fused_workers() -> None:
     assert pools.row("update").host_parts["rollout weights"] == config.trainer.workers_per_node * weights
 
 
+def test_a_cpu_sync_keeps_every_gathered_bucket_but_one_process_only_a_bucket_of_merges() -> None:
+    """Under glibc's dynamic threshold a CPU rank's heap keeps every bucket a sync gathered until the call returns
+    (easytrain.memory.host.heap_keeps_freed): with two ranks and LoRA the whole model. One process gathers nothing:
+    only a bucket's LoRA merges are new tensors, freed before the next bucket reuses their heap."""
+    from easytrain.memory.layout import sync_bucket
+    from easytrain.memory.planner import shape_of
+
+    small = ["+exp=tiny", "model.tiny_size=small", "model.lora.rank=8", "worker.rollout.sync_bucket_mb=2"]
+    two, one = load(small), load([*small, "trainer.workers_per_node=1"])
+    hf = hf_config_for(two.model)
+    s = shape_of(one, hf)
+    whole, bucket = s.total_params * s.dtype_bytes, sync_bucket(one, s.largest_module, s.total_params, s.dtype_bytes)
+    assert bucket < whole
+    assert plan(two, hf).row("weight_sync").parts["gathered bucket (engine dtype)"] == whole
+    assert plan(one, hf).row("weight_sync").parts["gathered bucket (engine dtype)"] == bucket
+
+
 def test_plan_describes_the_fused_layout_and_the_phase_order() -> None:
     """`easytrain plan +exp=qwen25vl_7b` says one process per GPU hosts every role and names the step's phases in
     easytrain.memory.phases' order; with colocate=false, a process per role."""

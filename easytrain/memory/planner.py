@@ -214,8 +214,10 @@ def plan(config: Config, hf_config: Optional[dict[str, Any]] = None, capacity: O
                                                        micro=experience_micro(config, s, "actor"), role="actor"))
     work["update"] = ("actor", update_transient(config, s, hf_config, upd_micro, accumulates,
                                                 0 if actor.offloaded else actor.grads, actor.offloaded))
-    # every bucket a sync gathered stays in a CPU worker's heap until the call returns (heap_keeps_freed)
-    kept = heap_keeps_freed(config, s.on_gpu) and fused(config)  # split pools put shards as they are: no gather
+    # every bucket a sync gathered stays in a CPU worker's heap until the call returns (heap_keeps_freed); one
+    # process gathers nothing (its tensors go to the engine as they are): only a bucket's LoRA merges or casts
+    # are new, freed before the next bucket reuses their heap; split pools put shards as they are: no gather
+    kept = heap_keeps_freed(config, s.on_gpu) and fused(config) and s.world > 1
     gathered = max(bucket, s.total_params * s.dtype_bytes) if kept else bucket
     work["weight_sync"] = ("actor", _unsplit_sync(config, s) if _unsplit(config, s) else
                            sync_parts(config, gathered, s.per_node, staged=bool(staging))[0])
