@@ -30,6 +30,7 @@ from __future__ import annotations
 from dataclasses import replace
 from typing import Any, Optional
 
+from easytrain.config.presets import RANDOM_PREFIX
 from easytrain.config.schema import Config
 from easytrain.memory.activations import MicroShape, ModelDims, activation_bytes
 from easytrain.memory.capacity import GB, Row, sum_parts
@@ -172,6 +173,15 @@ def node_host(config: Config, phase: str, workers: list[tuple[int, dict[str, int
 CHECKPOINT_FILE_BYTES = 5 * 10**9
 """The most one file of a Hugging Face checkpoint holds (``save_pretrained``'s default ``max_shard_size``, 5 GB): what a
 worker reading the checkpoint a file at a time holds of it (ZeRO-3 construction)."""
+
+
+def maps_checkpoint(config: Config, on_gpu: bool, world: int, dtype_bytes: int, offloaded: bool) -> bool:
+    """Whether a CPU role's parameters are the checkpoint file's mapped pages after the load, resident only once a
+    pass first reads them: one process reads the file itself from a folder (a ``random:`` model is built in memory)
+    and FSDP is not applied (no shards to copy out: fp32, not offloaded;
+    :func:`easytrain.workers.base.build_sharded_model`, the actor's for RL and SFT alike)."""
+    return (not on_gpu and not config.model.path.startswith(RANDOM_PREFIX) and world == 1
+            and dtype_bytes == FP32 and not offloaded)
 
 
 def malloc_threshold_bytes(config: Config) -> int:

@@ -57,8 +57,8 @@ from easytrain.memory.activations import MicroShape, logits_bytes, model_dims
 from easytrain.memory.budget import engine_budget, kv_bytes_per_token
 from easytrain.memory.capacity import (CUDA_CONTEXT_BYTES, GB, Capacity, Plan, Row, capacity_of, gpu_process_device,
                                        sum_parts)
-from easytrain.memory.host import (batch_pages, batches_in_flight, heap_keeps_freed, largest_batch, node_host,
-                                   pass_activations, run_phases, worker_process)
+from easytrain.memory.host import (batch_pages, batches_in_flight, heap_keeps_freed, largest_batch, maps_checkpoint,
+                                   node_host, pass_activations, run_phases, worker_process)
 from easytrain.memory.layout import (engine_held, engine_weights, fused, layout_note, processes_per_device,
                                      role_names, shared_staging, step_phases, sync_bucket, sync_parts)
 from easytrain.memory.params import stored_fp32
@@ -410,11 +410,8 @@ def _unsplit_sync(config: Config, s: Shape) -> dict[str, int]:
 
 
 def _maps_checkpoint(config: Config, s: Shape, role: str) -> bool:
-    """Whether a CPU role's parameters are the checkpoint file's mapped pages after the load: one process reads
-    the file itself from a folder (a ``random:`` model is built in memory) and FSDP is not applied (no shards to
-    copy out: fp32, not offloaded; :func:`easytrain.workers.base.build_sharded_model`)."""
-    return (not s.on_gpu and not config.model.path.startswith(RANDOM_PREFIX) and s.world == 1
-            and s.dtype_bytes == FP32 and not getattr(config.worker, role).offload.params)
+    """:func:`easytrain.memory.host.maps_checkpoint` for ``role``."""
+    return maps_checkpoint(config, s.on_gpu, s.world, s.dtype_bytes, getattr(config.worker, role).offload.params)
 
 
 def _run_rows(st: _Step, capacity: Capacity, fp32_checkpoint: bool) -> list[Row]:

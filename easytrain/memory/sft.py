@@ -41,7 +41,8 @@ from easytrain.memory.activations import MicroShape, model_dims, packed_micro, s
 from easytrain.memory.budget import kv_bytes_per_token
 from easytrain.memory.capacity import CUDA_WORKSPACE_BYTES, Capacity, Plan, Row, gpu_process_device, sum_parts
 from easytrain.memory.host import (CHECKPOINT_FILE_BYTES, batch_pages, batches_in_flight, heap_keeps_freed,
-                                   largest_batch, node_host, pass_activations, run_phases, worker_process)
+                                   largest_batch, maps_checkpoint, node_host, pass_activations, run_phases,
+                                   worker_process)
 from easytrain.memory.params import (count_parameters, hf_config_object, largest_module, largest_trainable,
                                      stored_fp32, trainable_by_component)
 from easytrain.memory.states import (DTYPE_BYTES, FP32, ZERO_REDUCE_BUCKET, ZERO_SUB_GROUP, gathered_bytes,
@@ -276,6 +277,8 @@ def setup_device(config: Config, s: SFTShape, st: ActorStates) -> dict[str, int]
     if config.worker.actor.strategy == "deepspeed":
         return whole
     if not s.on_gpu:
+        if maps_checkpoint(config, s.on_gpu, s.world, s.dtype_bytes, config.worker.actor.offload.params):
+            return {}  # the checkpoint file's pages, mapped: resident once the first pass reads them
         return {**whole, **(_shard(st) if rank0_loads(config, s) else {})}
     params = {k: v for k, v in st.kept.items() if k == "actor params"}
     if s.world > 1:
