@@ -458,6 +458,10 @@ def main() -> None:
     kept = {r["name"]: r for r in old.get("rows", []) if "phases" in r}
     if args.rescore and not kept:
         parser.error(f"--rescore needs measurements in {RESULTS}")
+    stored_seed = old.get("held_out_set", {}).get("seed")
+    if args.rescore and stored_seed not in (None, args.held_out_seed):  # else its held-out rows would be dropped
+        parser.error(f"{RESULTS} holds held-out seed {stored_seed}'s runs: rescore them with "
+                     f"--held-out-seed {stored_seed}, or measure seed {args.held_out_seed}'s first")
     RUNS.mkdir(parents=True, exist_ok=True)
     for case in every:
         if args.rescore or (args.only and not {case.name, case.tag} & set(args.only)):
