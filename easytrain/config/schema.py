@@ -426,8 +426,8 @@ class TrainerConfig:
     """Fix glibc's mmap threshold in every worker process (``mallopt(M_MMAP_THRESHOLD)``): host blocks at least
     this large get their own mapping and go back to the OS when freed, so a phase's host peak follows its live
     tensors, at a cost in speed (every such block is mapped, zeroed by the kernel and unmapped again). Measured
-    at 128 against null on CPU (bench/results/cpu_allocator.json, alternated twice): the update's peak 22% lower
-    and the update 27% faster on the ~184M model over 2 ranks, the peak 11% lower and the update 63% slower with
+    at 128 against null on CPU (bench/results/cpu_allocator.json, alternated twice): the update's peak 23% lower
+    and the update 14% slower on the ~184M model over 2 ranks, the peak 7% lower and the update 46% slower with
     448 px images, the peak 1% lower and the update 18% slower on the default run. null (or 0) = glibc's dynamic
     default: it raises the threshold to the largest block freed (up to 32 MiB) and keeps freed blocks below it in
     its heap until the call ends (the worker trims the heap before and after every call); the plan prices either
