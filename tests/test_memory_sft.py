@@ -284,7 +284,7 @@ def test_relief_planner_fixes_path_for_sft() -> None:
 def test_one_cpu_process_maps_the_checkpoint_it_loads_as_rl_does() -> None:
     """One CPU rank loading fp32 weights from a folder keeps the file's pages mapped, not resident, until its
     first pass reads them (easytrain.memory.host.maps_checkpoint; the same builder as the RL actor's); two ranks
-    read it whole on rank 0 to shard it, and a ``random:`` model is built in memory."""
+    read it whole on rank 0 to shard it, and an offloaded rank copies it out."""
     one = plan(load(["+exp=tiny_sft", "trainer.workers_per_node=1"])).row("setup")
     assert "whole fp32 model (loading)" not in one.parts
     assert "whole fp32 model (loading)" in plan(load(["+exp=tiny_sft"])).row("setup").parts
