@@ -21,6 +21,13 @@ def log_probs(group: Any, method: str, batch: Any, config: Config) -> Any:
     return run_log_probs(group, method, batch, config, Forward.of(config, {}))
 
 
+def generate(group: Any, prompts: Any, step: int, config: Config) -> Any:
+    """The rollout group's training batch for ``prompts``, with the prompts' visuals put back as the driver does."""
+    from easytrain.trainer.rl import with_prompt_visuals
+
+    return with_prompt_visuals(group.call("generate", prompts, step), prompts, config.worker.rollout.n)
+
+
 def update(group: Any, batch: Any, config: Config, kl_coef: float) -> list[dict[str, float]]:
     """``group``'s PPO update over ``batch`` as the driver plans it: each member's summed metrics."""
     from easytrain.trainer.micro_batches import Forward, run_update

@@ -23,6 +23,7 @@ from safetensors.torch import save_file
 from easytrain.distributed.batch import Batch
 from easytrain.trainer.ahead import FILE, Generated, load_generated, save_generated
 from easytrain.trainer.data import RLData
+from easytrain.trainer.rl import with_prompt_visuals
 from easytrain.workers.sequences import assemble
 
 from rl_batches import rl_config, rollout_batch
@@ -102,6 +103,24 @@ def test_a_rollout_batch_holds_each_prompts_pixels_once(tmp_path: Path) -> None:
     per_prompt = [pixels[starts[visual_at[i]]:starts[visual_at[i + 1]]] for i in range(len(prompts))]
     assert torch.equal(batch["pixel_values"], torch.cat([per_prompt[i] for i in range(len(prompts)) for _ in range(8)]))
     assert_same(pickle.loads(pickle.dumps(batch)), batch)
+
+
+def test_a_generated_batch_comes_back_without_pixels_and_the_driver_puts_its_prompts_back(tmp_path: Path) -> None:
+    """The rollout worker returns the responses without the prompts' visuals; the driver's re-joined batch equals
+    the assembled one and shares the prompts' stored rows (no second copy)."""
+    data = RLData(rl_config(tmp_path))
+    prompts = next(data.train_batches())
+    generated = Batch({"responses": torch.ones(3 * len(prompts), 2, dtype=torch.long),
+                       "response_mask": torch.ones(3 * len(prompts), 2, dtype=torch.long)})
+    full = assemble(prompts, generated, 3, data.family)
+    sent = pickle.loads(pickle.dumps(full.without_visuals()))
+    assert sent.pixels is None and sent.image_counts is None and "image_grid_thw" not in sent
+    joined = with_prompt_visuals(sent, prompts, 3)
+    assert_same(joined, full)
+    assert joined.pixels.blocks is prompts.pixels.blocks  # type: ignore[union-attr]
+    with pytest.raises(ValueError, match="visuals of 4 samples cannot join a batch of 12"):
+        sent.with_visuals_of(prompts)
+    assert with_prompt_visuals(full, prompts, 3) is full  # a multi-turn batch brings its own visuals
 
 
 @pytest.mark.parametrize("indices", [[3, 0, 5], [1, 4], [], [2, 2, 0, 2], [5, 4, 3, 2, 1, 0], [7, 6, 7, 0]])

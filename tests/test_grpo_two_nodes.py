@@ -19,7 +19,7 @@ from easytrain.trainer.data import RLData
 from easytrain.workers.actor import ActorWorker
 from easytrain.workers.rollout.worker import RolloutWorker
 
-from grpo_helpers import make_config, trained_weights, update
+from grpo_helpers import generate, make_config, trained_weights, update
 
 pytestmark = pytest.mark.slow
 
@@ -38,7 +38,7 @@ def test_update_across_two_nodes_equals_one_rank(ray_two_nodes, tmp_path: Path) 
         for group in (two, one):
             group.init_process_group()
             group.call("setup", 10)
-        batch = rollout.call("generate", next(data.train_batches()), 0)
+        batch = generate(rollout, next(data.train_batches()), 0, config)
         advantages = torch.linspace(-1, 1, len(batch))[:, None] * batch["response_mask"]
         batch = batch.union(Batch({"advantages": advantages}))
         results = {}

@@ -18,7 +18,7 @@ from easytrain.trainer.data import RLData
 from easytrain.trainer.roles import Roles, build_roles
 from easytrain.workers.actor import ActorWorker
 
-from grpo_helpers import log_probs, make_config, update
+from grpo_helpers import generate, log_probs, make_config, update
 from tolerance import assert_updates_agree
 
 pytestmark = pytest.mark.slow
@@ -31,7 +31,7 @@ def setup(ray_clusters: Any, tmp_path_factory: pytest.TempPathFactory) -> Iterat
     data = RLData(config)
     roles = build_roles(config, total_optimizer_steps=10)
     prompts = next(data.train_batches())
-    rollout = roles.rollout.call("generate", prompts, 0)
+    rollout = generate(roles.rollout, prompts, 0, config)
     yield {"config": config, "data": data, "roles": roles, "prompts": prompts, "rollout": rollout}
     roles.shutdown()
 
@@ -61,7 +61,7 @@ def test_on_policy_log_probs_match_the_rollout(setup: dict[str, Any]) -> None:
 
 def test_uneven_batches_are_padded_and_unpadded_by_the_group(setup: dict[str, Any]) -> None:
     prompts = setup["prompts"].select([0, 1, 2])
-    out = setup["roles"].rollout.call("generate", prompts, 0)
+    out = generate(setup["roles"].rollout, prompts, 0, setup["config"])
     assert len(out) == 6 and out.meta["uids"] == [u for u in prompts.meta["uids"] for _ in range(2)]
 
 
@@ -117,7 +117,7 @@ def test_the_update_changes_the_weights_and_syncs_to_the_rollout(setup: dict[str
     assert any(not torch.equal(before[k], after[k]) for k in before)
     synced = roles.transport.sync(roles.actor, roles.rollout)
     assert synced["sync/tensors"] == len(after)
-    rollout = roles.rollout.call("generate", setup["prompts"], 1)
+    rollout = generate(roles.rollout, setup["prompts"], 1, setup["config"])
     recomputed = log_probs(roles.actor, "compute_log_probs", rollout, setup["config"])
     mask = rollout["response_mask"].bool()
     assert (recomputed - rollout["rollout_log_probs"]).abs()[mask].max() < 2e-4  # on-policy again after sync

@@ -223,6 +223,19 @@ class Batch:
         state["tensors"] = {k: _from_wire(v) for k, v in state["tensors"].items()}
         self.__dict__.update(state)
 
+    def without_visuals(self) -> "Batch":
+        """This batch's per-sample tensors and meta, without its visuals (pixels, per-visual rows, counts): what a
+        result sends back to a caller that already holds them (see :meth:`with_visuals_of`)."""
+        return Batch({k: v for k, v in self.tensors.items() if k not in PACKED_IMAGE_KEYS}, self.meta)
+
+    def with_visuals_of(self, other: "Batch") -> "Batch":
+        """This batch with the visuals of ``other``, which holds the same samples in the same order (its stored
+        rows shared, not copied); this batch's own per-sample tensors are kept."""
+        if len(self) != len(other):
+            raise ValueError(f"visuals of {len(other)} samples cannot join a batch of {len(self)}")
+        visuals = {k: v for k, v in other.tensors.items() if k in PACKED_IMAGE_KEYS}
+        return Batch({**self.tensors, **visuals}, self.meta, other.image_counts, other.pixels)
+
     def union(self, other: "Batch") -> "Batch":
         """This batch with ``other``'s tensors and meta added (same samples)."""
         assert len(self) == len(other) or not len(other), (len(self), len(other))

@@ -41,7 +41,7 @@ from easytrain.trainer.sampling import informative_count, keep_informative
 from easytrain.trainer.stats import log_prob_agreement, reduce_update_metrics, response_metrics, reward_metrics
 
 logger = logging.getLogger(__name__)
-__all__ = ["RLTrainer", "RunFailed", "Stopped"]
+__all__ = ["RLTrainer", "RunFailed", "Stopped", "with_prompt_visuals"]
 
 Scoring = Callable[..., dict[str, torch.Tensor]]
 """Waits for the scores of a batch sent to the reward workers (``scoring(timer)``): the reward table."""
@@ -162,7 +162,8 @@ class RLTrainer(Trainer):
 
     def generate(self, prompts: Batch, timer: PhaseTimer, validate: bool = False, call: int = 0) -> Batch:
         with timer("generate"):
-            return self.roles.rollout.call("generate", prompts, self.step, validate, call)
+            batch = self.roles.rollout.call("generate", prompts, self.step, validate, call)
+        return batch if validate else with_prompt_visuals(batch, prompts, self.config.worker.rollout.n)
 
     def generate_and_score(self, prompts: Batch, timer: PhaseTimer, validate: bool = False,
                            call: int = 0) -> tuple[Batch, dict[str, torch.Tensor]]:
@@ -177,15 +178,17 @@ class RLTrainer(Trainer):
         pending = self.roles.rewards.submit(texts, batch.meta["answers"])
         return lambda timer, validate=False: self.collect_scores(pending, timer, validate)
 
-    def generate_ahead(self, prompts: Iterator[Batch]) -> Pending:
+    def generate_ahead(self, prompts: Iterator[Batch]) -> tuple[Batch, Pending]:
         """One step off: the engine starts generating the next step's batch, with the weights it holds now."""
-        return self.roles.rollout.submit("generate", next(prompts), self.step + 1, False, 0)
+        first = next(prompts)
+        return first, self.roles.rollout.submit("generate", first, self.step + 1, False, 0)
 
-    def finish_ahead(self, pending: Pending, timer: PhaseTimer) -> Callable[[], Generated]:
+    def finish_ahead(self, ahead: tuple[Batch, Pending], timer: PhaseTimer) -> Callable[[], Generated]:
         """Wait for the next step's batch (``time/generate_wait``: what the update did not hide) and send it to
         be scored; returns the call that collects the scores (after the weight sync)."""
+        prompts, pending = ahead
         with timer("generate_wait"):
-            batch = self.roles.rollout.collect(pending)
+            batch = with_prompt_visuals(self.roles.rollout.collect(pending), prompts, self.config.worker.rollout.n)
         scoring = self.start_scoring(batch)
         version = self.step - 1  # the engine held the weights of the last step's sync
         return lambda: Generated(batch, scoring(timer), version)
@@ -278,3 +281,12 @@ class RLTrainer(Trainer):
             self.metrics.write_samples(self.step, samples)
         self.metrics.log(self.step, metrics)
         return metrics
+
+
+def with_prompt_visuals(batch: Batch, prompts: Batch, n: int) -> Batch:
+    """A generated batch (``n`` responses per prompt) with its prompts' visuals put back, shared with ``prompts``:
+    the engine returns none it was sent, so each prompt's pixels do not travel back through the object store and
+    sit here twice. A multi-turn batch, whose tool turns may have added images, brings every row's own."""
+    if batch.image_counts is not None or prompts.image_counts is None:
+        return batch
+    return batch.with_visuals_of(prompts.repeat_interleave(n))

@@ -132,7 +132,10 @@ class RolloutWorker(WorkerBase):
         if validate:  # the driver only scores these: their tokens go back, not the prompts' pixels and positions
             tokens = {k: v for k, v in generated.tensors.items() if k not in VISUAL_KEYS}
             return Batch(tokens, prompts.repeat_interleave(params.n).meta)
-        return assemble(prompts, generated, params.n, self.family)
+        batch = assemble(prompts, generated, params.n, self.family)
+        if self.multi_turn is not None:  # tool turns may have added images: every row's visuals go back
+            return batch
+        return batch.without_visuals()  # the driver holds the prompts' visuals and puts them back (with_visuals_of)
 
     @dispatch(Dispatch.BROADCAST)
     def sleep(self) -> int:
