@@ -2,6 +2,10 @@
 
     .venv/bin/python bench/driver_batch.py --before e86d1e7               # -> bench/results/driver_batch.json
     .venv/bin/python bench/driver_batch.py --before e86d1e7 --repeats 3
+    .venv/bin/python bench/driver_batch.py --before 0b4de34 --repeats 3 --out bench/results/driver_batch_return.json
+
+``driver_batch.json`` measured a rollout batch holding each prompt's pixels once (item 4 of issue 47);
+``driver_batch_return.json`` the rollout worker returning the batch without its prompts' visuals (770865a).
 
 The shape (:data:`SHAPE`): the default run (tiny Qwen2.5-VL, synthetic image task, local Ray, CPU, two fused
 workers) with 448 x 448 images (``data.min_pixels`` = ``data.max_pixels`` = 200704: 1024 patch rows of 1176
