@@ -48,6 +48,27 @@ def test_a_call_peak_covers_its_whole_span_and_nested_calls_keep_their_own() -> 
     assert peaks.lifetime_peak() >= max(before, got["outer"]["host_bytes"])
 
 
+def test_a_calls_reading_says_what_its_resident_set_was_made_of() -> None:
+    """Object-store pages are shared memory: a call that ends holding 64 MiB of touched shared pages reads them
+    as ``rss_shmem_bytes``, and 64 MiB more of private pages as ``rss_anon_bytes``, against the kinds before it."""
+    import mmap
+
+    if not peaks.resident_kinds():
+        pytest.skip("no RssAnon/RssShmem in /proc/self/status here")
+    peaks.drain()
+    before = peaks.resident_kinds()
+    peaks.enter()
+    shared = mmap.mmap(-1, 64 * MB)  # anonymous and shared, as the object store's pages are to a worker
+    shared.write(b"\x01" * (64 * MB))
+    private = touch(64 * MB)  # above glibc's largest mmap threshold (32 MiB): fresh private pages, never reused
+    peaks.leave("holds")
+    got = peaks.drain()["holds"]
+    assert got["rss_shmem_bytes"] - before["rss_shmem_bytes"] >= 64 * MB
+    assert got["rss_anon_bytes"] - before["rss_anon_bytes"] >= 60 * MB  # less whatever the process freed meanwhile
+    del private
+    shared.close()
+
+
 def reading(host: int, method: str = "update", rank: int = 0) -> dict[str, Any]:
     return {"role": "worker", "rank": rank, "node_ip": "10.0.0.1", "pid": 100 + rank,
             "peaks": {method: {"host_bytes": host, "device_bytes": 0, "start": 1.0, "end": 2.0},
@@ -98,6 +119,8 @@ def test_the_default_run_records_every_phase_against_its_plan(default_run: Path)
     for r in records:
         assert r["host_bytes"] > 100 * MB and r["planned_process_host_bytes"] > 100 * MB
         assert r["end"] >= r["start"]
+        # what the resident set held at the call's end: heap, mapped files (torch's libraries), store pages
+        assert r["rss_anon_bytes"] > 0 and r["rss_file_bytes"] > 10 * MB and r["rss_shmem_bytes"] >= 0
 
 
 def test_the_margins_are_the_worst_calibration_under_predictions(tmp_path) -> None:

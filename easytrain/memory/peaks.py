@@ -29,23 +29,42 @@ CLEAR_REFS = Path("/proc/self/clear_refs")
 
 _stack: list[list[float]] = []
 """One [host peak, device peak, start time] per call in progress, outermost first."""
-_peaks: dict[str, list[float]] = {}
-"""Per method: host peak, device peak, first start and last end (epoch seconds) since the last drain."""
+_peaks: dict[str, list[Any]] = {}
+"""Per method: host peak, device peak, first start and last end (epoch seconds) since the last drain, and the
+resident set's kinds at the end of the call with the largest host peak (:func:`resident_kinds`)."""
 _lifetime = [0, 0]
 _since_read = [0]
 """The device peak since :func:`device_peak_since_read` last ran."""
 _state = {"can_reset": True}
 
 
-def host_high_water() -> int:
-    """This process's resident-set high-water mark in bytes (``VmHWM``; 0 where /proc does not say)."""
+def _status(*fields: str) -> dict[str, int]:
+    """``fields`` of ``/proc/self/status`` in bytes (the kernel writes them in kB); absent ones left out."""
+    out = {}
     try:
         for line in STATUS.read_text().splitlines():
-            if line.startswith("VmHWM:"):
-                return int(line.split()[1]) * 1024
+            name, _, value = line.partition(":")
+            if name in fields:
+                out[name] = int(value.split()[0]) * 1024
     except OSError:
         pass
-    return 0
+    return out
+
+
+def host_high_water() -> int:
+    """This process's resident-set high-water mark in bytes (``VmHWM``; 0 where /proc does not say)."""
+    return _status("VmHWM").get("VmHWM", 0)
+
+
+RESIDENT_KINDS = {"RssAnon": "rss_anon_bytes", "RssFile": "rss_file_bytes", "RssShmem": "rss_shmem_bytes"}
+"""What the resident set is made of (Linux): private memory (the heap, tensors), pages of mapped files (libraries,
+a checkpoint read through mmap) and shared memory (on a Ray node, the object store's pages this process has
+touched: batches received and results returned)."""
+
+
+def resident_kinds() -> dict[str, int]:
+    """This process's resident set now, by kind (:data:`RESIDENT_KINDS`; empty where /proc does not say)."""
+    return {RESIDENT_KINDS[k]: v for k, v in _status(*RESIDENT_KINDS).items()}
 
 
 def _cuda() -> Any:
@@ -101,7 +120,9 @@ def leave(name: str) -> None:
     frame = _stack.pop() if _stack else [0, 0, end]
     frame[0], frame[1] = max(frame[0], host), max(frame[1], device)
     _fold(host, device)
-    seen = _peaks.setdefault(name, [0, 0, frame[2], end])
+    seen = _peaks.setdefault(name, [0, 0, frame[2], end, {}])
+    if frame[0] >= seen[0]:  # the call with the largest peak so far: what its resident set was made of at its end
+        seen[4] = resident_kinds()
     seen[0], seen[1], seen[3] = max(seen[0], frame[0]), max(seen[1], frame[1]), end
 
 
@@ -147,9 +168,10 @@ def trim_heap() -> None:
 
 def drain() -> dict[str, dict[str, float]]:
     """Per method since the last drain: peak host and device bytes, the first call's start and the last one's
-    end (epoch seconds)."""
-    out = {name: {"host_bytes": int(host), "device_bytes": int(device), "start": start, "end": end}
-           for name, (host, device, start, end) in _peaks.items()}
+    end (epoch seconds), and what the resident set of the call with the largest host peak was made of when it
+    ended (:func:`resident_kinds`: a plan miss shows whether heap, mapped files or object-store pages grew)."""
+    out = {name: {"host_bytes": int(host), "device_bytes": int(device), "start": start, "end": end, **kinds}
+           for name, (host, device, start, end, kinds) in _peaks.items()}
     _peaks.clear()
     return out
 
