@@ -4,6 +4,7 @@ adapter-applied outputs."""
 
 from __future__ import annotations
 
+import json
 import subprocess
 import sys
 from pathlib import Path
@@ -13,8 +14,10 @@ import pytest
 import torch
 
 from easytrain.distributed.checkpoint import IncompatibleCheckpoint, load_model_weights
+from easytrain.memory import peaks
 from easytrain.models.hf import load_model, load_tokenizer, model_folder
 from easytrain.trainer.checkpoint import CheckpointError, check_resume, checkpoint_folder
+from easytrain.trainer.export import MARKER
 from easytrain.trainer.rl import RLTrainer
 
 from grpo_helpers import make_config, trained_weights
@@ -53,9 +56,18 @@ def test_save_on_two_ranks_resume_on_one_and_export(ray_local: None, tmp_path: P
         assert torch.equal(on_one[key], value), key
 
     out = tmp_path / "hf"
+    # this process holds 1 GiB more while the export runs: a child's ru_maxrss would start from that high-water mark
+    # (the kernel carries it across exec), its own VmHWM does not
+    held = bytearray(2**30)
+    held[::4096] = b"\x01" * len(held[::4096])
     done = subprocess.run([sys.executable, "-m", "easytrain.cli", "export", str(run), "--out", str(out)],
                           capture_output=True, text=True)
     assert done.returncode == 0, done.stderr
+    peak = json.loads((out / MARKER).read_text())["peak_host_bytes"]
+    if peaks.host_high_water():  # /proc says
+        fp32 = 4 * sum(value.numel() for value in on_two.values())
+        assert fp32 < peak < peaks.host_high_water()  # it held the fp32 model; it is not this process's mark
+    del held
     assert (out / "model.safetensors").is_file() and not list(out.glob("*.bin"))
     for name in ("config.json", "tokenizer.json", "preprocessor_config.json", "chat_template.jinja"):
         assert (out / name).is_file(), name

@@ -29,6 +29,7 @@ from omegaconf.errors import OmegaConfBaseException
 
 from easytrain.config.schema import Config
 from easytrain.distributed.checkpoint import IncompatibleCheckpoint, load_model_weights, read_json, write_json
+from easytrain.memory import peaks
 from easytrain.trainer.checkpoint import ACTOR, CONFIG_FILE, STATE_FILE, checkpoint_folder
 
 logger = logging.getLogger(__name__)
@@ -85,7 +86,10 @@ def load_actor_weights(actor: Path, config: Config, model: Any) -> None:
 
 
 MARKER = "easytrain_export.json"
-"""Written into every export: a folder holding it may be replaced by the next export."""
+"""Written into every export: a folder holding it may be replaced by the next export. Besides where the export came
+from it records ``peak_host_bytes``, the export process's resident-set high-water mark when everything is written
+(``VmHWM``: this process's own, unlike ``ru_maxrss``, which after ``exec`` starts from the parent's high-water
+mark; 0 where /proc does not say), the figure the plan's ``export`` row prices."""
 
 
 class ExportError(ValueError):
@@ -150,11 +154,12 @@ def export(checkpoint: str | Path, out: str | Path, merge: bool = False, dtype: 
         if (Path(source) / name).is_file() and not (tmp / name).exists():
             shutil.copy(Path(source) / name, tmp / name)
     step = read_json(folder / STATE_FILE)["step"]
+    peak = peaks.host_high_water()
     write_json(tmp / MARKER, {"checkpoint": str(folder), "step": step, "base_model": source,
-                                               "lora_adapter": lora and not merge, "merged": lora and merge})
+                              "lora_adapter": lora and not merge, "merged": lora and merge, "peak_host_bytes": peak})
     if out.exists():
         shutil.rmtree(out)
     tmp.rename(out)
     kind = "LoRA adapter" if lora and not merge else "model"
-    logger.info("exported the %s of %s (step %d) to %s", kind, folder, step, out)
+    logger.info("exported the %s of %s (step %d) to %s (peak host memory %.2f GB)", kind, folder, step, out, peak / 1e9)
     return out
