@@ -66,8 +66,9 @@ SAMPLING = ("worker processes: exact per call, the kernel's high-water mark (VmH
             f"processes, the sampler and reward workers: every {SAMPLE_S} s their VmHWM since the last sample "
             "(reset at each), so no peak is missed, only placed to within a sample; rows without "
             "'others_peaks': 'vmhwm' were measured when those were plain RSS samples, which miss a peak shorter "
-            "than a period; export: the process's own VmHWM once it has written everything (exact; rows measured "
-            "before 2026-12-04 read wait4's ru_maxrss, which is at least this bench process's own high-water mark)")
+            "than a period; export: the process's own VmHWM, never reset, once it has written everything (exact; rows "
+            "measured before 2026-12-04 read wait4's ru_maxrss, which was the larger of this bench process's own "
+            "high-water mark and the export's peak since the last sample: its tree figure is its peak)")
 """How the measured figures were taken and what the sampling can miss (written into the results file)."""
 BASE = ["trainer.max_steps=2", "trainer.save_freq=1", "data.num_workers=0"]
 
@@ -152,10 +153,11 @@ def overrides_of(case: Case, folder: Path) -> list[str]:
 
 
 class TreeSampler:
-    """Every ``SAMPLE_S``: each process of ``root``'s tree (pid -> RSS) and the node's used bytes."""
+    """Every ``SAMPLE_S``: each process of ``root``'s tree (pid -> RSS) and the node's used bytes. With
+    ``reset_root`` false the root's high-water mark is left alone (an export reads its own at its end)."""
 
-    def __init__(self, root: int) -> None:
-        self.root, self.samples = root, []  # (time, {pid: rss}, node used)
+    def __init__(self, root: int, reset_root: bool = True) -> None:
+        self.root, self.samples, self.reset_root = root, [], reset_root  # samples: (time, {pid: rss}, node used)
         self.kinds: dict[int, str] = {}
         self.stop = threading.Event()
         self.thread = threading.Thread(target=self._loop, daemon=True)
@@ -176,7 +178,8 @@ class TreeSampler:
                             kind = kind_of(proc, self.root)
                             if kind != "idle":
                                 self.kinds[proc.pid] = kind
-                        if self.kinds.get(proc.pid, "idle") in INTERVAL_PEAKS:
+                        if (self.kinds.get(proc.pid, "idle") in INTERVAL_PEAKS
+                                and (self.reset_root or proc.pid != self.root)):
                             rss[proc.pid] = max(rss[proc.pid], peak_since_last_sample(proc.pid))
                     except psutil.Error:
                         continue
@@ -236,14 +239,16 @@ def stop(proc: subprocess.Popen, grace_s: float = 30.0) -> None:
     kill.start()
 
 
-def run_sampled(argv: list[str], log: Path, timeout_s: Optional[float] = None, check: bool = True) -> dict[str, Any]:
-    """Run ``argv`` with the sampler on its process tree (stopped after ``timeout_s``); its exit status
-    (``returncode``; with ``check`` a nonzero one raises), its own peak RSS, the samples."""
+def run_sampled(argv: list[str], log: Path, timeout_s: Optional[float] = None, check: bool = True,
+                reset_root: bool = True) -> dict[str, Any]:
+    """Run ``argv`` with the sampler on its process tree (stopped after ``timeout_s``; ``reset_root``: see
+    :class:`TreeSampler`); its exit status (``returncode``; with ``check`` a nonzero one raises), wait4's
+    ``ru_maxrss`` (at least this process's own high-water mark: the kernel carries it across exec), the samples."""
     env = dict(os.environ, TOKENIZERS_PARALLELISM="false", HF_HUB_OFFLINE="1")
     node_before = psutil.virtual_memory().used
     with open(log, "w") as out:
         proc = subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT, env=env, cwd=ROOT)
-        sampler = TreeSampler(proc.pid)
+        sampler = TreeSampler(proc.pid, reset_root)
         timer = threading.Timer(timeout_s, stop, (proc,)) if timeout_s is not None else None
         if timer is not None:
             timer.daemon = True
@@ -321,10 +326,10 @@ def measure_case(case: Case, folder: Path) -> dict[str, Any]:
                 phases[phase] = {**figure, "command": label}
     print(f"  {case.name}: export ...", flush=True)
     run = run_sampled([PY, "-m", "easytrain.cli", "export", str(run_dir), "--out", str(run_dir / "hf_export")],
-                      RUNS / f"{case.name}.export.log")
-    # the export's own high-water mark (VmHWM), which it writes into its marker: wait4's ru_maxrss starts from this
-    # process's high-water mark (the kernel carries it across exec), 0.54 GB in a held-out pass, above an adapter
-    # export's own 0.46
+                      RUNS / f"{case.name}.export.log", reset_root=False)
+    # the export's own high-water mark (VmHWM, never reset here), which it writes into its marker: wait4's ru_maxrss
+    # starts from this process's high-water mark (the kernel carries it across exec), 0.54 GB in a held-out pass,
+    # above an adapter export's own 0.46
     peak = json.loads((run_dir / "hf_export" / MARKER).read_text())["peak_host_bytes"]
     phases["export"] = {"host_bytes": peak, "workers_bytes": peak, "worker_peaks": [peak],
                         "ru_maxrss_bytes": run["maxrss"], "other_processes_bytes": 0, "other_processes_by_kind": {},
