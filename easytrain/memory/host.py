@@ -28,7 +28,7 @@ while loading, the process that reads the checkpoint holds it in host RAM.
 from __future__ import annotations
 
 from dataclasses import replace
-from typing import Any, Optional
+from typing import Any, Optional, Sequence
 
 from easytrain.config.presets import RANDOM_PREFIX
 from easytrain.config.schema import Config
@@ -67,10 +67,12 @@ LOADER_WORKER_BYTES = int(0.48 * GB)
 """A data-loader worker process (torch and the data code imported; assumed as an empty worker, unmeasured)."""
 EXPORT_PROCESS_BYTES = int(0.59 * GB)
 """``easytrain export`` besides the fp32 model, writing the whole model (0.586 GB measured with the tiny model)."""
-EXPORT_ADAPTER_PROCESS_BYTES = int(0.48 * GB)
-"""The same writing a LoRA adapter alone (0.45 to 0.50 GB measured with the tiny, small and ~184M models, the
-calibration rows; 0.47 to 0.49 in held-out seed 4, whose small models' exports at 0.50 GB were 11% high): a base
-model stored in fp32 stays the safetensors file's mapped pages, never touched (:func:`run_phases`)."""
+EXPORT_ADAPTER_PROCESS_BYTES = int(0.50 * GB)
+"""The same writing a LoRA adapter alone, besides the fp32 base model it holds like a full export: measured (the
+export's own VmHWM, calibration rows re-measured at e2f0793) 0.46 GB with the tiny model, 0.46 with the small one
+and 0.53 with the ~184M one, each less its fp32 weights. Earlier readings of 0.45-0.50 GB for the whole process,
+which had the base model's weights never touched, were wait4's ru_maxrss while the bench reset the export's
+high-water mark every 0.02 s: the last interval's peak, not the process's."""
 STARTING = ("load", "resume_load")
 
 
@@ -125,15 +127,12 @@ def other_processes(config: Config, phase: str, rl: bool) -> dict[str, int]:
     return parts
 
 
-def batches_in_flight(held: int, largest: int) -> dict[str, int]:
+def batches_in_flight(held: int, paged: int) -> dict[str, int]:
     """The driver's part of the batches a phase sends through Ray's object store: ``held``, the batch the driver
-    builds or receives in this phase, and ``largest``, the object store's pages the driver has written and read
-    (the largest batch of the run: the store reuses its pages, and a process keeps the pages it touched mapped,
-    so they stay in its RSS). Each worker process keeps its share of those pages the same way
-    (:func:`batch_pages`). Measured on CPU with 448 px images (bench/results/planner_accuracy.json, calibration
-    row small_rl_448: the driver 0.24 GB above its own bytes in the steps after a 0.31 GB validation batch, each of
-    the two workers 0.15-0.18 GB above its tensors in every step phase)."""
-    return {"batch (driver)": held, "object store pages (driver)": largest}
+    builds or receives in this phase, and ``paged``, the object store's pages the driver has written and read by
+    then (:func:`store_pages`: a process keeps the pages it touched mapped, so they stay in its RSS). Each worker
+    process keeps its share of those pages the same way (:func:`batch_pages`)."""
+    return {"batch (driver)": held, "object store pages (driver)": paged}
 
 
 def validated_by(config: Config, phase: str) -> bool:
@@ -145,16 +144,21 @@ def validated_by(config: Config, phase: str) -> bool:
     return phase in ("validation", "validate", "checkpoint_save") or t.val_before_train or t.val_freq > 0
 
 
-def largest_batch(config: Config, phase: str, step: int, validation: int) -> int:
-    """The largest batch the run has sent through the object store by ``phase``: a ``step``'s, or a
-    ``validation`` call's once one has run (:func:`validated_by`)."""
-    return max(step, validation if validated_by(config, phase) else 0)
+def store_pages(config: Config, phase: str, calls: Sequence[int], validation: int) -> int:
+    """The object store's pages the run's batches have gone through by ``phase``, among the processes that
+    received them: every call of a step (``calls``: the bytes each sends, all ranks together) its own pages, and
+    once a validation has run (:func:`validated_by`) its ``validation`` batch's beside them. Measured on CPU
+    (RssShmem of each worker per call, memory.jsonl's phase_peak records; small_rl_448x3 and held-out s8_03 at
+    bf42889, three 448 px images per prompt over two fused workers): each call of the first step added the rank's
+    share of that call's batch (generate, old log-probs, update: 0.058 GB each for s8_03), the next steps added
+    nothing (the store places them again where the last step's were), a validation its share of its batch once."""
+    return sum(calls) + (validation if validated_by(config, phase) else 0)
 
 
-def batch_pages(largest: int, processes: int) -> dict[str, int]:
-    """One worker process's share of the object store's pages the run's largest batch went through (its slice
-    of it, among ``processes`` receivers): see :func:`batches_in_flight`."""
-    return {"object store pages (batches)": -(-largest // max(1, processes))}
+def batch_pages(paged: int, processes: int) -> dict[str, int]:
+    """One worker process's share of the object store's pages its calls' batches went through (``paged``, from
+    :func:`store_pages`; its slice of each, among ``processes`` receivers)."""
+    return {"object store pages (batches)": -(-paged // max(1, processes))}
 
 
 def node_host(config: Config, phase: str, workers: list[tuple[int, dict[str, int]]], rl: bool,
@@ -201,9 +205,13 @@ def heap_keeps_freed(config: Config, on_gpu: bool) -> bool:
     return not on_gpu and malloc_threshold_bytes(config) == 0
 
 
-VISION_HEAP_KEPT = 1.0
-"""Fitted on the calibration runs (bench/results/planner_accuracy.json; the image-heavy small_rl_448x3,
-small_sft_448x3 and small_rl_448 chose it: 0.6 left their passes 5-7% low, 1.5 put mid_sft 11% high). Probed
+VISION_HEAP_KEPT = {True: 0.5, False: 1.0}
+"""In a pass with gradients and without. Fitted on the calibration runs (bench/results/planner_accuracy.json).
+Without gradients: the image-heavy small_rl_448x3, small_sft_448x3 and small_rl_448 chose 1.0 (0.6 left their
+passes 5-7% low, 1.5 put mid_sft 11% high). With gradients, 0.5, since the ~184M model's image runs mid_rl_448
+and mid_rl_448_unshared joined them (added after held-out seed 8's s8_04 update was 25% high per node): at 1.0
+their updates were 12-14% high per process, at 0.25 small_rl_448x3's update 6% low and small_sft_448x3's 7%; 0.5
+leaves the four within -4% to +6%. Probed
 apart on the ~184M bench model, one rank, 448 px against 56 px images (bench/_memory_probe.py, update): the
 images added 1.6 times their planned bytes with prompt sharing and 0.7 times without, which this does not
 explain; the vision tower alone without gradients, in a fresh process, about 3 times."""
@@ -246,7 +254,7 @@ def pass_activations(config: Config, name: str, d: ModelDims, mb: MicroShape, dt
         return parts
     if mb.images:
         vision = total - activation_bytes(d, replace(mb, images=0), dtype_bytes, **how)
-        parts["vision temporaries (freed, kept by the heap)"] = int(VISION_HEAP_KEPT * vision)
+        parts["vision temporaries (freed, kept by the heap)"] = int(VISION_HEAP_KEPT[bool(how.get("grad"))] * vision)
     if adapters and config.model.lora.rank > 0:
         tokens = mb.sequences * mb.tokens // how.get("ulysses", 1)
         kept = LORA_HEAP_KEPT[bool(how.get("grad"))] * tokens * d.layers * lora_outputs(config, d) * dtype_bytes
@@ -293,11 +301,11 @@ def save_staging(config: Config, state: int, node_ram: int, processes_per_node: 
     return {"checkpoint staging (buffer)": min(state, buffer)}
 
 
-def run_phases(config: Config, *, kept: dict[str, int], resumed: dict[str, int], stored_fp32: bool, state: int,
+def run_phases(config: Config, *, kept: dict[str, int], resumed: dict[str, int], state: int,
                trainable: int, largest_tensor: int, largest_shard: int, total_params: int, per_node: int,
                processes_per_node: int, node_ram: int, on_gpu: bool, rl: bool, device: dict[str, int],
                savers_per_node: Optional[int] = None, others: Optional[dict[str, list[tuple[int, dict[str, int]]]]] = None,
-               largest_batch: int = 0) -> list[Row]:
+               saver_pages: int = 0, driver_pages: int = 0) -> list[Row]:
     """The checkpoint save, resume load and export rows. ``kept`` is what one worker process keeps in host RAM
     between steps (on CPU: every tensor), ``resumed`` what it holds when it resumes (before any step or sync:
     on CPU without an engine's weights, sync staging or object store pages), ``state`` the bytes of its share
@@ -308,25 +316,23 @@ def run_phases(config: Config, *, kept: dict[str, int], resumed: dict[str, int],
     read into: a LoRA resume measured none for the frozen base) and one tensor in flight.
     ``savers_per_node`` processes per node save and resume (default: every one of ``processes_per_node``);
     ``others`` lists, per phase, the other worker processes (how many per node, what each holds) beside them:
-    with split pools the reference's and the engine's. A save comes after steps: every process keeps the object
-    store's pages of the ``largest_batch`` (:func:`batches_in_flight`); a resume comes before any. The export
-    loads the base model in fp32: converted (resident) unless it is ``stored_fp32``, and then a merged or full
-    export still reads every weight, an adapter export none."""
+    with split pools the reference's and the engine's. A save comes after steps: every saving process keeps
+    ``saver_pages`` of the object store (:func:`batch_pages`), the driver ``driver_pages`` (:func:`store_pages`);
+    a resume comes before any. The export holds the base model in fp32, an adapter export too."""
     rows = []
-    kept = {**kept, **batch_pages(largest_batch, savers_per_node or processes_per_node)}
+    kept = {**kept, "object store pages (batches)": saver_pages}
     staged = save_staging(config, state, node_ram, per_node, largest_shard, on_gpu)
     for phase, held in (("checkpoint_save", {**kept, **staged}),
                         ("resume_load", {**resumed, "checkpoint read (trainable shards, a tensor in flight)":
                                          trainable + largest_tensor * FP32})):
         process = worker_process(phase, held, on_gpu)
         bystanders = [(count, worker_process("idle", what, on_gpu)) for count, what in (others or {}).get(phase, [])]
-        pages = {"object store pages (driver)": largest_batch} if phase == "checkpoint_save" else {}
+        pages = {"object store pages (driver)": driver_pages} if phase == "checkpoint_save" else {}
         host = node_host(config, phase, [(savers_per_node or processes_per_node, process), *bystanders], rl, pages)
         on_device = dict(device) if on_gpu else held  # on CPU the device is the process's own memory
         rows.append(Row(phase, "all", sum_parts(on_device), sum_parts(host), on_device, host, sum_parts(process)))
     adapter = config.model.lora.rank > 0  # easytrain export without --merge writes the adapter alone
-    export = {"export process": EXPORT_ADAPTER_PROCESS_BYTES if adapter else EXPORT_PROCESS_BYTES}
-    if not (adapter and stored_fp32):  # an fp32 base the adapter export never reads stays mapped, not resident
-        export["model (fp32)"] = total_params * FP32
+    export = {"export process": EXPORT_ADAPTER_PROCESS_BYTES if adapter else EXPORT_PROCESS_BYTES,
+              "model (fp32)": total_params * FP32}
     rows.append(Row("export", "export", 0, sum_parts(export), {}, export, sum_parts(export)))
     return rows

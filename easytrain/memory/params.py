@@ -96,11 +96,6 @@ def hf_config_object(hf_config: dict[str, Any]) -> Any:
     return AutoConfig.for_model(settings.pop("model_type"), **settings)
 
 
-def stored_fp32(hf_config: dict[str, Any]) -> bool:
-    """Whether the model's checkpoint holds fp32 weights (its config's ``dtype``, or ``torch_dtype``)."""
-    return str(hf_config_object(hf_config).dtype) == "torch.float32"
-
-
 def meta_model(hf_config: dict[str, Any]) -> Any:
     """The model ``hf_config`` describes, on the meta device: transformers' image-text-to-text class for a
     model with a vision tower, its causal-LM class otherwise (what ``from_pretrained`` builds for either)."""

@@ -57,11 +57,10 @@ from easytrain.memory.activations import MicroShape, logits_bytes, model_dims
 from easytrain.memory.budget import engine_budget, kv_bytes_per_token
 from easytrain.memory.capacity import (CUDA_CONTEXT_BYTES, GB, Capacity, Plan, Row, capacity_of, gpu_process_device,
                                        sum_parts)
-from easytrain.memory.host import (batch_pages, batches_in_flight, heap_keeps_freed, largest_batch, maps_checkpoint,
-                                   node_host, pass_activations, run_phases, worker_process)
+from easytrain.memory.host import (batch_pages, batches_in_flight, heap_keeps_freed, maps_checkpoint,
+                                   node_host, pass_activations, run_phases, store_pages, worker_process)
 from easytrain.memory.layout import (engine_held, engine_weights, fused, layout_note, processes_per_device,
                                      role_names, shared_staging, step_phases, sync_bucket, sync_parts)
-from easytrain.memory.params import stored_fp32
 from easytrain.memory.sft import plan_sft, sft_worker_parts, validation_prompts
 from easytrain.memory.states import FP32, role_states, shard_degree
 from easytrain.memory.phases import Phase
@@ -225,7 +224,7 @@ def plan(config: Config, hf_config: Optional[dict[str, Any]] = None, capacity: O
     rows = [_row(step, p, *work[p.planned]) for p in phases]
     notes = [layout_note(config, s.with_ref, s.ref_by_actor, s.on_gpu, set(work)),
              micro_note(config, s, upd_micro), *_notes(config, s, hf_config, capacity)]
-    once = [_load_row(step), *_run_rows(step, capacity, stored_fp32(hf_config))]
+    once = [_load_row(step), *_run_rows(step, capacity)]
     return Plan(rows, capacity, s.on_gpu, notes, once=once)
 
 
@@ -299,14 +298,12 @@ def _host(st: _Step, phase: Phase, role: str, active: dict[str, int], device: di
     other processes, the step batch, the sync's transport across processes. On CPU a worker's tensors are all
     in its RSS; on a GPU node its offloaded states and an asleep engine's weights (level 1)."""
     s, config, n, name = st.s, st.config, st.s.per_node, phase.planned
-    largest = largest_batch(config, name, batch_bytes(config, s), batch_bytes(config, s, validate=True))
-    extra = batches_in_flight(batch_bytes(config, s, validate=name == "validation"), largest)
-    pages = batch_pages(largest, s.world)
+    extra = batches_in_flight(batch_bytes(config, s, validate=name == "validation"), paged(config, s, name))
     if name == "weight_sync":
         extra.update(sync_parts(config, sync_bucket(config, s.largest_module, s.total_params, s.dtype_bytes), n)[1])
     if fused(config):
         held = dict(device) if not s.on_gpu else {**_offloaded(st), **engine_host}
-        process = worker_process(name, {**held, **pages}, s.on_gpu)
+        process = worker_process(name, {**held, **batch_pages(paged(config, s, name), s.world)}, s.on_gpu)
         return node_host(config, name, [(n, process)], True, extra), process
     # one step off, the rollout pool generates the next batch while the actor's phases run: both at once
     generating = config.trainer.rollout_mode == "one_step_off" and name in OVERLAPPED
@@ -320,7 +317,7 @@ def _host(st: _Step, phase: Phase, role: str, active: dict[str, int], device: di
             held = dict(st.awake if generating else st.resident)
         else:
             held = dict(st.idle[other])
-        held.update({**st.mapped.get(other, {}), **pages})
+        held.update({**st.mapped.get(other, {}), **batch_pages(paged(config, s, name, other), s.world)})
         busy = other == role or (other == "rollout" and generating)
         one = worker_process(name if other == role else "generation" if busy else "idle", held, s.on_gpu)
         workers.append((n, one))
@@ -414,7 +411,7 @@ def _maps_checkpoint(config: Config, s: Shape, role: str) -> bool:
     return maps_checkpoint(config, s.on_gpu, s.world, s.dtype_bytes, getattr(config.worker, role).offload.params)
 
 
-def _run_rows(st: _Step, capacity: Capacity, fp32_checkpoint: bool) -> list[Row]:
+def _run_rows(st: _Step, capacity: Capacity) -> list[Row]:
     """Checkpoint save, resume load and export (:func:`easytrain.memory.host.run_phases`)."""
     s = st.s
     others: dict[str, list[tuple[int, dict[str, int]]]] = {}
@@ -424,9 +421,12 @@ def _run_rows(st: _Step, capacity: Capacity, fp32_checkpoint: bool) -> list[Row]
     else:  # the actor processes save and resume; the reference and the engine wait in their own processes
         resumed = dict(st.idle["actor"])
         kept = {**resumed, **st.mapped["actor"]}
+        saved = {role: batch_pages(paged(st.config, s, "checkpoint_save", role), s.world)
+                 for role in ("rollout", "ref")}
         ref = [(s.per_node, dict(st.idle["ref"]))] if s.with_ref else []
         # resumed before any sync: the engine's weights are still the checkpoint file's pages, not resident
-        others = {"checkpoint_save": [(s.per_node, {**st.resident, **st.mapped["rollout"]}), *ref],
+        others = {"checkpoint_save": [(s.per_node, {**st.resident, **st.mapped["rollout"], **saved["rollout"]}),
+                                      *([(s.per_node, {**st.idle["ref"], **saved["ref"]})] if s.with_ref else [])],
                   "resume_load": [(s.per_node, {}), *ref]}
     device = {**kept, **gpu_process_device("checkpoint_save")} if s.on_gpu else dict(kept)
     if s.on_gpu:
@@ -434,16 +434,38 @@ def _run_rows(st: _Step, capacity: Capacity, fp32_checkpoint: bool) -> list[Row]
         others = {phase: [(n, {k: v for k, v in _offloaded(st).items() if k.startswith(("ref", "rollout"))})
                           for n, _ in rest] for phase, rest in others.items()}
     degree = shard_degree(st.config.worker.actor.fsdp.shard_size, s.world)
-    largest = largest_batch(st.config, "checkpoint_save", batch_bytes(st.config, s),
-                            batch_bytes(st.config, s, validate=True))
+    saver = "fused" if fused(st.config) else "actor"
+    saver_pages = sum(batch_pages(paged(st.config, s, "checkpoint_save", saver), s.world).values())
     return run_phases(st.config, kept=kept, resumed=resumed, others=others,
                       state=st.actor.params + st.actor.optimizer,
                       trainable=st.actor.grads,  # the trainable shards in fp32: what their gradients take
                       largest_tensor=s.largest_module, largest_shard=-(-s.largest_module // degree) * FP32,
                       total_params=s.total_params, per_node=s.per_node,
                       processes_per_node=s.per_node * processes_per_device(st.config, s.with_ref),
-                      savers_per_node=s.per_node, largest_batch=largest, stored_fp32=fp32_checkpoint,
+                      savers_per_node=s.per_node, saver_pages=saver_pages,
+                      driver_pages=paged(st.config, s, "checkpoint_save"),
                       node_ram=capacity.node_ram, on_gpu=s.on_gpu, rl=True, device=device)
+
+
+def step_calls(config: Config, s: Shape) -> dict[str, list[int]]:
+    """The batches each role's calls of a step receive (bytes, all its ranks together): the engine's generate
+    the prompts (ids, masks, positions; pixels once per prompt), the reference's log-prob pass, and the actor's
+    (the reference's too with LoRA, old log-probs, update) the step's batch (:func:`batch_bytes`)."""
+    pixels = s.images * s.image_tokens * s.values_per_token * FP32
+    batch = batch_bytes(config, s)
+    return {"rollout": [config.data.rollout_batch_size * ((s.seq_tokens - s.response) * 8 * 3 + pixels)],
+            "ref": [batch] if s.with_ref else [],
+            "actor": [batch] * (1 + s.old_log_probs + s.ref_by_actor)}
+
+
+def paged(config: Config, s: Shape, phase: str, role: str = "") -> int:
+    """The object store's pages the batches of ``role``'s calls went through by ``phase``
+    (:func:`easytrain.memory.host.store_pages`): the engine's with the validations; ``fused``, one process's
+    calls for every role; by default every call's (the driver writes them all)."""
+    calls = step_calls(config, s)
+    roles = {"fused": list(calls), "": list(calls)}.get(role, [role])
+    validation = batch_bytes(config, s, validate=True) if "rollout" in roles else 0
+    return store_pages(config, phase, [b for r in roles for b in calls[r]], validation)
 
 
 def batch_bytes(config: Config, s: Shape, validate: bool = False) -> int:

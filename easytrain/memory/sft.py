@@ -41,10 +41,10 @@ from easytrain.memory.activations import MicroShape, model_dims, packed_micro, s
 from easytrain.memory.budget import kv_bytes_per_token
 from easytrain.memory.capacity import CUDA_WORKSPACE_BYTES, Capacity, Plan, Row, gpu_process_device, sum_parts
 from easytrain.memory.host import (CHECKPOINT_FILE_BYTES, batch_pages, batches_in_flight, heap_keeps_freed,
-                                   largest_batch, maps_checkpoint, node_host, pass_activations, run_phases,
+                                   maps_checkpoint, node_host, pass_activations, run_phases, store_pages,
                                    worker_process)
 from easytrain.memory.params import (count_parameters, hf_config_object, largest_module, largest_trainable,
-                                     stored_fp32, trainable_by_component)
+                                     trainable_by_component)
 from easytrain.memory.states import (DTYPE_BYTES, FP32, ZERO_REDUCE_BUCKET, ZERO_SUB_GROUP, gathered_bytes,
                                      role_states, shard_degree, zero_states)
 
@@ -311,8 +311,7 @@ def paged_batches(config: Config, s: SFTShape, phase: str) -> int:
     validation batch beside it, the generation prompts reusing the loss batch's pages (measured: a worker's
     RssShmem after validating 64 rows of one 448 px image was 0.386 GB, one 0.31 GB batch and a 0.077 GB step;
     16 rows of two, 0.232 GB, one 0.155 GB batch and a step)."""
-    step = batch_bytes(config, s)
-    return largest_batch(config, phase, step, val_batch_bytes(config, s) // 2 + step)
+    return store_pages(config, phase, [batch_bytes(config, s)], val_batch_bytes(config, s) // 2)
 
 
 def phase_offloaded(st: ActorStates, phase: str) -> dict[str, int]:
@@ -384,8 +383,8 @@ def plan_sft(config: Config, hf_config: dict[str, Any], capacity: Capacity) -> P
                        largest_tensor=s.largest_trainable,
                        largest_shard=-(-s.largest_module // s.world) * FP32,
                        total_params=s.total_params, per_node=s.per_node, processes_per_node=s.per_node,
-                       node_ram=capacity.node_ram, on_gpu=s.on_gpu, rl=False, largest_batch=largest,
-                       stored_fp32=stored_fp32(hf_config),
+                       node_ram=capacity.node_ram, on_gpu=s.on_gpu, rl=False, driver_pages=largest,
+                       saver_pages=sum(batch_pages(largest, s.world).values()),
                        device={**st.kept, **gpu_process_device("checkpoint_save")} if s.on_gpu else dict(st.kept))
     return Plan([r for r in rows if r not in once], capacity, s.on_gpu, _notes(config, s), once=once)
 
