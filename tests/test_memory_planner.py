@@ -85,7 +85,11 @@ def test_fused_workers_one_process_and_one_cuda_context_per_gpu() -> None:
     for row in cpu.rows:
         assert row.host_parts["worker processes (framework)"] == config.trainer.workers_per_node * WORKER_BYTES
         pages = row.host_parts["object store pages (batches)"] // config.trainer.workers_per_node  # its batch share
-        assert row.process_host == WORKER_BYTES + PHASE_WORKING_SET[row.phase] + row.device + pages, row.phase
+        # and while a log-prob pass or the update runs, the call's batch beyond the micro batch its pass prices
+        received = row.host_parts.get("batch (received, deserialized)", 0) // config.trainer.workers_per_node
+        assert (received > 0) == (row.phase in ("ref_log_probs", "old_log_probs", "update")), row.phase
+        assert row.process_host == WORKER_BYTES + PHASE_WORKING_SET[row.phase] + row.device + pages + received, \
+            row.phase
 
 
 def test_phase_rows_follow_the_step_order_of_phases_step() -> None:

@@ -161,6 +161,16 @@ def batch_pages(paged: int, processes: int) -> dict[str, int]:
     return {"object store pages (batches)": -(-paged // max(1, processes))}
 
 
+def received_batch(call_bytes: int, processes: int) -> dict[str, int]:
+    """What a worker process holds of the batch its call received, while the call runs: its share of the call's
+    batch (``call_bytes``, all ``processes`` receivers together), deserialized into its private memory. Ray copies
+    a task's arguments out of the object store (the pages it read stay mapped besides: :func:`batch_pages`); probed
+    on this machine (an actor taking a 0.2 GB tensor argument: RssAnon +0.20 GB for the call, RssShmem +0.20 GB
+    kept), and read in an SFT worker's update over 448 px images (bench/planner_repeatability.py's
+    sft_448x3_1worker: RssAnon 0.30 GB above its set-up at the update's end, 0.23 of them its batch)."""
+    return {"batch (received, deserialized)": -(-call_bytes // max(1, processes))} if call_bytes else {}
+
+
 def node_host(config: Config, phase: str, workers: list[tuple[int, dict[str, int]]], rl: bool,
               extra: Optional[dict[str, int]] = None) -> dict[str, int]:
     """A node's host bytes by what holds them: ``workers`` (how many processes hold each

@@ -58,7 +58,8 @@ from easytrain.memory.budget import engine_budget, kv_bytes_per_token
 from easytrain.memory.capacity import (CUDA_CONTEXT_BYTES, GB, Capacity, Plan, Row, capacity_of, gpu_process_device,
                                        sum_parts)
 from easytrain.memory.host import (batch_pages, batches_in_flight, heap_keeps_freed, maps_checkpoint,
-                                   node_host, pass_activations, run_phases, store_pages, worker_process)
+                                   node_host, pass_activations, received_batch, run_phases, store_pages,
+                                   worker_process)
 from easytrain.memory.layout import (engine_held, engine_weights, fused, layout_note, processes_per_device,
                                      role_names, shared_staging, step_phases, sync_bucket, sync_parts)
 from easytrain.memory.sft import plan_sft, sft_worker_parts, validation_prompts
@@ -303,7 +304,8 @@ def _host(st: _Step, phase: Phase, role: str, active: dict[str, int], device: di
         extra.update(sync_parts(config, sync_bucket(config, s.largest_module, s.total_params, s.dtype_bytes), n)[1])
     if fused(config):
         held = dict(device) if not s.on_gpu else {**_offloaded(st), **engine_host}
-        process = worker_process(name, {**held, **batch_pages(paged(config, s, name), s.world)}, s.on_gpu)
+        process = worker_process(name, {**held, **batch_pages(paged(config, s, name), s.world),
+                                        **received_batch(call_batch(config, s, name), s.world)}, s.on_gpu)
         return node_host(config, name, [(n, process)], True, extra), process
     # one step off, the rollout pool generates the next batch while the actor's phases run: both at once
     generating = config.trainer.rollout_mode == "one_step_off" and name in OVERLAPPED
@@ -318,6 +320,8 @@ def _host(st: _Step, phase: Phase, role: str, active: dict[str, int], device: di
         else:
             held = dict(st.idle[other])
         held.update({**st.mapped.get(other, {}), **batch_pages(paged(config, s, name, other), s.world)})
+        if other == role:
+            held.update(received_batch(call_batch(config, s, name), s.world))
         busy = other == role or (other == "rollout" and generating)
         one = worker_process(name if other == role else "generation" if busy else "idle", held, s.on_gpu)
         workers.append((n, one))
@@ -466,6 +470,19 @@ def paged(config: Config, s: Shape, phase: str, role: str = "") -> int:
     roles = {"fused": list(calls), "": list(calls)}.get(role, [role])
     validation = batch_bytes(config, s, validate=True) if "rollout" in roles else 0
     return store_pages(config, phase, [b for r in roles for b in calls[r]], validation)
+
+
+def call_batch(config: Config, s: Shape, phase: str) -> int:
+    """The batch the call of ``phase`` receives (bytes, all ranks together) beyond what its passes price as their
+    input: a log-prob pass or the update receives the step's batch, of which one micro batch's pixels are the
+    pass's input (:func:`forward_peak`); generate and a validation run their prefill over all the rank's prompts,
+    whose pixels the prefill prices; a weight sync or a save receives none."""
+    if phase not in ("ref_log_probs", "old_log_probs", "update"):
+        return 0
+    micro = update_micro(config, s)[0] if phase == "update" else experience_micro(
+        config, s, "ref" if phase == "ref_log_probs" and not s.ref_by_actor else "actor")
+    pixels = micro.sequences * micro.images * micro.image_tokens * s.values_per_token * FP32
+    return max(0, batch_bytes(config, s) - pixels * s.world)
 
 
 def batch_bytes(config: Config, s: Shape, validate: bool = False) -> int:

@@ -41,8 +41,8 @@ from easytrain.memory.activations import MicroShape, model_dims, packed_micro, s
 from easytrain.memory.budget import kv_bytes_per_token
 from easytrain.memory.capacity import CUDA_WORKSPACE_BYTES, Capacity, Plan, Row, gpu_process_device, sum_parts
 from easytrain.memory.host import (CHECKPOINT_FILE_BYTES, batch_pages, batches_in_flight, heap_keeps_freed,
-                                   maps_checkpoint, node_host, pass_activations, run_phases, store_pages,
-                                   worker_process)
+                                   maps_checkpoint, node_host, pass_activations, received_batch, run_phases,
+                                   store_pages, worker_process)
 from easytrain.memory.params import (count_parameters, hf_config_object, largest_module, largest_trainable,
                                      trainable_by_component)
 from easytrain.memory.states import (DTYPE_BYTES, FP32, ZERO_REDUCE_BUCKET, ZERO_SUB_GROUP, gathered_bytes,
@@ -305,6 +305,16 @@ def val_batch_bytes(config: Config, s: SFTShape) -> int:
     return 2 * rows * (s.sample_tokens * 8 * TOKEN_TENSORS + s.images * s.image_tokens * s.values_per_token * FP32)
 
 
+def call_batch(config: Config, s: SFTShape, phase: str) -> int:
+    """The batch a call of ``phase`` receives (bytes, all ranks together) beyond the one micro batch's pixels its
+    pass prices as input: the update (``sft_update``: its forward-backward and optimizer phases) the step's
+    micro batches. A validation's two calls are not added: the plan prices its generate, whose prefill holds
+    every prompt's pixels at once, above its loss pass."""
+    micro = s.micro.sequences * s.micro.images * s.micro.image_tokens * s.values_per_token * FP32
+    call = batch_bytes(config, s)
+    return max(0, call - micro * s.world) if phase in ("forward_backward", "optimizer") else 0
+
+
 def paged_batches(config: Config, s: SFTShape, phase: str) -> int:
     """The object store's pages the run's batches went through by ``phase`` (what each process keeps mapped:
     :func:`easytrain.memory.host.batches_in_flight`): a step's batch, and once a validation has run one
@@ -340,7 +350,8 @@ def _host(config: Config, s: SFTShape, st: ActorStates, phase: str,
         return node_host(config, "load", [(readers, process), (n - readers, others)], False), process
     held = phase_offloaded(st, phase) if s.on_gpu else {**device, **phase_offloaded(st, phase)}
     largest = paged_batches(config, s, phase)
-    process = worker_process(phase, {**held, **batch_pages(largest, s.world)}, s.on_gpu)
+    process = worker_process(phase, {**held, **batch_pages(largest, s.world),
+                                     **received_batch(call_batch(config, s, phase), s.world)}, s.on_gpu)
     # validating, the driver also holds the loss batches' micro batches it cut (copies: padding-free micro batches
     # regroup samples by length)
     held = val_batch_bytes(config, s) * 3 // 2 if phase == "validate" else batch_bytes(config, s)
