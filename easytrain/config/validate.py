@@ -337,6 +337,17 @@ def _check_multi_turn(cfg: Config) -> None:
                           "and tool results), or worker.rollout.engine=hf")
 
 
+def torchvision_error() -> str:
+    """Why ``import torchvision`` fails in this environment, in one line ('' when it imports). PyPI's torchvision
+    beside the CPU torch imports only once ``scripts/torchvision_guard.py`` has run (docs/rollout.md)."""
+    try:
+        import torchvision  # noqa: F401
+    except Exception as err:  # noqa: BLE001 - an unguarded torchvision raises RuntimeError from torch.library
+        lines = str(err).strip().splitlines()
+        return f"{type(err).__name__}: {lines[-1] if lines else ''}"
+    return ""
+
+
 def flash_attn_installed() -> bool:
     return importlib.util.find_spec("flash_attn") is not None
 
@@ -512,11 +523,12 @@ def _check_against_shape(cfg: Config, shape: ModelShape) -> None:
                           f"model.path={cfg.model.path} is a text-only model ({shape.family}) and cannot take images",
                           "set data.image_key=null (the synthetic task then uses its text-only variant)")
     if cfg.worker.rollout.engine == "vllm" and cfg.trainer.device == "cpu" and shape.is_vision:
-        raise ConfigError("worker.rollout.engine", "vllm",
-                          f"vLLM's {shape.family} support imports torchvision, which does not run beside the CPU "
-                          "torch: on CPU vLLM serves text models only",
-                          "use worker.rollout.engine=hf for vision-language models on CPU "
-                          "(or a text model: +exp=tiny_vllm)")
+        broken = torchvision_error()
+        if broken:
+            raise ConfigError("worker.rollout.engine", "vllm",
+                              f"vLLM's {shape.family} code imports torchvision, which fails here ({broken})",
+                              "run `.venv/bin/python scripts/torchvision_guard.py` (bash scripts/install.sh cpu "
+                              "applies it), or set worker.rollout.engine=hf")
     total = cfg.data.max_prompt_length + cfg.data.max_response_length
     if total > shape.max_position_embeddings:
         raise ConfigError("data.max_response_length", cfg.data.max_response_length,

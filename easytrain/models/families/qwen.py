@@ -188,8 +188,9 @@ class Qwen2VL(Family):
         return True
 
     def vllm_processor_kwargs(self, min_pixels: int, max_pixels: int) -> dict[str, Any]:
-        """The processor's area bounds: images arrive sized within them and are not resized again."""
-        return {"min_pixels": min_pixels, "max_pixels": max_pixels}
+        """The processor's area bounds (transformers' ``size``: its ``min_pixels``/``max_pixels`` arguments are
+        deprecated): images arrive sized within them and are not resized again."""
+        return {"size": {"shortest_edge": min_pixels, "longest_edge": max_pixels}}
 
     def patch_geometry(self) -> tuple[int, int, int]:
         return self.patch, self.merge, int(self.vision_settings["temporal_patch_size"])

@@ -124,12 +124,17 @@ def _finish_reload(worker: Any) -> None:
         runner.reset_lora_state()
 
 
-class _QuietUnloadedRotary(logging.Filter):
-    """Each reload warns that rotary embeddings got no weights; they have none to get (their cos/sin
-    caches are computed, not loaded), so that one line is dropped. Other layers still warn."""
+WEIGHTLESS = ("RotaryEmbedding", "MRotaryEmbedding", "FusedMMInputNorm")
+"""vLLM layers with nothing to load: rotary embeddings (their cos/sin caches are computed) and the vision
+input's normalisation (its mean and std come from the processor's config)."""
+
+
+class _QuietWeightless(logging.Filter):
+    """Each reload warns that the :data:`WEIGHTLESS` layers got no weights; they have none to get, so those lines
+    are dropped. Other layers still warn."""
 
     def filter(self, record: logging.LogRecord) -> bool:
-        return not record.getMessage().startswith("RotaryEmbedding: Failed to load weights")
+        return not any(record.getMessage().startswith(f"{layer}: Failed to load weights") for layer in WEIGHTLESS)
 
 
 def ban(tokens: Iterable[int], vocab_size: int) -> Optional[dict[int, float]]:
@@ -162,7 +167,7 @@ class VLLMEngine(RolloutEngine):
         vision = getattr(hf_config, "vision_config", None) is not None and config.data.image_key is not None
         text = getattr(hf_config, "text_config", hf_config)
         llm = LLM(**engine_kwargs(config, spec, family_of(hf_config) if vision else None))
-        logging.getLogger("vllm.model_executor.model_loader.reload.layerwise").addFilter(_QuietUnloadedRotary())
+        logging.getLogger("vllm.model_executor.model_loader.reload.layerwise").addFilter(_QuietWeightless())
         sleeps = spec.device.type == "cuda" and config.trainer.colocate
         if not sleeps or config.worker.rollout.sleep_level == 0:
             logger.info("vLLM sleep mode is off here (it needs a GPU, colocated roles and "
