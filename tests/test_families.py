@@ -208,8 +208,12 @@ def test_vllm_takes_the_familys_processor_bounds_with_images(tmp_path: Path) -> 
     spec = EngineSpec(folder=Path(model_folder(config.model)), stop_ids=[2], pad_id=0, device=torch.device("cpu"))
     d = config.data
     kwargs = engine_kwargs(config, spec, family_of(json.loads((spec.folder / "config.json").read_text())))
-    assert kwargs["mm_processor_kwargs"] == {"min_pixels": d.min_pixels, "max_pixels": d.max_pixels}
+    assert kwargs["mm_processor_kwargs"] == {"size": {"shortest_edge": d.min_pixels, "longest_edge": d.max_pixels}}
     assert kwargs["limit_mm_per_prompt"] == {"image": d.limit_images}
+    turns = rl_config(tmp_path, "model.path=tiny:qwen2_5_vl", "worker.rollout.multi_turn.enable=true",
+                      "worker.rollout.multi_turn.tools=[m:f]", "worker.rollout.multi_turn.max_tool_images=3")
+    assert engine_kwargs(turns, spec, family_of(json.loads((spec.folder / "config.json").read_text())))[
+        "limit_mm_per_prompt"] == {"image": d.limit_images + 3}  # a conversation's tool images beside the prompt's
     generic = family_of({"model_type": "llava", "vision_config": {"model_type": "clip_vision_model"}})
     assert engine_kwargs(config, spec, generic)["mm_processor_kwargs"] == {}
     assert "mm_processor_kwargs" not in engine_kwargs(config, spec)

@@ -7,6 +7,9 @@ from easytrain.memory.budget import engine_budget, image_tokens, kv_bytes_per_to
 from easytrain.config.presets import known_hf_configs
 from easytrain.models.tiny import tiny_hf_config
 
+TEXT = ["+exp=tiny_vllm", "model.path=tiny:qwen2", "data.image_key=null", "data.max_prompt_length=128"]
+"""A text model with the vLLM preset: 128 prompt tokens, one response token."""
+
 QWEN25VL_7B = "Qwen/Qwen2.5-VL-7B-Instruct"
 
 
@@ -24,14 +27,14 @@ def test_sequence_shape_puts_image_tokens_inside_the_prompt_budget() -> None:
     big = sequence_shape(load(["+exp=tiny", "data.max_pixels=4194304", "data.limit_images=2"]),
                          tiny_hf_config("qwen2_5_vl"))  # 5349 tokens per image do not fit: 128 each
     assert (big.prompt_text, big.images, big.image_tokens, big.total) == (0, 2, 128, 257)
-    text = sequence_shape(load(["+exp=tiny_vllm"]), tiny_hf_config("qwen2"))
+    text = sequence_shape(load(TEXT), tiny_hf_config("qwen2"))
     assert (text.images, text.prompt, text.total) == (0, 128, 129)
 
     tools = ["worker.rollout.multi_turn.enable=true", "worker.rollout.multi_turn.tools=[m:f]"]
     turns = sequence_shape(load(["+exp=tiny", *tools, "worker.rollout.multi_turn.max_tool_images=2"]),
                            tiny_hf_config("qwen2_5_vl"))  # two tool images beside the prompt's: 3 priced images
     assert (turns.prompt_text, turns.images, turns.image_tokens, turns.total) == (208, 3, 16, 257)
-    text_tools = sequence_shape(load(["+exp=tiny_vllm", *tools, "worker.rollout.engine=hf"]),
+    text_tools = sequence_shape(load([*TEXT, *tools, "worker.rollout.engine=hf"]),
                                 tiny_hf_config("qwen2"))
     assert (text_tools.images, text_tools.total) == (0, 129)  # a text model takes no tool images
 

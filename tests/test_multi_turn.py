@@ -301,9 +301,7 @@ def test_config_errors_name_the_key_and_the_fix(tmp_path: Path) -> None:
 
     with pytest.raises(ConfigError, match=r"worker\.rollout\.multi_turn\.tools=\[\]: .*no tool is given"):
         rl_config(tmp_path, "worker.rollout.multi_turn.enable=true")
-    with pytest.raises(ConfigError, match=r"worker\.rollout\.multi_turn\.enable=True: .*token ids.*data\.image_key"):
-        rl_config(tmp_path, "worker.rollout.multi_turn.enable=true", f"worker.rollout.multi_turn.tools=[{TOOLS}:count]",
-                  "worker.rollout.engine=vllm")
     rl_config(tmp_path, "worker.rollout.multi_turn.enable=true", f"worker.rollout.multi_turn.tools=[{TOOLS}:count]",
-              "worker.rollout.engine=vllm", "data.image_key=null", "worker.rollout.multi_turn.max_tool_images=0",
-              "model.path=tiny:qwen2")  # text prompts and text tool results: vLLM continues from token ids
+              "worker.rollout.engine=vllm")  # images and tool images continue on vLLM as on the HF engine
+    with pytest.raises(ConfigError, match=r"data\.video_key='videos': .*vLLM.*worker\.rollout\.engine=hf"):
+        rl_config(tmp_path, "worker.rollout.engine=vllm", "data.video_key=videos")

@@ -1,5 +1,5 @@
-"""Real vLLM (the CPU build) behind the rollout interface: the same greedy tokens as the HF engine for the
-same weights, before and after a bucketed sync from a 2-rank FSDP actor; n samples, stop tokens, max_tokens
+"""Real vLLM (the CPU build) behind the rollout interface, on a text model (images: test_vllm_images.py): the same
+greedy tokens as the HF engine for the same weights, before and after a bucketed sync from a 2-rank FSDP actor; n samples, stop tokens, max_tokens
 and seeds behave; log-probs follow the actor's convention."""
 
 from __future__ import annotations
@@ -22,12 +22,15 @@ from easytrain.workers.rollout.engine import SamplingParams
 from easytrain.workers.rollout.worker import RolloutWorker
 from easytrain.workers.sequences import assemble
 from easytrain.workers.weight_sync import BucketedTransport, InProcessTransport
+import turn_helpers
 from grpo_helpers import log_probs, update
 
 pytest.importorskip("vllm")
 pytestmark = pytest.mark.slow
+ray.cloudpickle.register_pickle_by_value(turn_helpers)  # the engine's actor cannot import the tests folder
 
-OVERRIDES = ["+exp=tiny_vllm", "data.synthetic_size=32", "data.synthetic_val_size=8", "data.rollout_batch_size=4",
+OVERRIDES = ["+exp=tiny_vllm", "model.path=tiny:qwen2", "data.image_key=null", "data.max_prompt_length=128",
+             "data.synthetic_size=32", "data.synthetic_val_size=8", "data.rollout_batch_size=4",
              "worker.rollout.n=2", "worker.actor.global_batch_size=4", "data.max_response_length=8",
              "worker.actor.micro_batch_size_per_device_for_update=2", "worker.actor.optim.lr=1e-2"]
 
@@ -74,40 +77,14 @@ class EngineHost:
 
     def multi_turn(self, prompts: Batch, params: SamplingParams, call: list[int], tools: list[str],
                    length: int) -> list[Batch]:
-        """The same two-turn rollout on vLLM and on the HF engine: the first model turn is ``call`` (a random
-        model writes no tool call), the tool runs, and the second turn continues the conversation."""
-        from easytrain.config.schema import MultiTurnConfig
+        """The same two-turn rollout on vLLM and on the HF engine (:func:`turn_helpers.two_turns`)."""
         from easytrain.models.hf import load_tokenizer
-        from easytrain.workers.rollout.multi_turn import MultiTurn
-
-        from easytrain.workers.rollout.engine import pad_responses
-
-        class FirstTurnGiven:  # defined here: the actor's process cannot import this test module
-            """An engine whose first generation is ``call`` for every row; later ones are ``engine``'s."""
-
-            def __init__(self, engine: Any, tokens: list[int], spec: Any) -> None:
-                self.engine, self.tokens, self.spec, self.calls = engine, tokens, spec, 0
-
-            def generate(self, prompts: Batch, params: SamplingParams) -> Batch:
-                self.calls += 1
-                if self.calls > 1:
-                    return self.engine.generate(prompts, params)
-                rows = [list(self.tokens)] * (len(prompts) * params.n)
-                return pad_responses(rows, [[0.0] * len(self.tokens)] * len(rows), self.spec.pad_id,
-                                     self.spec.stop_ids)
-
         from easytrain.workers.rollout.vllm_engine import ban
 
         self.engine.spec, self.engine.banned, self.hf.suppressed = self.spec, ban([], self.vocab), []  # as built
         tokenizer = load_tokenizer(self.config.model, str(self.spec.folder))
-        outs = []
-        for engine in (self.engine, self.hf):
-            turns = MultiTurn(MultiTurnConfig(enable=True, max_turns=2, tools=tools), tokenizer, length)
-            try:
-                outs.append(turns.generate(FirstTurnGiven(engine, call, self.spec), prompts, params))
-            finally:
-                turns.close()
-        return outs
+        return turn_helpers.two_turns([self.engine, self.hf], self.spec, tokenizer, prompts, params, call, tools,
+                                      length)
 
     def reload_own_weights(self) -> list[tuple[str, Any]]:
         """A weight update with the weights the engine already has (the HF copy's), recording what vLLM ran after

@@ -5,6 +5,7 @@ log-probs are the actor's within 1e-5 in float32."""
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any, Iterator
 
 import pytest
@@ -15,10 +16,11 @@ from easytrain.config import load
 from easytrain.distributed.batch import Batch
 from easytrain.trainer.data import RLData
 from easytrain.workers.rollout.engine import SamplingParams
-from easytrain.workers.sequences import assemble
+import turn_helpers
 
 pytest.importorskip("vllm")
 pytestmark = pytest.mark.slow
+ray.cloudpickle.register_pickle_by_value(turn_helpers)  # the engine's actor cannot import the tests folder
 
 FAMILIES = ("qwen2_vl", "qwen2_5_vl", "qwen3_vl")
 TOLERANCE = 1e-5
@@ -26,8 +28,17 @@ TOLERANCE = 1e-5
 they agree to a few float32 ulps of the log-softmax, not bit for bit (measured: at most ~1e-6)."""
 
 
+TOOLS = Path(__file__).resolve().parent / "assets" / "turn_tools.py"
+
+
 def overrides(family: str, output_dir: str) -> list[str]:
-    return [f"trainer.output_dir={output_dir}", f"model.path=tiny:{family}", "model.dtype=float32",
+    """A small image task on vLLM; where the family's adapter serves tool images, multi-turn rollouts on (the
+    engine then takes a prompt's images and its tool turns')."""
+    from easytrain.models.families import adapter_class
+
+    turns = (["worker.rollout.multi_turn.enable=true", f"worker.rollout.multi_turn.tools=[{TOOLS}:paint]"]
+             if "multi_turn_images" in adapter_class(family).features else [])
+    return [*turns, f"trainer.output_dir={output_dir}", f"model.path=tiny:{family}", "model.dtype=float32",
             "worker.rollout.engine=vllm", "trainer.device=cpu", "data.synthetic_size=8", "data.synthetic_val_size=4",
             "data.rollout_batch_size=4", "worker.actor.global_batch_size=4", "worker.rollout.n=2",
             "data.max_response_length=6", "data.num_workers=0", "trainer.workers_per_node=1"]
@@ -51,16 +62,28 @@ class VisionHost:
         self.engine = VLLMEngine.build(config, spec)
         self.hf = HFEngine.build(config, spec)
         self.hf.model.eval()
+        self.spec, self.tokenizer, self.config = spec, tokenizer, config
 
-    def perturb_and_sync(self, seed: int) -> int:
-        """Change every weight of the HF model (a trained actor's), then load all of them into vLLM as a sync does;
-        the number of tensors vLLM took."""
+    def perturb(self, seed: int, tower: bool) -> int:
+        """Change the HF model's weights as training would (``tower``: the vision tower's alone, else every
+        weight); the number of tensors changed."""
+        from easytrain.models.families import family_of
+
+        path = family_of(self.hf.model).tower_path
+        generator = torch.Generator().manual_seed(seed)
+        changed = 0
+        with torch.no_grad():
+            for name, p in self.hf.model.named_parameters():
+                if tower and f"{path}." not in name:
+                    continue
+                p.add_(torch.randn(p.shape, generator=generator) * 0.02 * (p.std() if p.numel() > 1 else 1.0))
+                changed += 1
+        return changed
+
+    def sync(self) -> int:
+        """Load every weight of the HF model into vLLM as a sync does; the number of tensors vLLM took."""
         from easytrain.workers.weight_sync import to_hf_names
 
-        generator = torch.Generator().manual_seed(seed)
-        with torch.no_grad():
-            for p in self.hf.model.parameters():
-                p.add_(torch.randn(p.shape, generator=generator) * 0.02 * (p.std() if p.numel() > 1 else 1.0))
         self.engine.begin_weight_update()
         loaded = self.engine.load_weights(to_hf_names(dict(self.hf.model.state_dict())).items())
         self.engine.finish_weight_update()
@@ -81,21 +104,42 @@ class VisionHost:
                                                                                    o.prompt_logprobs[1:])])
                 for o in outputs]
 
-    def actor_log_probs(self, prompts: Batch, sampled: Batch, n: int,
-                        temperature: float) -> tuple[Batch, torch.Tensor, torch.Tensor]:
-        """``prompts`` joined with their ``sampled`` responses as a step does, the actor's response log-probs of
-        them (easytrain's forward) and its log-softmax at every token of the joined rows."""
+    def actor_log_probs(self, prompts: Batch, sampled: Batch, n: int, temperature: float) -> torch.Tensor:
+        """The actor's response log-probs (easytrain's forward) of ``prompts`` joined with their ``sampled``
+        responses as a step joins them."""
         from easytrain.models.families import family_of
-        from easytrain.workers.forward import model_inputs, response_log_probs
+        from easytrain.workers.forward import response_log_probs
+        from easytrain.workers.sequences import assemble
 
         batch = assemble(prompts, sampled, n, family_of(self.hf.model))
         with torch.no_grad():
-            responses, _ = response_log_probs(self.hf.model, batch, temperature, torch.device("cpu"))
-            inputs = model_inputs(batch, torch.device("cpu"), family_of(self.hf.model))
+            return response_log_probs(self.hf.model, batch, temperature, torch.device("cpu"))[0]
+
+    def actor_prompt_log_probs(self, prompts: Batch) -> torch.Tensor:
+        """The actor's log-softmax at every prompt token after the first column, (B, L - 1)."""
+        from easytrain.models.families import family_of
+        from easytrain.workers.forward import model_inputs
+
+        inputs = model_inputs(prompts, torch.device("cpu"), family_of(self.hf.model))
+        with torch.no_grad():
             logits = self.hf.model(**inputs, use_cache=False).logits.float()
-        ids = batch["input_ids"]
-        full = torch.log_softmax(logits[:, :-1], -1).gather(-1, ids[:, 1:, None])[..., 0]
-        return batch, responses, full
+        return torch.log_softmax(logits[:, :-1], -1).gather(-1, prompts["input_ids"][:, 1:, None])[..., 0]
+
+    def multi_turn(self, prompts: Batch, params: SamplingParams, call: list[int], tools: list[str],
+                   length: int) -> list[Batch]:
+        """The same two-turn rollout on vLLM and on the HF engine, the tool's images processed as a rollout worker
+        does (:func:`turn_helpers.two_turns`)."""
+        from easytrain.models.families import family_of
+        from easytrain.models.families.base import Bound
+        from easytrain.models.hf import load_image_processor
+        from easytrain.workers.rollout.multi_turn import ToolImages
+
+        d, family = self.config.data, family_of(self.hf.model)
+        processor = load_image_processor(self.config.model, str(self.spec.folder))
+        family.bound_processor(processor, d.min_pixels, d.max_pixels)
+        images = ToolImages(Bound.of(family, processor, self.tokenizer), d.min_pixels, d.max_pixels)
+        return turn_helpers.two_turns([self.engine, self.hf], self.spec, self.tokenizer, prompts, params, call,
+                                      tools, length, images)
 
 
 @pytest.fixture(scope="module", params=FAMILIES)
@@ -125,22 +169,57 @@ def test_vllm_expands_the_actors_prompt_and_sees_the_actors_pixels(family: dict[
         assert ids == prompts["input_ids"][i][prompts["attention_mask"][i].bool()].tolist()
 
 
+def _prompt_gap(host: Any, prompts: Batch) -> float:
+    """The largest difference between vLLM's prompt log-probs and the actor's (the HF model's)."""
+    actor = ray.get(host.actor_prompt_log_probs.remote(prompts))
+    gap = 0.0
+    for i, (ids, vllm_lp) in enumerate(ray.get(host.prompt_log_probs.remote(prompts))):
+        keep = prompts["attention_mask"][i].bool()
+        ours = actor[i, : prompts["input_ids"].shape[1] - 1][keep[1:] & keep[:-1]]  # after a real token
+        assert len(ours) == len(vllm_lp) == len(ids) - 1
+        gap = max(gap, float((ours - torch.tensor(vllm_lp)).abs().max()))
+    return gap
+
+
 def test_vllm_with_images_is_the_actor_after_a_sync(family: dict[str, Any]) -> None:
     host, prompts = family["host"], family["prompts"]
-    assert ray.get(host.perturb_and_sync.remote(1)) > 0
+    assert _prompt_gap(host, prompts) < TOLERANCE  # the same weights (vLLM loaded the folder's)
+    assert ray.get(host.perturb.remote(1, True)) > 0  # the vision tower trained: vLLM's prompts now differ...
+    assert _prompt_gap(host, prompts) > 100 * TOLERANCE
+    assert ray.get(host.sync.remote()) > 0  # ...until the sync brings the tower over
+    assert _prompt_gap(host, prompts) < TOLERANCE
+    assert ray.get(host.perturb.remote(2, False)) > 0 and ray.get(host.sync.remote()) > 0  # every weight
     greedy, hf_greedy = ray.get(host.generate.remote(prompts, SamplingParams(1, 0.0, 1.0, -1, 6)))
     masked = greedy["responses"] * greedy["response_mask"].long()
     assert torch.equal(masked, hf_greedy["responses"] * hf_greedy["response_mask"].long())
 
     sampled, _ = ray.get(host.generate.remote(prompts, SamplingParams(2, 1.0, 1.0, -1, 6, seed=3)))
-    batch, actor, prompt_actor = ray.get(host.actor_log_probs.remote(prompts, sampled, 2, 1.0))
+    actor = ray.get(host.actor_log_probs.remote(prompts, sampled, 2, 1.0))
     mask = sampled["response_mask"].bool()
     assert (actor - sampled["rollout_log_probs"]).abs()[mask].max() < TOLERANCE
 
-    expanded = ray.get(host.prompt_log_probs.remote(prompts))
-    for i, (ids, vllm_lp) in enumerate(expanded):
-        row = 2 * i  # the batch repeats each prompt n=2 times; its prompt columns are the prompt's
-        keep = batch["attention_mask"][row, : prompts["input_ids"].shape[1]].bool()
-        ours = prompt_actor[row, : prompts["input_ids"].shape[1] - 1][keep[1:] & keep[:-1]]  # after a real token
-        assert len(ours) == len(vllm_lp) == len(ids) - 1
-        assert (ours - torch.tensor(vllm_lp)).abs().max() < TOLERANCE
+    assert _prompt_gap(host, prompts) < TOLERANCE
+
+
+def test_a_conversation_with_tool_images_continues_on_vllm_as_on_hf(family: dict[str, Any]) -> None:
+    """After a tool turn that returns an image, vLLM continues the conversation from its token ids (the tool
+    image's pads expanded) with the prompt's image and the tool's: greedy, the HF engine's tokens."""
+    from easytrain.models.families import adapter_class
+    from easytrain.models.hf import load_tokenizer, model_folder
+
+    if "multi_turn_images" not in adapter_class(family["name"]).features:  # (Qwen3-VL: a config error instead)
+        pytest.skip(f"{family['name']}'s adapter does not serve tool images")
+    config, prompts = family["config"], family["prompts"]
+    tokenizer = load_tokenizer(config.model, model_folder(config.model))
+    call = tokenizer('<tool_call>{"name":"paint","arguments":{"colour":"red"}}</tool_call>',
+                     add_special_tokens=False)["input_ids"]
+    length = 96
+    vllm_out, hf_out = ray.get(family["host"].multi_turn.remote(prompts, SamplingParams(1, 0.0, 1.0, -1, length),
+                                                              call, [f"{TOOLS}:paint"], length))
+    assert vllm_out["tool_calls"].tolist() == [1.0] * len(prompts) and not vllm_out["tool_errors"].any()
+    assert vllm_out.image_counts.tolist() == [2] * len(prompts)  # the prompt's image and the tool's
+    trained, held = vllm_out["response_mask"].bool(), vllm_out["response_attention_mask"].bool()
+    assert (trained & ((~trained & held).long().cumsum(-1) > 0)).any(-1).all()  # generated after the tool turn
+    assert torch.equal(vllm_out["responses"] * vllm_out["response_attention_mask"].long(),
+                       hf_out["responses"] * hf_out["response_attention_mask"].long())
+    assert torch.equal(vllm_out["response_mask"], hf_out["response_mask"])

@@ -317,6 +317,9 @@ def _check_rollout(cfg: Config) -> None:
         raise ConfigError("worker.rollout.max_model_len", r.max_model_len,
                           f"shorter than data.max_prompt_length + data.max_response_length = {needed}",
                           f"set it to at least {needed} or null")
+    if r.engine == "vllm" and cfg.data.video_key:
+        raise ConfigError("data.video_key", cfg.data.video_key, "easytrain's vLLM engine is given a prompt's images, "
+                          "not yet its videos' frames", "set worker.rollout.engine=hf for video data (docs/data.md)")
     if r.engine == "vllm" and importlib.util.find_spec("vllm") is None:
         raise ConfigError("worker.rollout.engine", "vllm", "vLLM is not installed in this environment",
                           "bash scripts/install.sh cpu (or gpu), i.e. pip install -e .[cpu] / .[gpu]; "
@@ -330,11 +333,6 @@ def _check_multi_turn(cfg: Config) -> None:
     if not m.tools:
         raise ConfigError("worker.rollout.multi_turn.tools", m.tools, "multi-turn rollouts continue after tool "
                           "calls, and no tool is given", "list tools as path/to/file.py:name or module:name")
-    if r.engine == "vllm" and (cfg.data.image_key is not None or m.max_tool_images > 0):
-        raise ConfigError("worker.rollout.multi_turn.enable", True, "with worker.rollout.engine=vllm a multi-turn "
-                          "conversation is continued from its token ids, which carry no images yet",
-                          "set data.image_key=null and worker.rollout.multi_turn.max_tool_images=0 (text prompts "
-                          "and tool results), or worker.rollout.engine=hf")
 
 
 def torchvision_error() -> str:

@@ -68,7 +68,7 @@ class PromptCollator:
         batch: dict[str, Any] = {
             "input_ids": input_ids, "attention_mask": attention_mask,
             "uids": [p.uid for p in prompts], "answers": [p.answer for p in prompts],
-            "vllm_prompts": [p.vllm_text for p in prompts], "images": [p.images for p in prompts],
+            "images": [p.images for p in prompts],
             "visual_counts": [len(p.images) + len(p.videos) for p in prompts],
         }
         if self.visuals is None:

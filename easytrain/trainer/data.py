@@ -124,8 +124,8 @@ def to_batch(raw: dict[str, Any], keep_images: bool) -> Batch:
 
     tensors = {k: raw[k] for k in PROMPT_TENSORS if k in raw}
     meta = {"uids": raw["uids"], "answers": raw["answers"]}
-    if keep_images:  # vLLM takes the PIL images and its own prompt form; multi-turn tools, the images
-        meta.update(images=raw["images"], vllm_prompts=raw["vllm_prompts"])
+    if keep_images:  # vLLM takes the PIL images beside the token ids; multi-turn tools, the images
+        meta.update(images=raw["images"])
     counts = torch.tensor(raw["visual_counts"]) if "pixel_values" in raw else None
     return Batch(tensors, meta, counts)
 

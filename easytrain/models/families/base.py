@@ -235,6 +235,13 @@ class Family:
         if layout is None or not (layout.fixed_size or layout.thumbnail):
             processor.size = {"shortest_edge": min_pixels, "longest_edge": max_pixels}
 
+    def vllm_prompt_ids(self, ids: list[int]) -> list[int]:
+        """The token ids of a prompt with images as vLLM takes them beside the images (``multi_modal_data``): it
+        expands each image's placeholder itself, so a prompt easytrain already expanded goes back to one
+        placeholder per image (the generic adapter: unchanged; only families that serve ``vllm`` with images
+        are asked)."""
+        return ids
+
     def vllm_processor_kwargs(self, min_pixels: int, max_pixels: int) -> dict[str, Any]:
         """vLLM's ``mm_processor_kwargs`` that keep its image processor from resizing images the data pipeline
         already sized within [min_pixels, max_pixels] (none: the processor's own settings)."""

@@ -55,6 +55,8 @@ class Episode:
     pixel_values: list[torch.Tensor] = field(default_factory=list)
     grids: list[torch.Tensor] = field(default_factory=list)
     """The tool turns' images (processed), in order."""
+    images: list[Any] = field(default_factory=list)
+    """The same images as sized for the model (PIL), for an engine that takes images (vLLM)."""
 
     def add(self, ids: list[int], log_probs: list[float], trained: bool) -> None:
         self.ids += ids
@@ -71,13 +73,14 @@ class ToolImages:
     min_pixels: int
     max_pixels: int
 
-    def process(self, images: list[Any]) -> tuple[list[int], torch.Tensor, torch.Tensor]:
-        """Vision tokens per image, ``pixel_values`` and ``image_grid_thw`` (BadSample: an image too small)."""
+    def process(self, images: list[Any]) -> tuple[list[int], torch.Tensor, torch.Tensor, list[Any]]:
+        """Vision tokens per image, ``pixel_values``, ``image_grid_thw`` and the images as sized (BadSample: an
+        image too small)."""
         layout = self.visuals.layout
         fitted = [fit_image(im, self.min_pixels, self.max_pixels, layout.factor) for im in images]
         stream = self.visuals.stream([fitted], [[]], [[MM_IMAGE] * len(fitted)])
         counts = [layout.image_tokens(im.height, im.width) for im in fitted]
-        return counts, stream["pixel_values"], stream["image_grid_thw"]
+        return counts, stream["pixel_values"], stream["image_grid_thw"], fitted
 
 
 def tool_turn_text(tokenizer: Any, content: Any) -> str:
@@ -177,10 +180,11 @@ class MultiTurn:
         if result.ok and result.images:
             turn = self._image_turn(result.text, result.images, room, sum(int(g.shape[0]) for g in e.grids))
             if not isinstance(turn, str):
-                ids, pixel_values, grid = turn
+                ids, pixel_values, grid, fitted = turn
                 e.add(ids, [0.0] * len(ids), trained=False)
                 e.pixel_values.append(pixel_values)
                 e.grids.append(grid)
+                e.images += fitted
                 return
             failed, text = turn, f"error: {turn}"
         if failed is not None:
@@ -191,8 +195,8 @@ class MultiTurn:
         e.add(ids, [0.0] * len(ids), trained=False)
 
     def _image_turn(self, text: str, images: list[Any], room: int, held: int) -> Any:
-        """The token ids, ``pixel_values`` and ``image_grid_thw`` of a tool turn with ``images``, or why it cannot
-        be one (a text-only model, more images than the response may hold beside the ``held`` ones, an image
+        """The token ids, ``pixel_values``, ``image_grid_thw`` and sized images of a tool turn with ``images``, or
+        why it cannot be one (a text-only model, more images than the response may hold beside the ``held`` ones, an image
         too small, more tokens than the room left)."""
         if self.images is None:
             return "the tool returned images, and this model reads none"
@@ -200,7 +204,7 @@ class MultiTurn:
             return (f"the tool returned {len(images)} image(s) and {self.cfg.max_tool_images - held} more fit in "
                     "this response (worker.rollout.multi_turn.max_tool_images)")
         try:
-            counts, pixel_values, grid = self.images.process(images)
+            counts, pixel_values, grid, fitted = self.images.process(images)
         except BadSample as err:
             return f"the tool returned an image the model cannot take: {err}"
         content = [{"type": "image"} for _ in images] + [{"type": "text", "text": text}]
@@ -209,7 +213,7 @@ class MultiTurn:
         if len(ids) > room:
             return (f"the tool's turn with its {len(images)} image(s) takes {len(ids)} tokens and {room} are left "
                     "of data.max_response_length")
-        return ids, pixel_values, grid
+        return ids, pixel_values, grid, fitted
 
     def _with_images(self, tensors: dict[str, torch.Tensor], rows: Batch, episodes: list[Episode],
                      indices: list[int]) -> tuple[Optional[torch.Tensor], Optional[Pixels]]:
@@ -257,7 +261,10 @@ class MultiTurn:
         tensors["attention_mask"] = left([torch.ones(len(s), dtype=sub["attention_mask"].dtype) for s in sequences], 0)
         if types:
             tensors["mm_token_type_ids"] = left(types, 0)
-        return Batch(tensors, sub.meta, *self._with_images(tensors, rows, episodes, active))
+        meta = dict(sub.meta)
+        if "images" in meta:  # an engine that takes images (vLLM): the prompt's, then the tool turns', sized
+            meta["images"] = [list(meta["images"][j]) + episodes[i].images for j, i in enumerate(active)]
+        return Batch(tensors, meta, *self._with_images(tensors, rows, episodes, active))
 
     def _types(self, ids: torch.Tensor) -> torch.Tensor:
         """``mm_token_type_ids`` of response tokens: the image pads of tool turns are image tokens."""

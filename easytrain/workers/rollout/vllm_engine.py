@@ -7,11 +7,12 @@ torch.distributed world through vLLM's external launcher, each rank one
 engine (a tensor-parallel engine spans consecutive ranks), and on CPU it
 leaves the threads alone (``VLLM_CPU_OMP_THREADS_BIND=nobind``): its default
 binding pins the process's OpenMP threads and turns ``torch.set_num_threads``
-into a no-op, which would starve the actor's passes in the same process. Requests are built from the same templated
-prompts as the HF engine: token ids for text-only prompts (the very ids the
-actor scores), the chat text plus PIL images for multimodal ones (vLLM
-expands the image placeholders with its own processor, bounded by the same
-``data.min_pixels``/``max_pixels``).
+into a no-op, which would starve the actor's passes in the same process. Requests are the very token ids the
+actor scores; a prompt with images also carries its images, PIL, as easytrain
+sized them (one resize, shared by both sides), with each image's run of
+placeholders handed back as one for vLLM's processor to expand again to the
+same count (bounded by the same ``data.min_pixels``/``max_pixels``, so it
+resizes nothing).
 
 Log-probs: ``logprobs_mode="processed_logprobs"`` makes vLLM report log-probs
 after its logits processors and temperature, with the vision placeholders
@@ -94,7 +95,8 @@ def engine_kwargs(config: Any, spec: EngineSpec, family: Optional[Family] = None
     if r.tensor_parallel_size > 1 or spec.fused:  # one engine per rank of a torch world
         kwargs["distributed_executor_backend"] = "external_launcher"
     if family is not None:
-        kwargs["limit_mm_per_prompt"] = {"image": d.limit_images}
+        tools = r.multi_turn.max_tool_images if r.multi_turn.enable else 0  # a conversation's tool images too
+        kwargs["limit_mm_per_prompt"] = {"image": d.limit_images + tools}
         kwargs["mm_processor_kwargs"] = family.vllm_processor_kwargs(d.min_pixels, d.max_pixels)
     return kwargs
 
@@ -144,8 +146,10 @@ def ban(tokens: Iterable[int], vocab_size: int) -> Optional[dict[int, float]]:
 
 class VLLMEngine(RolloutEngine):
     def __init__(self, llm: Any, spec: EngineSpec, suppressed: list[int], vocab_size: int,
-                 sleep_level: int) -> None:
+                 sleep_level: int, family: Optional[Family] = None) -> None:
         self.llm, self.spec, self.device = llm, spec, spec.device
+        self.family = family
+        """The model's adapter where prompts carry images (None: a text engine)."""
         self.banned = ban(suppressed, vocab_size)
         """The vision placeholders a response may never contain, as a logit bias at vLLM's floor."""
         self.sleep_level = sleep_level
@@ -166,7 +170,8 @@ class VLLMEngine(RolloutEngine):
         hf_config = AutoConfig.from_pretrained(spec.folder)
         vision = getattr(hf_config, "vision_config", None) is not None and config.data.image_key is not None
         text = getattr(hf_config, "text_config", hf_config)
-        llm = LLM(**engine_kwargs(config, spec, family_of(hf_config) if vision else None))
+        family = family_of(hf_config) if vision else None
+        llm = LLM(**engine_kwargs(config, spec, family))
         logging.getLogger("vllm.model_executor.model_loader.reload.layerwise").addFilter(_QuietWeightless())
         sleeps = spec.device.type == "cuda" and config.trainer.colocate
         if not sleeps or config.worker.rollout.sleep_level == 0:
@@ -174,7 +179,7 @@ class VLLMEngine(RolloutEngine):
                         "worker.rollout.sleep_level > 0): the engine keeps its weights and KV cache between "
                         "rollouts, and sleep/wake do nothing")
         return cls(llm, spec, suppressed_tokens(hf_config), int(text.vocab_size),
-                   config.worker.rollout.sleep_level if sleeps else 0)
+                   config.worker.rollout.sleep_level if sleeps else 0, family)
 
     @property
     def can_sleep(self) -> bool:
@@ -183,14 +188,20 @@ class VLLMEngine(RolloutEngine):
     # ------------------------------------------------------------------ generation
 
     def requests(self, prompts: Batch) -> list[dict[str, Any]]:
+        """One vLLM prompt per row: the actor's own token ids (no second tokenisation); a row with images also
+        gets its images, PIL, as easytrain sized them, with each image's placeholder given back to vLLM to
+        expand (the family's :meth:`~easytrain.models.families.Family.vllm_prompt_ids`): vLLM's prompt is then
+        the actor's token for token, as tests/test_vllm_images.py checks."""
         images = prompts.meta.get("images")
         out = []
         for i in range(len(prompts)):
+            ids = prompts["input_ids"][i][prompts["attention_mask"][i].bool()].tolist()
             if images and images[i]:
-                out.append({"prompt": prompts.meta["vllm_prompts"][i], "multi_modal_data": {"image": images[i]}})
-            else:  # the actor's own token ids: no second tokenisation
-                ids = prompts["input_ids"][i][prompts["attention_mask"][i].bool()]
-                out.append({"prompt_token_ids": ids.tolist()})
+                assert self.family is not None, "a prompt with images reached an engine built for text"
+                out.append({"prompt_token_ids": self.family.vllm_prompt_ids(ids),
+                            "multi_modal_data": {"image": list(images[i])}})
+            else:
+                out.append({"prompt_token_ids": ids})
         return out
 
     def sampling_params(self, params: SamplingParams, prompt_index: int) -> Any:
