@@ -168,7 +168,9 @@ class VLLMEngine(RolloutEngine):
         except ImportError as err:
             raise RuntimeError(INSTALL_HINT) from err
         hf_config = AutoConfig.from_pretrained(spec.folder)
-        vision = getattr(hf_config, "vision_config", None) is not None and config.data.image_key is not None
+        turns = config.worker.rollout.multi_turn
+        images = config.data.image_key is not None or (turns.enable and turns.max_tool_images > 0)  # or tools'
+        vision = getattr(hf_config, "vision_config", None) is not None and images
         text = getattr(hf_config, "text_config", hf_config)
         family = family_of(hf_config) if vision else None
         llm = LLM(**engine_kwargs(config, spec, family))
