@@ -16,6 +16,7 @@ import torch
 from PIL import Image
 
 from easytrain.config import ConfigError, compose, with_default_preset
+from easytrain.config.schema import ModelConfig
 from easytrain.data.images import fit_image
 from easytrain.main import resolve
 from easytrain.models.families import ADAPTERS, TINY_FAMILIES, family_of
@@ -217,3 +218,17 @@ def test_vllm_takes_the_familys_processor_bounds_with_images(tmp_path: Path) -> 
     generic = family_of({"model_type": "llava", "vision_config": {"model_type": "clip_vision_model"}})
     assert engine_kwargs(config, spec, generic)["mm_processor_kwargs"] == {}
     assert "mm_processor_kwargs" not in engine_kwargs(config, spec)
+
+
+def test_vllm_gets_one_pad_per_image_and_expands_it_to_the_actors_count() -> None:
+    """Qwen-VL prompts reach vLLM with each image's (and video's) run of pads as one pad, which vLLM's processor
+    expands again; every other token, a lone pad and the runs' order stay as they were."""
+    hf = json.loads((Path(model_folder(ModelConfig(path="tiny:qwen2_5_vl"))) / "config.json").read_text())
+    family = family_of(hf)
+    image, video = hf["image_token_id"], hf["video_token_id"]
+    start, end = hf["vision_start_token_id"], hf["vision_end_token_id"]
+    ids = [5, start, *[image] * 4, end, 7, start, *[video] * 3, end, start, image, end, 9]
+    assert family.vllm_prompt_ids(ids) == [5, start, image, end, 7, start, video, end, start, image, end, 9]
+    assert family.vllm_prompt_ids([5, 6, 7]) == [5, 6, 7]
+    generic = family_of({"model_type": "llava", "vision_config": {"model_type": "clip_vision_model"}})
+    assert generic.vllm_prompt_ids(ids) == ids  # a family that does not serve vLLM with images is never asked
