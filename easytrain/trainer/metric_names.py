@@ -84,6 +84,8 @@ METRICS: dict[str, str] = {
     "rollout/log_prob_diff_mean": "Mean absolute difference between the engine's sampling log-probs and the "
                                   "actor's recomputed ones, per response token: near 0 when the sync took effect.",
     "rollout/log_prob_diff_max": "Largest such difference.",
+    "rollout/log_prob_at_diff_max": "The actor's log-prob of the token with the largest difference: whether "
+                                    "that gap sits at a likely token or far in the sampled tail.",
     "rollout/staleness": "`trainer.rollout_mode=one_step_off`: updates between the weights that generated the "
                          "step's batch and the actor's before its update (0 on the first step, then 1); with "
                          "one optimizer step per batch, `actor/ppo_kl` is then the actor's log-prob gap to the engine.",

@@ -62,4 +62,6 @@ def log_prob_agreement(batch: Batch) -> dict[str, float]:
     diff = (batch["rollout_log_probs"] - batch["old_log_probs"]).abs()[mask]
     if diff.numel() == 0:
         return {}
-    return {"rollout/log_prob_diff_mean": float(diff.mean()), "rollout/log_prob_diff_max": float(diff.max())}
+    worst = int(diff.argmax())
+    return {"rollout/log_prob_diff_mean": float(diff.mean()), "rollout/log_prob_diff_max": float(diff[worst]),
+            "rollout/log_prob_at_diff_max": float(batch["old_log_probs"][mask][worst])}
