@@ -190,7 +190,7 @@ class Qwen2VL(Family):
     def vllm_prompt_ids(self, ids: list[int]) -> list[int]:
         """Each run of image (or video) pads back to one pad: vLLM's processor replaces a pad by as many as the
         image it is given takes (the same count, the image being sized already)."""
-        pads = {self.hf_config.get("image_token_id"), self.hf_config.get("video_token_id")} - {None}
+        pads = {self.hf_config["image_token_id"], self.hf_config["video_token_id"]}  # (resolved: always set)
         return [t for k, t in enumerate(ids) if not (t in pads and k > 0 and ids[k - 1] == t)]
 
     def vllm_processor_kwargs(self, min_pixels: int, max_pixels: int) -> dict[str, Any]:
