@@ -21,7 +21,7 @@ from easytrain.data.images import fit_image
 from easytrain.main import resolve
 from easytrain.models.families import ADAPTERS, TINY_FAMILIES, family_of
 from easytrain.models.families.base import Bound
-from easytrain.models.hf import load_image_processor, load_model, model_folder
+from easytrain.models.hf import load_image_processor, load_model, load_tokenizer, model_folder
 from easytrain.trainer.data import RLData
 
 from rl_batches import rl_config
@@ -133,8 +133,8 @@ def test_plan_runs_for_every_tiny_family(family: str) -> None:
 @pytest.mark.parametrize("overrides,message", [
     (["model.path=tiny:qwen3_vl", "worker.actor.ulysses_size=2", "worker.actor.padding_free=true"],
      "worker.actor.ulysses_size=2: Qwen3-VL (qwen3_vl) does not support ulysses"),
-    (["model.path=tiny:internvl", "worker.rollout.engine=vllm", "trainer.device=cuda", "model.dtype=bfloat16"],
-     "worker.rollout.engine='vllm': InternVL (3.x) (internvl) does not support vllm"),
+    (["model.path=tiny:gemma3", "worker.rollout.engine=vllm", "trainer.device=cuda", "model.dtype=bfloat16"],
+     "worker.rollout.engine='vllm': Gemma 3 (gemma3) does not support vllm in easytrain: not built (vLLM 0.32"),
     (["+exp=tiny_video", "model.path=tiny:qwen3_vl"], "data.video_key='videos': Qwen3-VL (qwen3_vl) does not support"),
     (["model.path=tiny:gemma3", "+exp=tiny_sft", "worker.actor.ulysses_size=2"],
      "worker.actor.ulysses_size=2: Gemma 3 (gemma3) does not support ulysses"),
@@ -232,3 +232,16 @@ def test_vllm_gets_one_pad_per_image_and_expands_it_to_the_actors_count() -> Non
     assert family.vllm_prompt_ids([5, 6, 7]) == [5, 6, 7]
     generic = family_of({"model_type": "llava", "vision_config": {"model_type": "clip_vision_model"}})
     assert generic.vllm_prompt_ids(ids) == ids  # a family that does not serve vLLM with images is never asked
+
+
+def test_internvl_hands_vllm_one_context_token_per_image() -> None:
+    """InternVL prompts reach vLLM with each image's ``<img>`` + context tokens + ``</img>`` as one context token,
+    where vLLM's processor writes the whole run again."""
+    folder = Path(model_folder(ModelConfig(path="tiny:internvl")))
+    family = family_of(json.loads((folder / "config.json").read_text()))
+    tokenizer = load_tokenizer(ModelConfig(path="tiny:internvl"), folder)
+    context, start, end = (tokenizer.convert_tokens_to_ids(t) for t in ("<IMG_CONTEXT>", "<img>", "</img>"))
+    assert (tokenizer.context_image_token_id, tokenizer.start_image_token_id) == (context, start)  # vLLM reads these
+    ids = [500, start, *[context] * 4, end, 700, start, *[context] * 20, end, start, context, end, 900]
+    assert family.vllm_prompt_ids(ids) == [500, context, 700, context, context, 900]
+    assert family.vllm_prompt_ids([500, 600, 700]) == [500, 600, 700]

@@ -86,3 +86,38 @@ def test_one_process_syncs_the_whole_model_in_place_without_a_collective(ray_loc
             assert torch.equal(engine[name], tensor), name
     finally:
         trainer.close()
+
+
+@pytest.mark.parametrize("layout, discards", [(["worker.rollout.sleep_level=0"], False),
+                                              (["worker.rollout.sleep_level=2"], True),
+                                              (["trainer.colocate=false"], False)])
+def test_a_frozen_vision_tower_is_synced_once(ray_local: None, tmp_path: Path, layout: list[str],
+                                              discards: bool) -> None:
+    """``model.freeze_vision_tower``: once the engine holds the tower, a sync sends only the weights that train,
+    unless a sleep discarded the engine's weights since (level 2), when every weight goes again; fused (in-process
+    sync) and in separate pools (through the object store). Either way the engine's weights equal the actor's
+    after the sync."""
+    from easytrain.models.hf import load_model
+    from easytrain.models.parts import freeze_parts
+
+    config = make_config(str(tmp_path), "trainer.workers_per_node=1", "trainer.val_freq=-1", "trainer.save_freq=-1",
+                         "model.freeze_vision_tower=true", *layout)
+    model = load_model(config.model)
+    freeze_parts(model, True, False, False)
+    frozen = sum(not p.requires_grad for p in model.parameters())  # (a tower has no tied weights)
+    every = len(model.state_dict())
+    assert 0 < frozen < every
+    trainer = RLTrainer(config)
+    try:
+        sent = []
+        for _ in range(3):
+            sent.append(trainer.train_step().metrics["sync/tensors"])
+            trainer.step += 1
+        assert sent == ([every] * 3 if discards else [every, every - frozen, every - frozen])
+        actor = trainer.roles.actor.call("full_state_dict")  # HF names
+        engine = trainer.roles.rollout.call("engine_weights")[0]
+        assert set(engine) == set(actor)
+        for name, tensor in actor.items():
+            assert torch.equal(engine[name], tensor), name
+    finally:
+        trainer.close()

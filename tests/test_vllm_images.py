@@ -1,4 +1,4 @@
-"""Real vLLM (the CPU build) generating from images, per family whose model vLLM serves: the prompt vLLM expands
+"""Real vLLM (the CPU build) generating from images, per family whose adapter serves vLLM: the prompt vLLM expands
 is the actor's token for token (one resize, easytrain's, on both sides), greedy tokens are the HF engine's, and
 after a weight sync that changed every weight (vision tower and projector included) vLLM's prompt and response
 log-probs are the actor's within 1e-5 in float32."""
@@ -22,7 +22,7 @@ pytest.importorskip("vllm")
 pytestmark = pytest.mark.slow
 ray.cloudpickle.register_pickle_by_value(turn_helpers)  # the engine's actor cannot import the tests folder
 
-FAMILIES = ("qwen2_vl", "qwen2_5_vl", "qwen3_vl")
+FAMILIES = ("qwen2_vl", "qwen2_5_vl", "qwen3_vl", "internvl")
 TOLERANCE = 1e-5
 """float32 on both sides; the two run the same math in different kernels (vLLM's fused ones, torch's sdpa), so
 they agree to a few float32 ulps of the log-softmax, not bit for bit (measured: at most ~1e-6)."""
@@ -161,12 +161,20 @@ def test_vllm_expands_the_actors_prompt_and_sees_the_actors_pixels(family: dict[
     grids = prompts.expanded_tensors()["image_grid_thw"]
     images = [image for row in prompts.meta["images"] for image in row]
     assert len(images) == len(grids) > 0
-    patch = 16 if family["name"] == "qwen3_vl" else 14
-    for image, (_, h, w) in zip(images, grids.tolist()):
-        assert (image.height, image.width) == (h * patch, w * patch)
+    assert all(_the_actors_size(family["name"], image, grid) for image, grid in zip(images, grids.tolist()))
     expanded = ray.get(family["host"].prompt_log_probs.remote(prompts))
     for i, (ids, _) in enumerate(expanded):
         assert ids == prompts["input_ids"][i][prompts["attention_mask"][i].bool()].tolist()
+
+
+def _the_actors_size(name: str, image: Any, grid: list[int]) -> bool:
+    """Whether ``image`` has the size the actor's ``image_grid_thw`` row says: Qwen-VL's patch grid (16-px patches
+    on Qwen3-VL, else 14); InternVL's tile count (the tiny model's 56-px tiles, and a thumbnail beside several)."""
+    if name == "internvl":
+        cells = (image.height // 56) * (image.width // 56)
+        return image.height % 56 == image.width % 56 == 0 and grid[0] == cells + (cells > 1)
+    patch = 16 if name == "qwen3_vl" else 14
+    return (image.height, image.width) == (grid[1] * patch, grid[2] * patch)
 
 
 def _prompt_gap(host: Any, prompts: Batch) -> float:

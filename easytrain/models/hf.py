@@ -71,7 +71,7 @@ def load_tokenizer(model: ModelConfig, folder: Optional[str] = None) -> Any:
 
 
 def load_image_processor(model: ModelConfig, folder: Optional[str] = None) -> Any:
-    """The family's image processor (PIL backend); None for text-only models."""
+    """The family's image processor (see :meth:`Family.image_processor`); None for text-only models."""
     folder = folder or model_folder(model)
     adapter = family(folder)
     if not adapter.vision:

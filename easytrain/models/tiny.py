@@ -32,7 +32,7 @@ logger = logging.getLogger(__name__)
 
 FAMILIES = TINY_FAMILIES
 SIZES = ("tiny", "small")
-FACTORY_VERSION = 3
+FACTORY_VERSION = 4
 """Bump when the build changes, so cached folders from older builds are not reused."""
 
 VOCAB_SIZE = 1024
@@ -101,6 +101,7 @@ def build_tokenizer(seed: int = 0, family: str = TINY_FAMILIES[0], special_token
     adapter = adapter_class(family)
     specials = tuple(adapter.tiny_tokens if special_tokens is None else special_tokens)
     template = adapter.tiny_template if chat_template is None else chat_template
+    named = dict(adapter.tiny_named_tokens) if special_tokens is None else {}
     bpe = Tokenizer(models.BPE())
     bpe.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     bpe.decoder = decoders.ByteLevel()
@@ -113,6 +114,7 @@ def build_tokenizer(seed: int = 0, family: str = TINY_FAMILIES[0], special_token
         tokenizer_object=bpe, eos_token="<|im_end|>", pad_token="<|endoftext|>",
         additional_special_tokens=[t for t in specials if t not in ("<|im_end|>", "<|endoftext|>")],
         chat_template=template, model_max_length=4096, padding_side="left",
+        **({"model_specific_special_tokens": named} if named else {}),
     )
 
 
@@ -205,6 +207,8 @@ def _build_into(folder: Path, family: str, size: str, seed: int) -> None:
     processor = adapter_class(family).tiny_processor()
     if processor is not None:
         processor.save_pretrained(folder)
+    if adapter_class(family).tiny_processor_config:
+        (folder / "processor_config.json").write_text(json.dumps(adapter_class(family).tiny_processor_config))
 
 
 def model_class_for(family: str) -> Any:

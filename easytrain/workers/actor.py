@@ -38,6 +38,8 @@ class ActorWorker(WorkerBase):
         """This rank's sums of each optimizer step of the last update, in order (see :meth:`update_steps`)."""
         self.background_save: Optional[BackgroundSave] = None
         """A checkpoint this rank is writing in the background (``trainer.checkpoint_async``)."""
+        self.frozen_pushed = False
+        """The rollout workers have the frozen weights from an earlier :meth:`push_weights` (restarts rebuild both)."""
 
     @dispatch(Dispatch.BROADCAST)
     def setup(self, total_optimizer_steps: int) -> dict[str, int]:
@@ -209,8 +211,11 @@ class ActorWorker(WorkerBase):
 
     @dispatch(Dispatch.RANK0)
     def push_weights(self, targets: list[Any], bucket_bytes: int) -> dict[str, float]:
-        """Stream the current weights to the rollout workers in buckets (see weight_sync)."""
-        return push_weights(self.model, self.rank, targets, bucket_bytes, self.lora_scale)
+        """Stream the current weights to the rollout workers in buckets (see weight_sync); the frozen ones once
+        (separate pools' engines never sleep, so they keep them)."""
+        out = push_weights(self.model, self.rank, targets, bucket_bytes, self.lora_scale, self.frozen_pushed)
+        self.frozen_pushed = True
+        return out
 
     @property
     def lora_scale(self) -> float:

@@ -163,9 +163,9 @@ class FusedWorker(WorkerBase):
 
     # the object-store path into this process's engine, from an actor elsewhere (see weight_sync.push_weights)
 
-    def begin_weight_update(self, lora_scale: float = 1.0) -> None:
+    def begin_weight_update(self, lora_scale: float = 1.0, partial: bool = False) -> None:
         self._enter("sync")
-        self.rollout.begin_weight_update(lora_scale)
+        self.rollout.begin_weight_update(lora_scale, partial)
 
     def receive_part(self, index: int, part: int, parts: int, wire: dict[str, Any]) -> None:
         self.rollout.receive_part(index, part, parts, wire)

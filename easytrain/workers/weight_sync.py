@@ -60,6 +60,19 @@ def to_hf_names(state: dict[str, torch.Tensor], lora_scale: float = 1.0) -> dict
     return out
 
 
+def weights_to_send(model: torch.nn.Module, holds_frozen: bool) -> dict[str, torch.Tensor]:
+    """The actor's state dict to sync (tied weights under every name: vLLM's layer-wise reload rebuilds each layer
+    from the tensors it is given, so a tied lm_head sent only as embed_tokens would keep its old values), less the
+    frozen weights (``requires_grad`` off: a frozen vision tower, aligner or language model) where the engines
+    hold them already: a frozen weight is synced once, and again only after a sleep discarded it. LoRA merges
+    adapters into frozen base weights, so a LoRA model sends every weight."""
+    state: dict[str, torch.Tensor] = dict(model.state_dict())
+    if not holds_frozen or any(name.startswith(_PEFT_PREFIX) for name in state):
+        return state
+    frozen = {name for name, p in model.named_parameters(remove_duplicate=False) if not p.requires_grad}
+    return {name: tensor for name, tensor in state.items() if name not in frozen}
+
+
 def module_of(name: str) -> str:
     """The module a weight belongs to, with PEFT's LoRA parts folded in (they must travel together)."""
     match = _LORA.match(name)
@@ -189,7 +202,7 @@ def join_parts(parts: list[dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
 
 
 def push_weights(model: torch.nn.Module, rank: int, targets: list[Any], bucket_bytes: int,
-                 lora_scale: float) -> dict[str, float]:
+                 lora_scale: float, holds_frozen: bool) -> dict[str, float]:
     """Stream ``model``'s weights to the rollout workers ``targets`` (Ray actor handles), bucket by bucket.
 
     Every actor rank calls this. Each rank that holds a needed shard puts its part of the bucket in the
@@ -202,9 +215,7 @@ def push_weights(model: torch.nn.Module, rank: int, targets: list[Any], bucket_b
     import torch.distributed as dist
 
     start = time.perf_counter()
-    # Tied weights go under every name they have: vLLM's layer-wise reload rebuilds each layer from the
-    # tensors it is given, so a tied lm_head sent only as embed_tokens would keep its old values.
-    state: dict[str, torch.Tensor] = dict(model.state_dict())
+    state = weights_to_send(model, holds_frozen)  # (every rank decides alike: the actor's own record)
     sizes = {name: t.numel() * t.element_size() for name, t in state.items()}  # a DTensor's numel is global
     buckets = plan_buckets(sizes, bucket_bytes)
     sends, part, parts = shard_layout(state, rank)
@@ -226,7 +237,8 @@ def push_weights(model: torch.nn.Module, rank: int, targets: list[Any], bucket_b
         if int(failed):
             raise RuntimeError("weight sync failed on another actor rank (its error names the cause)")
 
-    in_step([t.begin_weight_update.remote(lora_scale) for t in targets] if rank == 0 else [])
+    partial = len(state) < len(model.state_dict())
+    in_step([t.begin_weight_update.remote(lora_scale, partial) for t in targets] if rank == 0 else [])
     times = {"put": 0.0, "wait": 0.0}
     previous: list[Any] = []
     for index, names in enumerate(buckets):
@@ -337,12 +349,12 @@ def copy_grouped(pairs: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
 
 
 def _sync_unsplit(full: dict[str, torch.Tensor], engine: Any, lora_scale: float, dtype: torch.dtype,
-                  start: float) -> dict[str, float]:
+                  start: float, partial: bool) -> dict[str, float]:
     """One process holds the whole actor (one GPU): the engine's weights are overwritten where they lie, the
     whole model in a few multi-tensor copies (cast to the engine's dtype on the way); what the engine does not
     take in place (renamed or fused weights: vLLM) goes through its ``load_weights`` once."""
     mark = time.perf_counter()
-    engine.begin_weight_update()
+    engine.begin_weight_update(partial)
     targets = {name: target for name, target in engine.in_place_targets(list(full)).items()
                if target.dtype == dtype and target.shape == full[name].shape}
     copy_grouped([(target, full[name]) for name, target in targets.items()])
@@ -369,16 +381,17 @@ def sync_in_process(model: torch.nn.Module, engine: Any, bucket_bytes: int, lora
     never splits across buckets). At most one bucket of full tensors is alive beyond the engine's own weights."""
     start = time.perf_counter()
     device = getattr(engine, "device", None) or torch.device("cpu")
-    state: dict[str, torch.Tensor] = dict(model.state_dict())  # tied weights under every name (see push_weights)
+    state = weights_to_send(model, engine.holds_frozen)  # (every rank's engine sleeps and syncs alike)
+    partial = len(state) < len(model.state_dict())
     merged = any(name.startswith(_PEFT_PREFIX) for name in state)  # LoRA: names and values change on the way
     full = None if merged else unsplit(state)
     if full is not None:
-        return _sync_unsplit(full, engine, lora_scale, dtype, start)
+        return _sync_unsplit(full, engine, lora_scale, dtype, start, partial)
     sizes = {name: t.numel() * torch.empty((), dtype=dtype).element_size() for name, t in state.items()}
     buckets = plan_buckets(sizes, bucket_bytes)
     peers = node_staging(state, buckets, dtype) if device.type == "cpu" and _flat_shards(state) else None
     times = {"gather": 0.0, "load": 0.0}
-    engine.begin_weight_update()
+    engine.begin_weight_update(partial)
     loaded, in_place = 0, 0
     for names in buckets:
         mark = time.perf_counter()

@@ -145,11 +145,19 @@ class Family:
     tiles), which the fixed-size path would miscount: a config that sets one has no :meth:`fixed_image`."""
     image_call: ClassVar[dict[str, Any]] = {}
     """Keyword arguments of the fixed-size path's image processor call (Gemma 3: no pan-and-scan crops)."""
+    unsupported_why: ClassVar[Mapping[str, str]] = {}
+    """Why a feature outside :attr:`features` is, where there is more to say than that it is not built."""
     tiny_tokens: ClassVar[tuple[str, ...]] = ()
     """Special tokens of the family's tiny tokenizer (eos ``<|im_end|>`` and pad ``<|endoftext|>`` among them);
     empty: no tiny model of this family."""
     tiny_template: ClassVar[str] = ""
     """The tiny tokenizer's chat template."""
+    tiny_named_tokens: ClassVar[Mapping[str, str]] = {}
+    """Tokenizer attributes (name -> one of :attr:`tiny_tokens`) the family's transformers processor reads, which
+    vLLM builds from the model folder (InternVL's ``start_image_token``, Gemma 3's ``boi_token``)."""
+    tiny_processor_config: ClassVar[Mapping[str, Any]] = {}
+    """The tiny folder's ``processor_config.json`` (as the published folders have one: the processor class and
+    its tokens per image, which vLLM's processing reads); empty: none written."""
 
     @classmethod
     def tiny_config(cls, spec: TinySpec, ids: Mapping[str, int]) -> dict[str, Any]:
@@ -160,7 +168,8 @@ class Family:
     """The transformers model class (by name); empty: the class transformers' image-text or causal-LM Auto class
     maps the ``model_type`` to (:meth:`model_class`)."""
     processor_class_path: ClassVar[str] = ""
-    """``module:Class`` of the family's image processor (its PIL backend); empty: ``AutoImageProcessor``."""
+    """``module:Class`` of the family's image processor (its PIL backend, unless the adapter says why not); empty:
+    ``AutoImageProcessor``."""
     tiny_processor_settings: ClassVar[dict[str, Any]] = {}
     """The tiny model's image processor settings."""
     tiny_source: ClassVar[str] = ""
@@ -215,7 +224,8 @@ class Family:
         return transformers.AutoModelForImageTextToText if self.vision else transformers.AutoModelForCausalLM
 
     def image_processor(self, folder: str) -> Any:
-        """The folder's image processor (PIL backend where transformers has one); None for a text model."""
+        """The folder's image processor (:attr:`processor_class_path`, else the PIL backend where transformers has
+        one); None for a text model."""
         if not self.vision:
             return None
         if self.processor_class_path:
@@ -424,7 +434,8 @@ class Family:
         """Why ``feature`` (one of :data:`FEATURES`) cannot serve this family, or None when it can."""
         if feature in self.features:
             return None
-        return f"{self.label} ({self.model_type}) does not support {feature.replace('_', ' ')} in easytrain"
+        why = f": {self.unsupported_why[feature]}" if feature in self.unsupported_why else ""
+        return f"{self.label} ({self.model_type}) does not support {feature.replace('_', ' ')} in easytrain{why}"
 
 
 @dataclass

@@ -42,8 +42,15 @@ class Gemma3(Family):
     features = frozenset({"image_dedup", "kv_reuse"})
     tower_path = "vision_tower"
     projector_paths = ("multi_modal_projector",)
+    unsupported_why: ClassVar[Mapping[str, str]] = {
+        "vllm": "not built (vLLM 0.32 re-merges the newline tokens around each image, and only its GPU "
+                "flash-attention backend gives an image's tokens their two-way attention, not checked against the "
+                "actor here); use worker.rollout.engine=hf"}
     tiny_tokens: ClassVar[tuple[str, ...]] = CHATML_TOKENS + (BOI, EOI, SOFT)
     tiny_template: ClassVar[str] = CHAT_TEMPLATE
+    tiny_named_tokens: ClassVar[Mapping[str, str]] = {"boi_token": BOI, "eoi_token": EOI, "image_token": SOFT}
+    tiny_processor_config: ClassVar[Mapping[str, Any]] = {"processor_class": "Gemma3Processor",
+                                                          "image_seq_length": (TINY_IMAGE // 14 // 2) ** 2}
     class_name = "Gemma3ForConditionalGeneration"
     qk_norm = True
     sandwich_norm = True
@@ -68,8 +75,8 @@ class Gemma3(Family):
                   "num_attention_heads": spec.vision_heads, "image_size": TINY_IMAGE, "patch_size": 14,
                   "vision_use_head": False}
         return {"model_type": "gemma3", "text_config": text, "vision_config": vision, "tie_word_embeddings": True,
-                "mm_tokens_per_image": (TINY_IMAGE // 14 // 2) ** 2, "boi_token_index": ids.get(BOI),
-                "eoi_token_index": ids.get(EOI), "image_token_index": ids.get(SOFT)}
+                "mm_tokens_per_image": cls.tiny_processor_config["image_seq_length"],
+                "boi_token_index": ids.get(BOI), "eoi_token_index": ids.get(EOI), "image_token_index": ids.get(SOFT)}
 
     def layout(self, processor: Any = None, tokenizer: Any = None) -> Layout:
         image = self._fixed()

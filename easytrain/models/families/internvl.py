@@ -27,6 +27,9 @@ from easytrain.models.families.base import Family, TinySpec, side
 from easytrain.models.families.qwen import CHATML_TOKENS, chatml_template, text_config
 
 IMAGE_CONTEXT = "<IMG_CONTEXT>"
+VIDEO = "<video>"
+"""The published tokenizers' video placeholder: vLLM's InternVL processing looks it up, though easytrain sends
+InternVL no videos."""
 
 CHAT_TEMPLATE = chatml_template(f"{IMAGE_CONTEXT}\n")
 
@@ -37,13 +40,21 @@ TINY_TILE = 56
 class InternVL(Family):
     model_types = ("internvl",)
     label = "InternVL (3.x)"
-    features = frozenset({"padding_free", "image_dedup", "shared_prompt", "ulysses", "kv_reuse"})
+    features = frozenset({"padding_free", "image_dedup", "shared_prompt", "ulysses", "kv_reuse", "vllm"})
     tower_path = "vision_tower"
     projector_paths = ("multi_modal_projector",)
-    tiny_tokens: ClassVar[tuple[str, ...]] = CHATML_TOKENS + ("<img>", "</img>", IMAGE_CONTEXT)
+    tiny_tokens: ClassVar[tuple[str, ...]] = CHATML_TOKENS + ("<img>", "</img>", IMAGE_CONTEXT, VIDEO)
+    tiny_named_tokens: ClassVar[Mapping[str, str]] = {"start_image_token": "<img>", "end_image_token": "</img>",
+                                                      "context_image_token": IMAGE_CONTEXT, "video_token": VIDEO}
+    tiny_processor_config: ClassVar[Mapping[str, Any]] = {"processor_class": "InternVLProcessor",
+                                                          "image_seq_length": (TINY_TILE // 14 // 2) ** 2}
     tiny_template: ClassVar[str] = CHAT_TEMPLATE
     class_name = "InternVLForConditionalGeneration"
-    processor_class_path = "transformers.models.got_ocr2:GotOcr2ImageProcessorPil"
+    processor_class_path = "transformers.models.got_ocr2:GotOcr2ImageProcessor"
+    """The torchvision backend, transformers' default for InternVL and the one vLLM builds: the thumbnail tile is
+    the one resize the processor does itself (easytrain sizes the image on the tile grid), and the PIL backend
+    resizes it differently (up to 0.018 in a random image's normalised values, 2e-5 in the tiny model's prompt
+    log-probs), so the actor and vLLM share this one."""
     tiny_processor_settings = {"size": {"height": TINY_TILE, "width": TINY_TILE}, "crop_to_patches": True,
                                "image_mean": [0.485, 0.456, 0.406], "image_std": [0.229, 0.224, 0.225]}
 
@@ -66,11 +77,31 @@ class InternVL(Family):
                   "image_size": [TINY_TILE, TINY_TILE], "patch_size": [14, 14]}
         return {"model_type": "internvl", "text_config": text, "vision_config": vision, "tie_word_embeddings": True,
                 "image_token_id": ids.get(IMAGE_CONTEXT), "downsample_ratio": 0.5,
-                "image_seq_length": (TINY_TILE // 14 // 2) ** 2}
+                "image_seq_length": cls.tiny_processor_config["image_seq_length"]}
 
     def layout(self, processor: Any = None, tokenizer: Any = None) -> Layout:
         return Layout(factor=self.tile, tokens_per_cell=self.tile_tokens, thumbnail=True, image_pad=IMAGE_CONTEXT,
                       image_open="<img>", image_close="</img>")
+
+    def vllm_prompt_ids(self, ids: list[int]) -> list[int]:
+        """Each image's ``<img>`` + context tokens + ``</img>`` (the layout writes it so) back to one context
+        token: vLLM's processor writes the run around it, as long as the image (already on the tile grid) takes."""
+        context, out = self.hf_config["image_token_id"], []
+        for k, t in enumerate(ids):
+            if t == context and k > 0 and ids[k - 1] == context:
+                continue  # the run's later tokens
+            if t == context and out:
+                out.pop()  # <img>
+            elif k > 0 and ids[k - 1] == context:
+                continue  # </img>
+            out.append(t)
+        return out
+
+    def vllm_processor_kwargs(self, min_pixels: int, max_pixels: int) -> dict[str, Any]:
+        """Tiles up to what ``max_pixels`` holds: an image sized on a grid of tiles keeps
+        that grid under any larger tile limit (transformers' InternVL grid choice prefers the image's own aspect
+        ratio and, at a tie, never a grid of twice its area), and a one-tile image gets no thumbnail."""
+        return {"crop_to_patches": True, "min_patches": 1, "max_patches": max(1, max_pixels // self.tile ** 2)}
 
     def vision_stream(self, processor: Any, images: Sequence[Sequence[Any]], videos: Sequence[Sequence[Any]],
                       order: Sequence[Sequence[int]]) -> dict[str, torch.Tensor]:

@@ -55,6 +55,8 @@ class RolloutEngine(abc.ABC):
     """What :meth:`sleep` released and no :meth:`wake` has brought back yet (``weights``, ``kv_cache``)."""
     stale: bool = False
     """A sleep discarded the weights and no sync has refilled them (generation must wait for one)."""
+    synced: bool = False
+    """A sync has filled the engine's weights since it was built."""
     pressure: Any = None
     """The node's pressure flag (:class:`easytrain.memory.flag.PressureFlag`), set under a watchdog; an engine
     that reads it while generating stops early at the hard level (the HF engine, at every token)."""
@@ -70,8 +72,15 @@ class RolloutEngine(abc.ABC):
         ``responses`` (B*n, R) right-padded, ``response_mask`` (1 up to and including the stop token)
         and ``rollout_log_probs`` (B*n, R)."""
 
-    def begin_weight_update(self) -> None:
-        """Prepare to receive a full set of weights in buckets."""
+    @property
+    def holds_frozen(self) -> bool:
+        """Whether the engine holds the actor's frozen weights (a frozen vision tower): a sync filled its weights
+        and no sleep discarded them since, so a sync may leave the frozen ones out
+        (:func:`easytrain.workers.weight_sync.weights_to_send`)."""
+        return self.synced and not self.stale
+
+    def begin_weight_update(self, partial: bool = False) -> None:
+        """Prepare to receive the weights in buckets: every weight, or (``partial``) the ones that train."""
 
     @abc.abstractmethod
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> int:

@@ -292,7 +292,7 @@ class HFEngine(RolloutEngine):
                 out[name] = param.data
         return out
 
-    def begin_weight_update(self) -> None:
+    def begin_weight_update(self, partial: bool = False) -> None:
         self.wake(("weights",))
         self._filled = set()
 
@@ -301,4 +301,4 @@ class HFEngine(RolloutEngine):
             missing = [name for name, p in self.model.named_parameters() if id(p) not in self._filled]
             if missing:
                 raise RuntimeError(f"weight sync left {len(missing)} dropped weights unfilled (e.g. {missing[0]})")
-        self.stale = False
+        self.stale, self.synced = False, True

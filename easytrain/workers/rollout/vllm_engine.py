@@ -133,10 +133,16 @@ input's normalisation (its mean and std come from the processor's config)."""
 
 class _QuietWeightless(logging.Filter):
     """Each reload warns that the :data:`WEIGHTLESS` layers got no weights; they have none to get, so those lines
-    are dropped. Other layers still warn."""
+    are dropped. Other layers still warn, except in a ``partial`` reload, where the frozen layers get none by
+    design (vLLM keeps their weights)."""
+
+    partial = False
 
     def filter(self, record: logging.LogRecord) -> bool:
-        return not any(record.getMessage().startswith(f"{layer}: Failed to load weights") for layer in WEIGHTLESS)
+        message = record.getMessage()
+        if self.partial and message.endswith(": Failed to load weights"):
+            return False
+        return not any(message.startswith(f"{layer}: Failed to load weights") for layer in WEIGHTLESS)
 
 
 def ban(tokens: Iterable[int], vocab_size: int) -> Optional[dict[int, float]]:
@@ -156,6 +162,8 @@ class VLLMEngine(RolloutEngine):
         self.asleep: set[str] = set()
         self.stale = False
         """Level-2 sleep discarded the weights and no sync has refilled them yet."""
+        self.quiet = _QuietWeightless()
+        """Drops vLLM's reload warnings for layers that get no weights by design."""
 
     @classmethod
     def build(cls, config: Any, spec: EngineSpec) -> "VLLMEngine":
@@ -174,14 +182,15 @@ class VLLMEngine(RolloutEngine):
         text = getattr(hf_config, "text_config", hf_config)
         family = family_of(hf_config) if vision else None
         llm = LLM(**engine_kwargs(config, spec, family))
-        logging.getLogger("vllm.model_executor.model_loader.reload.layerwise").addFilter(_QuietWeightless())
         sleeps = spec.device.type == "cuda" and config.trainer.colocate
         if not sleeps or config.worker.rollout.sleep_level == 0:
             logger.info("vLLM sleep mode is off here (it needs a GPU, colocated roles and "
                         "worker.rollout.sleep_level > 0): the engine keeps its weights and KV cache between "
                         "rollouts, and sleep/wake do nothing")
-        return cls(llm, spec, suppressed_tokens(hf_config), int(text.vocab_size),
-                   config.worker.rollout.sleep_level if sleeps else 0, family)
+        engine = cls(llm, spec, suppressed_tokens(hf_config), int(text.vocab_size),
+                     config.worker.rollout.sleep_level if sleeps else 0, family)
+        logging.getLogger("vllm.model_executor.model_loader.reload.layerwise").addFilter(engine.quiet)
+        return engine
 
     @property
     def can_sleep(self) -> bool:
@@ -234,8 +243,9 @@ class VLLMEngine(RolloutEngine):
 
     # ------------------------------------------------------------------ weights
 
-    def begin_weight_update(self) -> None:
+    def begin_weight_update(self, partial: bool = False) -> None:
         self.wake(("weights",))
+        self.quiet.partial = partial  # the frozen layers keep their weights: their "failed to load" lines go
         self.llm.collective_rpc(_begin_reload)
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> int:
@@ -245,7 +255,7 @@ class VLLMEngine(RolloutEngine):
 
     def finish_weight_update(self) -> None:
         self.llm.collective_rpc(_finish_reload)
-        self.stale = False
+        self.stale, self.synced, self.quiet.partial = False, True, False
         # everything cached was computed with the old weights: prefixes' KV, image embeddings (the engine
         # resets the scheduler's encoder-cache bookkeeping and the workers' caches together)
         self.llm.reset_prefix_cache()

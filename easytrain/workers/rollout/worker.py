@@ -154,12 +154,15 @@ class RolloutWorker(WorkerBase):
 
     # ------------------------------------------------------------------ weights (called by the actor ranks)
 
-    def begin_weight_update(self, lora_scale: float = 1.0) -> None:
+    def begin_weight_update(self, lora_scale: float = 1.0, partial: bool = False) -> None:
         assert self.engine is not None, "setup() first"
+        if partial and not self.engine.holds_frozen:
+            raise RuntimeError("a weight sync without the frozen weights reached an engine that does not hold them "
+                               "(a sleep discarded them, or the engine was rebuilt)")
         self.sync_meter.reset()
         self._parts: dict[int, dict[int, dict[str, torch.Tensor]]] = {}
         self._lora_scale, self._loaded = lora_scale, 0
-        self.engine.begin_weight_update()
+        self.engine.begin_weight_update(partial)
 
     def receive_part(self, index: int, part: int, parts: int, wire: dict[str, Wire]) -> None:
         """One actor rank's part of bucket ``index``; the part that completes the bucket loads it."""
