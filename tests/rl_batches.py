@@ -64,5 +64,7 @@ def assert_same_pass(got: tuple[torch.Tensor, torch.Tensor, dict[str, torch.Tens
 def planned(batch: Batch, model: torch.nn.Module, packed: bool = False, share_prompt: bool = False) -> MicroBatch:
     """``batch`` as one micro batch laid out the way the driver's plan would (prompts shared where the model
     allows it and it pays off: :func:`easytrain.trainer.micro_batches.micro_batch`)."""
-    forward = Forward(packed, 0, share_prompt and supports_shared_prompt(model), text_config(model).hidden_size)
+    forward = Forward(packed=packed, budget=0, update_size=len(batch),
+                      share_prompt=share_prompt and supports_shared_prompt(model),
+                      hidden_size=text_config(model).hidden_size)
     return micro_batch(batch, list(range(len(batch))), forward)

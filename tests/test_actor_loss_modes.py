@@ -19,7 +19,7 @@ import dataclasses
 import pytest
 import torch
 
-from easytrain.config import Config
+from easytrain.config import Config, with_overrides
 from easytrain.config.schema import CHOICES, ActorConfig
 from easytrain.distributed.batch import Batch
 from easytrain.trainer.micro_batches import Forward, update_shares
@@ -87,7 +87,7 @@ def update_gradients(worker: ActorWorker, batch: Batch) -> dict[str, torch.Tenso
     """The gradients the actor's optimizer steps with, from its real ``update`` (one optimizer step) over the
     micro batches the driver plans."""
     forward = Forward.of(worker.config, worker.setup_answer)  # type: ignore[attr-defined]
-    steps, _ = update_shares(batch, len(batch), 1, worker.config, forward)
+    steps, _ = update_shares(batch, len(batch), 1, forward)
     seen: list[dict[str, torch.Tensor]] = []
     model = worker.model
     optimizer = worker.strategy.optimizer  # type: ignore[union-attr]
@@ -122,9 +122,10 @@ def actor(tmp_path_factory: pytest.TempPathFactory) -> ActorWorker:
 @pytest.mark.parametrize("mode", MODES)
 def test_update_gradient_is_the_gradient_of_the_published_loss(actor: ActorWorker, mode: str, use_kl_loss: bool,
                                                                 monkeypatch: pytest.MonkeyPatch) -> None:
-    config = actor.config  # the switches as the worker reads them, at each update
-    monkeypatch.setattr(config.worker.actor, "loss_agg_mode", mode)
-    monkeypatch.setattr(config.algorithm, "use_kl_loss", use_kl_loss)
+    config = with_overrides(actor.config, {"worker.actor.loss_agg_mode": mode,  # the worker reads them at each update
+                                           "algorithm.use_kl_loss": use_kl_loss})
+    monkeypatch.setattr(actor, "config", config)
+    monkeypatch.setattr(actor, "cfg", config.worker.actor)
     model = actor.model
     assert suppressed_tokens(model.config) == []  # a text model: the plain softmax is the sampling distribution
     batch = training_batch(model, config)

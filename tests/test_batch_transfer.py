@@ -279,7 +279,7 @@ def test_a_members_micro_batches_carry_each_prompts_pixels_once_and_read_as_plan
     from easytrain.trainer.micro_batches import Forward, micro_batch, micro_batches
 
     batch, samples = repeated(prompts, 4)
-    forward = Forward(packed, 0, share_prompt=False)
+    forward = Forward(packed=packed, budget=0, update_size=1, share_prompt=False)
     plan = [[[0], [1], [2], [3], [12, 13]], [[15, 14, 4], [5, 16]]]  # micro batches of one sample and reordered
     sent = micro_batches(batch, plan, forward)
     for member, cut in zip(plan, sent):

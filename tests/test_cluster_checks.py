@@ -9,7 +9,7 @@ import time
 import pytest
 import torch
 
-from easytrain.config import load
+from easytrain.config import load, with_overrides
 from easytrain.config import ConfigError
 from easytrain.distributed.cluster import check_cluster_fits, check_local_gpus, places
 
@@ -49,26 +49,22 @@ def test_a_cluster_that_cannot_hold_the_pools_is_a_config_error_naming_both_numb
 
     cpus = [n["Resources"]["CPU"] for n in ray.nodes() if n["Alive"]]
     assert cpus == [8]  # the tests' local Ray: one node, 8 logical CPUs
-    config = load([])
-    config.trainer.workers_per_node = 8  # (set past validation: only the pools' shape matters here)
-    check_cluster_fits(config)  # one colocated pool of 8
-    config.trainer.workers_per_node = 9
+    config = load([])  # (sizes set past validation below: only the pools' shape matters here)
+    check_cluster_fits(with_overrides(config, {"trainer.workers_per_node": 8}))  # one colocated pool of 8
     with pytest.raises(ConfigError, match=r"^trainer.workers_per_node=9: the run needs 9 CPU\(s\) on each of "
                                           r"trainer.nnodes=1 node\(s\), and the local Ray easytrain started has 1 "
                                           r"node\(s\) with 8 CPU\(s\): room for 0 of the 1 pool-node places"):
-        check_cluster_fits(config)
-    config.trainer.colocate, config.trainer.workers_per_node, config.algorithm.kl_coef = False, 4, 0.0
-    check_cluster_fits(config)  # actor and rollout pools of 4
-    config.trainer.workers_per_node = 5
+        check_cluster_fits(with_overrides(config, {"trainer.workers_per_node": 9}))
+    pools = {"trainer.colocate": False, "algorithm.kl_coef": 0.0}
+    check_cluster_fits(with_overrides(config, {**pools, "trainer.workers_per_node": 4}))  # actor and rollout: 4 each
     with pytest.raises(ConfigError, match=r"each of the run's 2 worker pools needs 5 CPU.*room for 1 of the 2 "
                                           r"pool-node places; lower trainer.workers_per_node, set trainer.colocate"):
-        check_cluster_fits(config)
+        check_cluster_fits(with_overrides(config, {**pools, "trainer.workers_per_node": 5}))
 
 
 def test_a_joined_cluster_waits_for_an_autoscaler_only_as_long_as_asked(ray_local: None) -> None:
-    config = load(["ray.wait_for_nodes_s=2"])
-    config.ray.address = "auto"  # (Ray is already up: only "joined" matters)
-    config.trainer.nnodes = 2
+    config = with_overrides(load(["ray.wait_for_nodes_s=2"]),  # (Ray is already up: only "joined" matters)
+                            {"ray.address": "auto", "trainer.nnodes": 2})
     start = time.monotonic()
     with pytest.raises(ConfigError, match=r"room for 1 of the 2 .*give an autoscaler ray.wait_for_nodes_s"):
         check_cluster_fits(config, poll_s=0.2)

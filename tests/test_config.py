@@ -60,6 +60,29 @@ def test_attention_auto_is_sdpa_without_flash_attn_and_flash_needs_it(monkeypatc
     assert _resolve(["model.attn_implementation=auto"]).model.attn_implementation == "sdpa"  # CPU run
 
 
+def test_the_validated_config_is_read_only_and_changed_copies_leave_it_alone() -> None:
+    """A loaded config has its ``auto`` values resolved and cannot change afterwards, at any depth, in this process
+    or in a copy Ray ships to a worker; a what-if (the planner's) is a changed read-only copy."""
+    import pickle
+
+    from easytrain.config import with_overrides
+
+    config = _resolve(["+exp=qwen25vl_7b"])
+    assert config.model.attn_implementation == "sdpa"  # auto, resolved at load
+    for section, key in ((config, "seed"), (config.trainer, "seed"), (config.worker.actor.optim, "lr"),
+                         (config.worker.rollout.multi_turn, "enable"), (config.watchdog, "enabled")):
+        with pytest.raises(AttributeError, match="read-only once validated"):
+            setattr(section, key, 1)
+    shipped = pickle.loads(pickle.dumps(config))
+    with pytest.raises(AttributeError, match="read-only"):
+        shipped.worker.actor.micro_batch_size_per_device_for_update = 1
+    changed = with_overrides(config, {"worker.actor.optim.lr": 0.5, "trainer.seed": 9})
+    assert (changed.worker.actor.optim.lr, changed.trainer.seed) == (0.5, 9)
+    assert (config.worker.actor.optim.lr, config.trainer.seed) != (0.5, 9) and config == _resolve(["+exp=qwen25vl_7b"])
+    with pytest.raises(AttributeError, match="read-only"):
+        changed.trainer.seed = 1
+
+
 def test_primary_yaml_holds_no_defaults() -> None:
     """Every default lives in the schema: config.yaml only lists the schema and Hydra settings."""
     primary = yaml.safe_load((CONF_DIR / "config.yaml").read_text())

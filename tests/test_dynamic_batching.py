@@ -83,8 +83,8 @@ def test_dynamic_update_equals_fixed_micro_batches(by_prompt: bool, tmp_path: Pa
     fixed, dynamic = actor(fixed_cfg), actor(dynamic_cfg)
     forward = Forward.of(dynamic_cfg, dynamic.setup_answer)
     assert forward.packed and forward.share_prompt == by_prompt
-    steps, plans = update_shares(batch, per_step, 1, dynamic_cfg, forward)
-    fixed_steps, _ = update_shares(batch, per_step, 1, fixed_cfg, Forward.of(fixed_cfg, fixed.setup_answer))
+    steps, plans = update_shares(batch, per_step, 1, forward)
+    fixed_steps, _ = update_shares(batch, per_step, 1, Forward.of(fixed_cfg, fixed.setup_answer))
     assert [len(m) for m in fixed_steps[0][0]] == [2] * 4  # the padded plan: micro batches of 2 samples
     micro_sizes = sorted(len(m) for m in plans[0][0])
     assert micro_sizes != [2] * 4, micro_sizes  # token-budget micro batches, not the fixed count of 2

@@ -311,16 +311,16 @@ def planned_update_micro_batches(trainer: RLTrainer) -> list[int]:
     rows = c.data.rollout_batch_size * c.worker.rollout.n
     batch = Batch({"attention_mask": torch.ones(rows, 4, dtype=torch.long)})
     assert not trainer.forward.packed
-    steps, _ = update_shares(batch, per_step, trainer.roles.actor.members, c,
-                             replace(trainer.forward, share_prompt=False))
+    steps, _ = update_shares(batch, per_step, trainer.roles.actor.members, replace(trainer.forward, share_prompt=False))
     return sorted({len(micro) for member in steps for step in member for micro in step})
 
 
 @pytest.fixture
 def restore_micro_batch(trainer: RLTrainer) -> Iterator[None]:
-    size = trainer.config.worker.actor.micro_batch_size_per_device_for_update
+    size = trainer.forward.update_size
     yield
-    trainer.config.worker.actor.micro_batch_size_per_device_for_update = size
+    trainer.forward.update_size = size
+    trainer.replan()
 
 
 @pytest.mark.slow
@@ -328,10 +328,14 @@ def test_halve_micro_batch_halves_the_actors_setting_down_to_one(trainer: RLTrai
                                                                  restore_micro_batch: None) -> None:
     guard = trainer.guard
     assert guard is not None and planned_update_micro_batches(trainer) == [2]
+    assert trainer.plan_check is not None
+    planned = trainer.plan_check.planned["update"].process_host
     relief = guard.halve_micro_batch({"ram"})
     assert relief.applied and relief.freed == 0 and relief.planned > 0
     assert planned_update_micro_batches(trainer) == [1]
-    assert trainer.config.worker.actor.micro_batch_size_per_device_for_update == 1  # the planner's view too
+    assert trainer.forward.update_size == 1 and trainer.forward.update_micro == 1  # what the step's metrics read
+    assert trainer.config.worker.actor.micro_batch_size_per_device_for_update == 2  # the run's config never changes
+    assert trainer.plan_check is not None and trainer.plan_check.planned["update"].process_host < planned  # re-planned
     again = guard.halve_micro_batch({"ram"})
     assert not again.applied and "already 1" in again.detail
     assert planned_update_micro_batches(trainer) == [1]

@@ -10,7 +10,7 @@ from typing import Any
 
 import pytest
 
-from easytrain.config import Config, load
+from easytrain.config import Config, load, with_overrides
 from easytrain.trainer.roles import start_groups, start_sft_group
 
 pytestmark = pytest.mark.slow
@@ -49,8 +49,7 @@ def gpu_config(nnodes: int, per_node: int, *extra: str) -> Config:
                    "data.rollout_batch_size=16", "worker.actor.global_batch_size=16",  # batches that 8 ranks divide
                    "worker.actor.micro_batch_size_per_device_for_update=1",
                    "worker.actor.micro_batch_size_per_device_for_experience=1", *extra])
-    config.trainer.device = "cuda"  # Ray's logical GPUs: the probes never touch CUDA
-    return config
+    return with_overrides(config, {"trainer.device": "cuda"})  # Ray's logical GPUs: the probes never touch CUDA
 
 
 def placements(config: Config) -> tuple[dict[str, list[Any]], int]:

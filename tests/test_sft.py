@@ -9,7 +9,7 @@ from typing import Any, Iterator
 import pytest
 import torch
 
-from easytrain.config import Config, load
+from easytrain.config import Config, load, with_overrides
 from easytrain.data.images import BadSample
 from easytrain.data.sft import IGNORE, SFTDataset, conversation_turns, render_conversation
 from easytrain.distributed.batch import Batch, MicroBatch
@@ -84,8 +84,7 @@ def test_messages_schema_with_images_and_parts(tmp_path: Path, data: SFTData) ->
              "images": []}]
     path = tmp_path / "chat.jsonl"
     path.write_text("".join(json.dumps(r) + "\n" for r in rows))
-    config = sft_config(tmp_path)
-    config.data.image_dir = str(tmp_path)  # the rows' absolute image paths are read only under it
+    config = with_overrides(sft_config(tmp_path), {"data.image_dir": str(tmp_path)})  # absolute paths: only under it
     dataset = SFTDataset([str(path)], config.data, data.tokenizer, "train", vision=True, progress=False)
     assert len(dataset) == 3
     first, second, third = (dataset[i] for i in range(3))

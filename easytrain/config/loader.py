@@ -9,10 +9,11 @@ Composition errors (unknown keys, wrong types, unknown presets) are turned into
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import difflib
 from pathlib import Path
-from typing import Any, Iterator, Optional, Sequence
+from typing import Any, Iterator, Mapping, Optional, Sequence
 
 from omegaconf import DictConfig, OmegaConf, open_dict
 from omegaconf.errors import (
@@ -24,6 +25,7 @@ from omegaconf.errors import (
 )
 
 from easytrain.config.errors import NO_VALUE, ConfigError
+from easytrain.config.fields import freeze
 from easytrain.config.schema import Config
 from easytrain.config.validate import ModelShape, validate
 
@@ -86,8 +88,24 @@ def to_config(cfg: DictConfig, shape: Optional[ModelShape] = None) -> Config:
     except Exception as err:
         raise explain(err) from err
     assert isinstance(obj, Config), type(obj)
-    validate(obj, shape)
+    validate(obj, shape)  # (resolves the auto values)
+    freeze(obj)
     return obj
+
+
+def with_overrides(config: Config, overrides: Mapping[str, Any]) -> Config:
+    """A read-only copy of ``config`` with dotted keys set, not validated again (the planner's what-ifs; the
+    run's own config never changes)."""
+    out = copy.deepcopy(config)
+    freeze(out, False)
+    for key, value in overrides.items():
+        *path, last = key.split(".")
+        node: Any = out
+        for part in path:
+            node = getattr(node, part)
+        setattr(node, last, value)
+    freeze(out)
+    return out
 
 
 def load(overrides: Sequence[str] = (), shape: Optional[ModelShape] = None) -> Config:

@@ -40,7 +40,10 @@ are the schema's; the `tiny` preset (`conf/exp/tiny.yaml`, used when no
 `+exp=` is given) sets some keys its own way, and
 `easytrain config [overrides]` prints every value a run will use. Rules that
 span several keys are in `easytrain/config/validate.py`; presets and the
-process layout in [configuration.md](configuration.md).
+process layout in [configuration.md](configuration.md). A run's config is
+read-only once loaded and validated (`auto` values resolved then); the one
+setting that changes during a run is the update's micro batch, which the
+watchdog's relief may halve (metric `actor/update_micro`).
 """
 
 

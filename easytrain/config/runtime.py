@@ -7,13 +7,13 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Optional
 
-from easytrain.config.fields import bounded, choice
+from easytrain.config.fields import Section, bounded, choice
 
 # ----------------------------------------------------------------------------- memory watchdog
 
 
 @dataclass
-class WatchdogConfig:
+class WatchdogConfig(Section):
     enabled: bool = True
     """Sample memory on every node (one sampler actor per node), write memory.jsonl and act on pressure."""
     sample_period_s: float = bounded(1.0, low=0.0, low_open=True)
@@ -58,7 +58,7 @@ class WatchdogConfig:
 
 
 @dataclass
-class RayConfig:
+class RayConfig(Section):
     address: Optional[str] = None
     """Cluster to join; null = RAY_ADDRESS if set, else start a local Ray."""
     num_cpus: Optional[int] = bounded(None, low=1)
@@ -74,7 +74,7 @@ class RayConfig:
 
 
 @dataclass
-class LaunchConfig:
+class LaunchConfig(Section):
     """How the run is launched on a cluster: Ray Jobs (``easytrain submit``) and KubeRay (``--kuberay``)."""
 
     image: str = "easytrain:latest"

@@ -16,7 +16,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
-from easytrain.config.fields import CHOICES, HIGH, LOW, LOW_OPEN, bounded, choice  # noqa: F401 - re-exported
+from easytrain.config.fields import CHOICES, HIGH, LOW, LOW_OPEN, Section, bounded, choice  # noqa: F401 - re-exported
 from easytrain.config.runtime import LaunchConfig, RayConfig, WatchdogConfig  # noqa: F401 - re-exported
 
 
@@ -28,7 +28,7 @@ MASKED_ATTENTION = ("sdpa", "eager")
 
 
 @dataclass
-class LoraConfig:
+class LoraConfig(Section):
     rank: int = bounded(0, low=0)
     """LoRA rank; 0 turns LoRA off (full fine-tuning)."""
     alpha: float = bounded(16.0, low=0, low_open=True)
@@ -40,7 +40,7 @@ class LoraConfig:
 
 
 @dataclass
-class ModelConfig:
+class ModelConfig(Section):
     path: str = "tiny:qwen2_5_vl"
     """HF folder or hub id, tiny:<model_type> of a family with a tiny model (built locally, random weights; the
     README's family table lists them), or random:<conf/model file stem> (that preset's real shape, random
@@ -79,7 +79,7 @@ class ModelConfig:
 
 
 @dataclass
-class DataConfig:
+class DataConfig(Section):
     train_files: Any = "synthetic:shapes"
     """Training data: a path (jsonl, parquet, HF dataset folder), repo@split, synthetic:<task>, or a list of these."""
     val_files: Any = "synthetic:shapes"
@@ -146,7 +146,7 @@ class DataConfig:
 
 
 @dataclass
-class FSDPConfig:
+class FSDPConfig(Section):
     full_shard: bool = True
     """Shard parameters, gradients and optimizer states (ZeRO-3 like); false shards only grads and optimizer states."""
     shard_size: int = bounded(-1, low=-1)
@@ -154,7 +154,7 @@ class FSDPConfig:
 
 
 @dataclass
-class OffloadConfig:
+class OffloadConfig(Section):
     params: bool = False
     """Keep parameters in host RAM between uses (FSDP CPU offload)."""
     optimizer: bool = False
@@ -162,7 +162,7 @@ class OffloadConfig:
 
 
 @dataclass
-class OptimConfig:
+class OptimConfig(Section):
     lr: float = bounded(1e-6, low=0.0, low_open=True)
     """Peak learning rate of AdamW."""
     weight_decay: float = bounded(1e-2, low=0.0)
@@ -178,7 +178,7 @@ class OptimConfig:
 
 
 @dataclass
-class DeepSpeedConfig:
+class DeepSpeedConfig(Section):
     zero_stage: int = bounded(3, low=1, high=3)
     """ZeRO stage: 1 shards optimizer states, 2 also gradients, 3 also parameters."""
     offload_params: bool = False
@@ -188,7 +188,7 @@ class DeepSpeedConfig:
 
 
 @dataclass
-class RoleConfig:
+class RoleConfig(Section):
     """Placement and memory settings every role has."""
 
     fsdp: FSDPConfig = field(default_factory=FSDPConfig)
@@ -240,7 +240,7 @@ class RefConfig(RoleConfig):
 
 
 @dataclass
-class ValSamplingConfig:
+class ValSamplingConfig(Section):
     n: int = bounded(1, low=1)
     """Responses per validation prompt (scores are averaged over them)."""
     temperature: float = bounded(0.0, low=0.0)
@@ -252,7 +252,7 @@ class ValSamplingConfig:
 
 
 @dataclass
-class MultiTurnConfig:
+class MultiTurnConfig(Section):
     enable: bool = False
     """Multi-turn rollouts: a response that ends in a tool call (the Hermes format
     <tool_call>{...}</tool_call>, which ChatML templates describe) gets the tool's result as a tool turn and generation goes on; only the
@@ -324,7 +324,7 @@ class RolloutConfig(RoleConfig):
 
 
 @dataclass
-class WorkerConfig:
+class WorkerConfig(Section):
     actor: ActorConfig = field(default_factory=ActorConfig)
     ref: RefConfig = field(default_factory=RefConfig)
     rollout: RolloutConfig = field(default_factory=RolloutConfig)
@@ -334,7 +334,7 @@ class WorkerConfig:
 
 
 @dataclass
-class AlgorithmConfig:
+class AlgorithmConfig(Section):
     adv_estimator: str = choice("grpo", "grpo", "rloo", "reinforce_plus_plus")
     """How advantages are computed from rewards."""
     norm_adv_by_std: bool = True
@@ -365,7 +365,7 @@ class AlgorithmConfig:
 
 
 @dataclass
-class RewardConfig:
+class RewardConfig(Section):
     function: str = "answer"
     """A registered reward (answer, math, format) or a user function as path/to/file.py:name or package.module:name."""
     format_weight: float = bounded(0.0, low=0.0, high=1.0)
@@ -381,7 +381,7 @@ class RewardConfig:
 
 
 @dataclass
-class TrainerConfig:
+class TrainerConfig(Section):
     task: str = choice("rl", "rl", "sft")
     """rl (GRPO and relatives) or sft."""
     device: str = choice("cpu", "cpu", "cuda")
@@ -467,7 +467,7 @@ class TrainerConfig:
 
 
 @dataclass
-class Config:
+class Config(Section):
     model: ModelConfig = field(default_factory=ModelConfig)
     data: DataConfig = field(default_factory=DataConfig)
     worker: WorkerConfig = field(default_factory=WorkerConfig)

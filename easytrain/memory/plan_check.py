@@ -13,6 +13,7 @@ planner error can be reported with its data.
 from __future__ import annotations
 
 import logging
+import operator
 from dataclasses import dataclass
 from typing import Any, Callable, Optional
 
@@ -70,6 +71,21 @@ class PlanCheck:
         self.on_gpu = plan.on_gpu
         self.write = write
         self.misses: list[dict[str, Any]] = []
+        self.sizes: dict[str, int] = {}
+        """The run-time sizes (:meth:`easytrain.trainer.micro_batches.Forward.overrides`) the plan prices; empty:
+        the config's."""
+
+    def follow(self, config: Config, sizes: dict[str, int]) -> bool:
+        """Plan again at the run's present micro batch sizes where they changed (the watchdog halved one);
+        True when it did."""
+        from easytrain.config import with_overrides
+        from easytrain.memory.planner import plan
+
+        now = self.sizes or {key: operator.attrgetter(key)(config) for key in sizes}
+        if sizes == now:
+            return False
+        self.planned, self.sizes = planned_phases(plan(with_overrides(config, sizes))), dict(sizes)
+        return True
 
     @classmethod
     def of(cls, config: Config, write: Optional[Callable[[dict[str, Any]], None]] = None) -> Optional["PlanCheck"]:

@@ -8,7 +8,8 @@ from typing import Any, Optional
 from easytrain.config.schema import Config
 from easytrain.memory.params import count_parameters
 from easytrain.memory.planner import GB, Plan, Row, plan
-from easytrain.memory.suggest import Suggestion, fit, override_value, suggestions, with_overrides
+from easytrain.config import with_overrides
+from easytrain.memory.suggest import Suggestion, fit, override_value, suggestions
 
 logger = logging.getLogger(__name__)
 

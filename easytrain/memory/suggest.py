@@ -34,11 +34,11 @@ step would run on the CPU), no recomputation, and last the lowest ZeRO stage
 
 from __future__ import annotations
 
-import copy
 import itertools
 from dataclasses import dataclass
 from typing import Any, Iterator, Optional
 
+from easytrain.config import with_overrides
 from easytrain.config.schema import Config
 from easytrain.memory.planner import GB, Capacity, Plan, plan
 
@@ -75,18 +75,6 @@ def get(config: Config, key: str) -> Any:
     for part in key.split("."):
         obj = getattr(obj, part)
     return obj
-
-
-def with_overrides(config: Config, overrides: dict[str, Any]) -> Config:
-    """A copy of ``config`` with dotted keys set."""
-    out = copy.deepcopy(config)
-    for key, value in overrides.items():
-        *path, last = key.split(".")
-        obj: Any = out
-        for part in path:
-            obj = getattr(obj, part)
-        setattr(obj, last, value)
-    return out
 
 
 def _needs(p: Plan) -> tuple[bool, bool]:

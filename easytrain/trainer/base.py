@@ -29,6 +29,7 @@ from easytrain.trainer.checkpoint import (ACTOR, CONFIG_FILE, PREFIX, Checkpoint
                                           disk_full, model_signature, save_failed, step_of)
 from easytrain.trainer.metrics import MetricsLogger
 from easytrain.trainer.ray_metrics import RayMetrics
+from easytrain.trainer.micro_batches import Forward
 from easytrain.trainer.relief import MemoryGuard
 from easytrain.trainer.roles import Roles
 from easytrain.trainer.signals import resume_hint, stop_on_sigterm
@@ -78,6 +79,8 @@ class Trainer:
     """The step metric the progress bar shows."""
 
     roles: Roles
+    forward: Forward
+    """The run's micro batch layout (built with the roles); its sizes are the run's only mutable settings."""
     total_steps: int
     batches: Iterator[Any]
 
@@ -104,7 +107,7 @@ class Trainer:
         """Build the roles, register them with the watchdog, continue from ``resume`` (None: the start)."""
         self.roles = self.build_roles()
         if self.guard is not None:
-            self.guard.register(self.roles)
+            self.guard.register(self.roles, self.forward)
         try:
             self.restore(resume)
         except BaseException:  # nothing to resume from: the workers, their placement and the samplers go too
@@ -178,6 +181,7 @@ class Trainer:
                 raise Stopped(reason, self.step, self.save(boundary=boundary)) from None
             self.record_peaks("step")
             metrics = result.metrics
+            metrics["actor/update_micro"] = float(self.forward.update_micro)
             if self.guard is not None:  # pressure is judged at the step boundary, where relief and saving can run
                 watched, stop = self.guard.after_step(self.step, result.spans, result.readings)
                 metrics.update(watched)
@@ -230,6 +234,7 @@ class Trainer:
         groups = self.roles.processes()
         pending = [(group, group.submit("phase_peaks")) for group in groups.values()]
         readings = [r for group, calls in pending for r in group.collect(calls)]
+        self.plan_check.follow(self.config, self.forward.overrides())
         self.plan_check.record(self.step, context, readings)
 
     # ------------------------------------------------------------------ checkpoints and recovery

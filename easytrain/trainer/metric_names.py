@@ -72,6 +72,9 @@ METRICS: dict[str, str] = {
     "actor/ppo_kl": "RL: mean of log(old / new probability) per token: how far the update moved from the "
                     "policy that sampled (about 0 for an exactly on-policy update).",
     "actor/entropy": "RL: mean entropy of the actor's sampling distribution per response token.",
+    "actor/update_micro": "The update's micro batch per device at this step: samples, or tokens when padding-free "
+                          "(`worker.actor.micro_batch_size_per_device_for_update` / `max_token_len_per_device` "
+                          "until the watchdog's relief halves it).",
     "actor/grad_norm": "Global gradient norm before clipping (`optim.max_grad_norm`); RL: the mean over the "
                        "step's optimizer steps.",
     "actor/lr": "Learning rate. RL: the rate the step's last optimizer step applied; SFT: read after the "

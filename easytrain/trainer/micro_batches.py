@@ -35,14 +35,20 @@ from easytrain.memory.rl_shape import shares_prompts
 from easytrain.workers.shared_prompt import prompt_groups, rows_pay_off, worth_sharing
 
 
-@dataclass(frozen=True)
+@dataclass
 class Forward:
-    """How the run's log-prob and update passes lay out their micro batches, decided once per run."""
+    """How the run's log-prob and update passes lay out their micro batches: decided when the roles start, from
+    the config, which stays read-only. ``budget`` and ``update_size`` are the one part of a run's settings that
+    changes while it runs: the watchdog's relief halves them (:meth:`Relief.halve_micro_batch`), and the
+    driver's planning, the plan check and the step's metrics read them here."""
 
     packed: bool
     """Padding-free micro batches (``worker.actor.padding_free``)."""
     budget: int
     """Tokens per padding-free micro batch (``worker.actor.max_token_len_per_device``)."""
+    update_size: int
+    """Samples per update micro batch per device when not padding-free
+    (``worker.actor.micro_batch_size_per_device_for_update``)."""
     share_prompt: bool
     """Repeated prompts run once: the config allows it (:func:`easytrain.memory.rl_shape.shares_prompts`)
     and the loaded model's attention can (no sliding window)."""
@@ -53,9 +59,20 @@ class Forward:
     def of(cls, config: Config, model: dict[str, Any]) -> "Forward":
         """From the config and the actor's answer to ``setup`` (``shares_prompt``, ``hidden_size``)."""
         a = config.worker.actor
-        return cls(a.padding_free, a.max_token_len_per_device,
+        return cls(a.padding_free, a.max_token_len_per_device, a.micro_batch_size_per_device_for_update,
                    shares_prompts(config) and bool(model.get("shares_prompt", False)),
                    int(model.get("hidden_size", 0)))
+
+    def overrides(self) -> dict[str, int]:
+        """The run-time sizes as config keys: the config the planner prices the run's present micro batches on
+        (``easytrain.config.with_overrides``)."""
+        return {"worker.actor.max_token_len_per_device": self.budget,
+                "worker.actor.micro_batch_size_per_device_for_update": self.update_size}
+
+    @property
+    def update_micro(self) -> int:
+        """The update's micro batch per device: tokens when padding-free, else samples."""
+        return self.budget if self.packed else self.update_size
 
 
 def token_lengths(batch: Batch) -> list[int]:
@@ -156,16 +173,15 @@ def in_batch_order(batch: Batch, plan: MicroPlan, results: list[list[torch.Tenso
     return out
 
 
-def update_shares(batch: Batch, per_step: int, members: int, config: Config,
+def update_shares(batch: Batch, per_step: int, members: int,
                   forward: Forward) -> tuple[list[list[MicroBatches]], list[MicroPlan]]:
     """Each member's micro batches per optimizer step (consecutive ``per_step`` samples make one step), and
-    the plans behind them (indices within the step)."""
-    micro_size = config.worker.actor.micro_batch_size_per_device_for_update
+    the plans behind them (indices within the step), at the run's present micro batch (``forward``)."""
     plans, steps = [], []
     for start in range(0, len(batch), per_step):
         whole = start == 0 and per_step == len(batch)  # one optimizer step: no copy of the batch to cut from
         mini = batch if whole else batch.select(range(start, start + per_step))
-        step_plan = plan_indices(mini, members, micro_size, forward)
+        step_plan = plan_indices(mini, members, forward.update_size, forward)
         if any(i >= per_step for member in step_plan for micro in member for i in micro):
             raise ValueError(f"{per_step} samples per optimizer step do not split evenly over {members} "
                              f"data-parallel members; use a worker.actor.global_batch_size that does")
@@ -185,5 +201,5 @@ def run_update(group: WorkerGroup, batch: Batch, config: Config, forward: Forwar
                kl_coef: float) -> list[dict[str, float]]:
     """The actor group's PPO update over the planned micro batches of ``batch``: each member's summed metrics."""
     per_step = config.worker.actor.global_batch_size * config.worker.rollout.n
-    steps, _ = update_shares(batch, per_step, group.members, config, forward)
+    steps, _ = update_shares(batch, per_step, group.members, forward)
     return group.call("update", steps, kl_coef)

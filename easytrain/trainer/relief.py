@@ -23,6 +23,7 @@ from easytrain.config.schema import Config
 from easytrain.memory.detect import MB
 from easytrain.memory.readings import process_info, release_process_memory
 from easytrain.memory.watchdog import Watchdog
+from easytrain.trainer.micro_batches import Forward
 from easytrain.trainer.roles import Roles
 
 logger = logging.getLogger(__name__)
@@ -49,12 +50,15 @@ class MemoryGuard:
         self.config = config
         self.watchdog = Watchdog(config, output_dir)
         self.roles: Optional[Roles] = None
+        self.forward: Optional[Forward] = None
+        """The run's micro batch layout, whose sizes the relief may halve."""
         self.relieved_step = -1
         """The step whose phases last ran relief (at most once inside a step)."""
 
-    def register(self, roles: Roles) -> None:
-        """Every easytrain process of the run (workers of each role, reward workers, the driver)."""
-        self.roles = roles
+    def register(self, roles: Roles, forward: Forward) -> None:
+        """Every easytrain process of the run (workers of each role, reward workers, the driver), and the run's
+        micro batch layout."""
+        self.roles, self.forward = roles, forward
         processes = [process_info("driver", 0)] + (roles.rewards.process_info() if roles.rewards else [])
         for group in roles.groups():
             processes += group.call("process_info")
@@ -192,24 +196,28 @@ class MemoryGuard:
         """Halve the update micro batch (where the actor's activations and logits peak), or when padding-free
         its token budget (the driver plans micro batches from it); the planner prices it: the effect shows at the next update's peak, so the figure is
         planned, not measured."""
-        assert self.roles is not None
+        assert self.roles is not None and self.forward is not None
+        from easytrain.config import with_overrides
         from easytrain.memory.planner import worker_bytes
-        from easytrain.memory.suggest import with_overrides
 
-        actor, sft = self.config.worker.actor, self.config.trainer.task == "sft"
+        forward, sft = self.forward, self.config.trainer.task == "sft"
         phase = "forward_backward" if sft else "update"
-        if actor.padding_free:  # the driver packs micro batches up to this budget
-            key, size = "worker.actor.max_token_len_per_device", actor.max_token_len_per_device
+        if forward.packed:  # the driver packs micro batches up to this budget
+            key, size = "worker.actor.max_token_len_per_device", forward.budget
             floor = self.config.data.max_prompt_length + self.config.data.max_response_length
             if size // 2 < floor:
                 return Relief(0, f"{key}={size} cannot halve: one sample may hold {floor} tokens")
         else:
-            key, size = "worker.actor.micro_batch_size_per_device_for_update", actor.micro_batch_size_per_device_for_update
+            key, size = "worker.actor.micro_batch_size_per_device_for_update", forward.update_size
             if size <= 1:
                 return Relief(0, "the update micro batch is already 1")
-        before = worker_bytes(self.config, "actor", phase)
-        after = worker_bytes(with_overrides(self.config, {key: size // 2}), "actor", phase)
-        setattr(actor, key.rsplit(".", 1)[1], size // 2)  # the driver plans every micro batch: the next follow
+        now = forward.overrides()
+        before = worker_bytes(with_overrides(self.config, now), "actor", phase)
+        after = worker_bytes(with_overrides(self.config, {**now, key: size // 2}), "actor", phase)
+        if forward.packed:  # the driver plans every micro batch from these: the next update follows
+            forward.budget = size // 2
+        else:
+            forward.update_size = size // 2
         return Relief(0, f"{key} {size} -> {size // 2} from the next update on (until the run restarts)",
                       applied=True, planned=max(0, before - after))
 

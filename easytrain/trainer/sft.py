@@ -31,6 +31,7 @@ from easytrain.trainer.base import StepResult, Trainer
 from easytrain.trainer.checkpoint import check_resume
 from easytrain.trainer.data import SFTData
 from easytrain.trainer.metrics import PhaseTimer
+from easytrain.trainer.micro_batches import Forward
 from easytrain.trainer.roles import Roles, build_sft_roles
 from easytrain.trainer.stats import reward_metrics
 from easytrain.workers.rollout.worker import stop_token_ids
@@ -71,6 +72,7 @@ class SFTTrainer(Trainer):
                     "sqrt(new/old batch) yourself.", a.global_batch_size, layout, self.total_steps)
 
     def build_roles(self) -> Roles:
+        self.forward = Forward.of(self.config, {})  # padding-free or fixed micro batches; no prompt sharing in SFT
         return build_sft_roles(self.config, self.total_steps)
 
     def new_batches(self) -> Iterator[Batch]:
@@ -82,19 +84,19 @@ class SFTTrainer(Trainer):
         same number (the sharded model's collectives need it): a validation batch that does not split evenly is
         topped up with copies that train nothing, and in a vision run a micro batch without images gets an
         untrained blank-image sample, so every rank runs the vision tower."""
-        a, ranks = self.config.worker.actor, self.roles.actor.members
+        forward, ranks = self.forward, self.roles.actor.members
         if evaluate and len(batch) % ranks:
             batch = Batch.concat([batch, untrained(batch.select(range((-len(batch)) % ranks)))])
-        if a.padding_free and not evaluate:
+        if forward.packed and not evaluate:
             lengths = batch["attention_mask"].sum(-1).tolist()
-            layout = plan_micro_batches(lengths, ranks, a.max_token_len_per_device)
+            layout = plan_micro_batches(lengths, ranks, forward.budget)
         else:
-            layout = fixed_micro_batches(len(batch), ranks, a.micro_batch_size_per_device_for_update)
+            layout = fixed_micro_batches(len(batch), ranks, forward.update_size)
         shares = [[batch.select(micro) for micro in rank] for rank in layout]
         if self.data.blank is not None and "pixel_values" in batch:
             shares = [[m if int(m.image_counts.sum()) else Batch.concat([m, self.data.blank])  # type: ignore[union-attr]
                        for m in rank] for rank in shares]
-        return [[MicroBatch(m, packed=a.padding_free) for m in rank] for rank in shares]
+        return [[MicroBatch(m, packed=forward.packed) for m in rank] for rank in shares]
 
     def train_step(self) -> StepResult:
         timer, start = PhaseTimer(), time.perf_counter()
