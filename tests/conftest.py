@@ -12,6 +12,8 @@
   run folder.
 - ``tiny_families(feature, images)``: the tiny families whose adapters serve a feature, for parametrising
   per-family tests (a family added with a tiny model is tested without editing them).
+- ``writable(section)``: a changeable copy of a loaded (read-only) config section, for a test that moves a
+  setting of a live object (a run's own config never changes).
 - markers: ``slow`` (end-to-end; ``pytest -m 'not slow'`` skips them), ``gpu``
   (skipped without CUDA).
 """
@@ -106,6 +108,17 @@ class RayClusters:
 
 
 _clusters = RayClusters()
+
+
+def writable(section: Any) -> Any:
+    """A deep copy of a read-only config section that a test may assign to."""
+    import copy
+
+    from easytrain.config.fields import freeze
+
+    out = copy.deepcopy(section)
+    freeze(out, False)
+    return out
 
 
 @pytest.fixture(scope="session")

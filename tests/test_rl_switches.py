@@ -22,7 +22,7 @@ import pytest
 import torch
 
 from easytrain.algorithms.kl import KLController, kl_in_reward
-from easytrain.config import load
+from easytrain.config import load, with_overrides
 from easytrain.data.vision import VISUAL_KEYS
 from easytrain.distributed.batch import Batch
 from easytrain.memory.detect import level
@@ -31,6 +31,7 @@ from easytrain.trainer.data import to_batch
 from easytrain.trainer.metrics import PhaseTimer
 from easytrain.trainer.rl import RLTrainer
 
+from conftest import writable
 from grpo_helpers import make_config
 from reference import grpo_advantages, kl_estimate
 
@@ -164,6 +165,12 @@ def rollout_with_ref(trainer: RLTrainer, prompts: Batch) -> tuple[Batch, dict[st
 # ----------------------------------------------------------------------------- KL in the reward, advantages
 
 
+
+def switch(monkeypatch: pytest.MonkeyPatch, trainer: RLTrainer, overrides: dict[str, Any]) -> None:
+    """The driver's algorithm switches for one test: the shared trainer reads a changed copy of its config (a
+    run's own config never changes)."""
+    monkeypatch.setattr(trainer, "config", with_overrides(trainer.config, overrides))
+
 @pytest.mark.slow
 @pytest.mark.parametrize("recomputed", [False, True])
 @pytest.mark.parametrize("by_std", [True, False])
@@ -171,8 +178,7 @@ def rollout_with_ref(trainer: RLTrainer, prompts: Batch) -> tuple[Batch, dict[st
 def test_advantages_of_rewards_minus_the_kl_of_the_actors_log_probs(
         trainer: RLTrainer, prompts: Prompts, kind: str, by_std: bool, recomputed: bool,
         monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(trainer.config.algorithm, "kl_penalty", kind)
-    monkeypatch.setattr(trainer.config.algorithm, "norm_adv_by_std", by_std)
+    switch(monkeypatch, trainer, {"algorithm.kl_penalty": kind, "algorithm.norm_adv_by_std": by_std})
     monkeypatch.setattr(trainer.kl, "coef", 0.37)  # the controller's current coefficient, not the configured one
     batch, scores = rollout_with_ref(trainer, prompts.batch("SFSS"))
     mask = batch["response_mask"].float()
@@ -210,7 +216,7 @@ def test_validation_generations_come_back_without_the_prompts_pixels(trainer: RL
 @pytest.mark.slow
 def test_with_the_kl_in_the_loss_the_reward_is_left_alone(trainer: RLTrainer, prompts: Prompts,
                                                          monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(trainer.config.algorithm, "use_kl_loss", True)
+    switch(monkeypatch, trainer, {"algorithm.use_kl_loss": True})
     batch, scores = rollout_with_ref(trainer, prompts.batch("SSFS"))
     batch = batch.union(Batch({"ref_log_probs": batch["ref_log_probs"] - 1.0}))
     out, metrics = trainer.add_advantages(batch, scores)
@@ -286,7 +292,7 @@ def test_dynamic_sampling_stops_after_the_retries_and_fills_with_flat_groups(tra
 @pytest.mark.slow
 def test_without_dynamic_sampling_the_first_round_is_the_batch(trainer: RLTrainer, prompts: Prompts,
                                                               monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(trainer.config.algorithm, "dynamic_sampling", False)
+    switch(monkeypatch, trainer, {"algorithm.dynamic_sampling": False})
     first = prompts.batch("FFSF")
     source = Counted([first, prompts.batch("SSSS")])
     batch, scoring, metrics = trainer.rollout(source, PhaseTimer())
@@ -320,7 +326,6 @@ def restore_micro_batch(trainer: RLTrainer) -> Iterator[None]:
     size = trainer.forward.update_size
     yield
     trainer.forward.update_size = size
-    trainer.replan()
 
 
 @pytest.mark.slow
@@ -335,7 +340,8 @@ def test_halve_micro_batch_halves_the_actors_setting_down_to_one(trainer: RLTrai
     assert planned_update_micro_batches(trainer) == [1]
     assert trainer.forward.update_size == 1 and trainer.forward.update_micro == 1  # what the step's metrics read
     assert trainer.config.worker.actor.micro_batch_size_per_device_for_update == 2  # the run's config never changes
-    assert trainer.plan_check is not None and trainer.plan_check.planned["update"].process_host < planned  # re-planned
+    assert trainer.plan_check.follow(trainer.config, trainer.forward.overrides())  # as the next step's readings do
+    assert trainer.plan_check.planned["update"].process_host < planned  # the plan check prices the halved batch
     again = guard.halve_micro_batch({"ram"})
     assert not again.applied and "already 1" in again.detail
     assert planned_update_micro_batches(trainer) == [1]
@@ -396,7 +402,8 @@ def test_ram_thresholds_judge_live_readings_at_the_step_boundary(trainer: RLTrai
     GPU thresholds sit out of reach (no GPU here): the RAM reading must be judged by the RAM ones."""
     guard = trainer.guard
     assert guard is not None
-    cfg = guard.watchdog.cfg
+    cfg = writable(guard.watchdog.cfg)  # the driver's thresholds, moved around this test's reading
+    monkeypatch.setattr(guard.watchdog, "cfg", cfg)
     monkeypatch.setattr(cfg, "vram_warn", 0.995)
     monkeypatch.setattr(cfg, "vram_soft", 0.997)
     monkeypatch.setattr(cfg, "vram_hard", 0.999)

@@ -249,6 +249,36 @@ def test_the_stop_asks_the_planner_for_the_side_under_pressure() -> None:
     assert calm.startswith("the planner has no change that lowers this config's own peak")
 
 
+def test_the_relief_halves_a_padding_free_budget_that_the_next_update_packs_to() -> None:
+    """Padding-free RL: the relief halves the run's token budget (Forward, which the driver plans the update's
+    micro batches from), never the read-only config, and prices the change on the planner."""
+    import torch
+
+    from easytrain.distributed.batch import Batch
+    from easytrain.trainer.micro_batches import Forward, update_shares
+    from easytrain.trainer.relief import MemoryGuard
+
+    config = load(["worker.actor.padding_free=true", "worker.actor.max_token_len_per_device=2048",
+                   "data.max_prompt_length=256", "data.max_response_length=64"])
+    guard = MemoryGuard.__new__(MemoryGuard)  # the relief needs the config and the run's layout: no samplers
+    guard.config, guard.roles, guard.forward = config, object(), Forward.of(config, {})
+    rows = Batch({"attention_mask": torch.ones(32, 100, dtype=torch.long)})  # 32 samples of 100 tokens
+
+    def largest_micro() -> int:
+        steps, _ = update_shares(rows, len(rows), 1, guard.forward)
+        return max(len(micro) for micro in steps[0][0])
+
+    assert largest_micro() == 20  # 2048 // 100 samples
+    relief = guard.halve_micro_batch({"ram"})
+    assert relief.applied and relief.planned > 0 and "2048 -> 1024" in relief.detail
+    assert guard.forward.budget == 1024 and config.worker.actor.max_token_len_per_device == 2048
+    assert largest_micro() == 10
+    guard.halve_micro_batch({"ram"})  # 512 >= 256 + 64: still allowed
+    assert guard.forward.budget == 512
+    stuck = guard.halve_micro_batch({"ram"})  # 256 < one sample's 320 tokens
+    assert not stuck.applied and "cannot halve" in stuck.detail and guard.forward.budget == 512
+
+
 # ----------------------------------------------------------------------------- samplers on a real Ray
 
 
