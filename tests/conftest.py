@@ -30,6 +30,7 @@ import torch
 os.environ.setdefault("HF_HUB_OFFLINE", "1")  # tests never download
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 os.environ.setdefault("RAY_DEDUP_LOGS", "0")
+os.environ["EASYTRAIN_DEBUG_METHODS"] = "1"  # the workers' test-only remote methods (easytrain.workers.debug)
 
 def tiny_families(feature: Optional[str] = None, images: bool = False) -> list[str]:
     """``tiny:<name>`` families (:data:`easytrain.models.families.TINY_FAMILIES`) whose adapter serves

@@ -21,21 +21,23 @@ from easytrain.distributed.deepspeed import parameter_count
 from easytrain.distributed.group import Dispatch, dispatch
 from easytrain.distributed.strategy import TrainStrategy, build_strategy
 from easytrain.workers.base import WorkerBase, build_sharded_model
+from easytrain.workers.debug import ActorDebug, debug_bases
 from easytrain.workers.forward import log_probs_of, micro_log_probs
 from easytrain.workers.shared_prompt import supports_shared_prompt, text_config
-from easytrain.workers.weight_sync import push_weights, to_hf_names
+from easytrain.workers.weight_sync import push_weights
 
 logger = logging.getLogger(__name__)
 
 
-class ActorWorker(WorkerBase):
+class ActorWorker(*debug_bases(ActorDebug), WorkerBase):  # type: ignore[misc]
     def __init__(self, config: Config, *, role: str, rank: int, world_size: int) -> None:
         super().__init__(config, role=role, rank=rank, world_size=world_size)
         self.cfg = config.worker.actor
         self.model: Any = None
         self.strategy: Optional[TrainStrategy] = None
         self.last_update: list[dict[str, float]] = []
-        """This rank's sums of each optimizer step of the last update, in order (see :meth:`update_steps`)."""
+        """This rank's sums of each optimizer step of the last update, in order (the tests read them:
+        :meth:`easytrain.workers.debug.ActorDebug.update_steps`)."""
         self.background_save: Optional[BackgroundSave] = None
         """A checkpoint this rank is writing in the background (``trainer.checkpoint_async``)."""
         self.frozen_pushed = False
@@ -88,12 +90,6 @@ class ActorWorker(WorkerBase):
                 sums["actor/lr"] = step["actor/lr"]  # a rate, not a sum: the last step's
         self.strategy.zero_grad()  # type: ignore[union-attr]
         return dict(sums)
-
-    @dispatch(Dispatch.BROADCAST)
-    def update_steps(self) -> list[dict[str, float]]:
-        """Per optimizer step of the last update, this rank's sums (pg loss, KL, clipped tokens, tokens) and
-        the step's global gradient norm and learning rate: what the driver's step metrics add up."""
-        return self.last_update
 
     def _optimizer_step(self, micros: Sequence[MicroBatch], kl_coef: float) -> dict[str, float]:
         algo, temperature = self.config.algorithm, self.config.worker.rollout.temperature
@@ -193,21 +189,6 @@ class ActorWorker(WorkerBase):
             logger.info("actor rank %d: no RNG state saved for this rank (saved by %d ranks); keeping its seed",
                         self.rank, info["saved_ranks"])
         return info
-
-    @dispatch(Dispatch.BROADCAST)
-    def placement(self) -> dict[str, Any]:
-        """Where this rank's parameters and optimizer states live and which offload policy FSDP holds."""
-        from easytrain.distributed.fsdp import offload_policies, parameter_devices
-
-        return {"offload_policies": sorted(set(offload_policies(self.model))),
-                "param_devices": sorted(parameter_devices(self.model)),
-                "optimizer_state_devices": self.strategy.optimizer_state_devices()}  # type: ignore[union-attr]
-
-    @dispatch(Dispatch.RANK0)
-    def full_state_dict(self) -> Optional[dict[str, torch.Tensor]]:
-        """Full (unsharded) weights in HF names on rank 0, on CPU; every rank must take part."""
-        state = self.strategy.full_state_dict()  # type: ignore[union-attr]
-        return to_hf_names(state, self.lora_scale) if self.rank == 0 else None
 
     @dispatch(Dispatch.RANK0)
     def push_weights(self, targets: list[Any], bucket_bytes: int) -> dict[str, float]:

@@ -9,7 +9,7 @@ land in :meth:`FusedWorker.call_role`, which enters the call's phase first.
 Entering a phase puts the device in the state :mod:`easytrain.memory.phases` names for it: the engine goes
 to sleep before any other role computes, wakes its weights before the sync and its KV cache before generating.
 Leaving a phase returns the role's cached device memory. Every transition and phase is recorded in order
-(:meth:`FusedWorker.phase_log`), which is how tests see what held the device when.
+(:meth:`easytrain.workers.debug.FusedDebug.phase_log`), which is how tests see what held the device when.
 """
 
 from __future__ import annotations
@@ -30,6 +30,7 @@ from easytrain.memory import peaks
 from easytrain.memory.phases import engine_state
 from easytrain.workers.actor import ActorWorker
 from easytrain.workers.base import WorkerBase
+from easytrain.workers.debug import FusedDebug, debug_bases
 from easytrain.workers.reference import ReferenceWorker
 from easytrain.workers.rollout.worker import RolloutWorker
 from easytrain.workers.weight_sync import sync_in_process
@@ -40,10 +41,11 @@ PHASE_OF = {"generate": "generate", "compute_ref_log_probs": "ref", "compute_log
             "update": "update"}
 """The step phase (:data:`easytrain.memory.phases.STEP`) each role method computes in."""
 EVENTS_KEPT = 1024
-"""Phase records a worker keeps between reads of :meth:`FusedWorker.phase_log` (about 100 steps)."""
+"""Phase records a worker keeps between reads of :meth:`~easytrain.workers.debug.FusedDebug.phase_log` (about
+100 steps)."""
 
 
-class FusedWorker(WorkerBase):
+class FusedWorker(*debug_bases(FusedDebug), WorkerBase):  # type: ignore[misc]
     """The roles of one device in one process; ``role`` is ``worker``."""
 
     def __init__(self, config: Config, *, role: str, rank: int, world_size: int) -> None:
@@ -134,14 +136,6 @@ class FusedWorker(WorkerBase):
     def _record(self, name: str) -> None:
         self.events.append((name, time.time()))
 
-    @dispatch(Dispatch.BROADCAST)
-    def phase_log(self, reset: bool = True) -> list[tuple[str, float]]:
-        """The phases and engine transitions since the last reset, in order."""
-        events = list(self.events)
-        if reset:
-            self.events.clear()
-        return events
-
     # ------------------------------------------------------------------ weights
 
     @dispatch(Dispatch.BROADCAST)
@@ -160,21 +154,6 @@ class FusedWorker(WorkerBase):
             self._record("sync")
         return sync_in_process(self.actor.model, self.rollout.engine, bucket_bytes, self.actor.lora_scale,
                                self.rollout.engine_dtype)
-
-    # the object-store path into this process's engine, from an actor elsewhere (see weight_sync.push_weights)
-
-    def begin_weight_update(self, lora_scale: float = 1.0, partial: bool = False) -> None:
-        self._enter("sync")
-        self.rollout.begin_weight_update(lora_scale, partial)
-
-    def receive_part(self, index: int, part: int, parts: int, wire: dict[str, Any]) -> None:
-        self.rollout.receive_part(index, part, parts, wire)
-
-    def finish_weight_update(self) -> dict[str, float]:
-        try:
-            return self.rollout.finish_weight_update()
-        finally:
-            self._leave()
 
     # ------------------------------------------------------------------ the process
 

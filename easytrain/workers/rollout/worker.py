@@ -22,6 +22,7 @@ from easytrain.models.hf import load_tokenizer
 from easytrain.workers.base import DTYPES, WorkerBase
 from easytrain.workers.rollout.engine import EngineSpec, RolloutEngine, SamplingParams, engine_class
 from easytrain.workers.sequences import assemble
+from easytrain.workers.debug import RolloutDebug, debug_bases
 from easytrain.workers.weight_sync import AliveBytes, Wire, from_wire, join_parts, to_hf_names
 
 logger = logging.getLogger(__name__)
@@ -50,7 +51,7 @@ def stop_token_ids(tokenizer: Any, stop_tokens: list[str]) -> list[int]:
     return list(dict.fromkeys(ids))
 
 
-class RolloutWorker(WorkerBase):
+class RolloutWorker(*debug_bases(RolloutDebug), WorkerBase):  # type: ignore[misc]
     def __init__(self, config: Config, *, role: str, rank: int, world_size: int) -> None:
         super().__init__(config, role=role, rank=rank, world_size=world_size)
         self.engine: Optional[RolloutEngine] = None
@@ -143,14 +144,6 @@ class RolloutWorker(WorkerBase):
         assert self.engine is not None, "setup() first"
         self.freed_bytes = self.engine.sleep()
         return self.freed_bytes
-
-    @dispatch(Dispatch.BROADCAST)
-    def engine_weights(self) -> dict[str, torch.Tensor]:
-        """The HF engine's current weights by name, on CPU (to check what a sync delivered)."""
-        model = getattr(self.engine, "model", None)
-        if model is None:
-            raise NotImplementedError(f"the {self.config.worker.rollout.engine} engine does not expose its weights")
-        return {name: tensor.detach().cpu().clone() for name, tensor in model.state_dict().items()}
 
     # ------------------------------------------------------------------ weights (called by the actor ranks)
 

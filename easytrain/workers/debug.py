@@ -1,0 +1,71 @@
+"""Remote methods only the tests call: what a sync delivered, where the weights live, each optimizer step's
+sums, the order of a fused worker's phases. They are mixed into the worker classes where the environment sets
+:data:`DEBUG_ENV` to ``1`` when the class is defined (``tests/conftest.py`` does, before anything imports the
+workers; Ray's worker processes inherit it), and are absent from a run's remote surface otherwise."""
+
+from __future__ import annotations
+
+import os
+from typing import Any, Optional
+
+import torch
+
+from easytrain.distributed.group import Dispatch, dispatch
+
+DEBUG_ENV = "EASYTRAIN_DEBUG_METHODS"
+
+
+def debug_bases(mixin: type) -> tuple[type, ...]:
+    """``(mixin,)`` where the tests enabled the debug methods, else nothing: a worker class's extra bases."""
+    return (mixin,) if os.environ.get(DEBUG_ENV) == "1" else ()
+
+
+class ActorDebug:
+    """An actor rank's test-only readings (the host class has ``model``, ``strategy``, ``last_update``)."""
+
+    @dispatch(Dispatch.BROADCAST)
+    def update_steps(self: Any) -> list[dict[str, float]]:
+        """Per optimizer step of the last update, this rank's sums (pg loss, KL, clipped tokens, tokens) and
+        the step's global gradient norm and learning rate: what the driver's step metrics add up."""
+        return self.last_update
+
+    @dispatch(Dispatch.BROADCAST)
+    def placement(self: Any) -> dict[str, Any]:
+        """Where this rank's parameters and optimizer states live and which offload policy FSDP holds."""
+        from easytrain.distributed.fsdp import offload_policies, parameter_devices
+
+        return {"offload_policies": sorted(set(offload_policies(self.model))),
+                "param_devices": sorted(parameter_devices(self.model)),
+                "optimizer_state_devices": self.strategy.optimizer_state_devices()}
+
+    @dispatch(Dispatch.RANK0)
+    def full_state_dict(self: Any) -> Optional[dict[str, torch.Tensor]]:
+        """Full (unsharded) weights in HF names on rank 0, on CPU; every rank must take part."""
+        from easytrain.workers.weight_sync import to_hf_names
+
+        state = self.strategy.full_state_dict()
+        return to_hf_names(state, self.lora_scale) if self.rank == 0 else None
+
+
+class RolloutDebug:
+    """A rollout rank's test-only reading (the host class has ``engine``)."""
+
+    @dispatch(Dispatch.BROADCAST)
+    def engine_weights(self: Any) -> dict[str, torch.Tensor]:
+        """The HF engine's current weights by name, on CPU (to check what a sync delivered)."""
+        model = getattr(self.engine, "model", None)
+        if model is None:
+            raise NotImplementedError(f"the {self.config.worker.rollout.engine} engine does not expose its weights")
+        return {name: tensor.detach().cpu().clone() for name, tensor in model.state_dict().items()}
+
+
+class FusedDebug:
+    """A fused worker's test-only reading (the host class records ``events``)."""
+
+    @dispatch(Dispatch.BROADCAST)
+    def phase_log(self: Any, reset: bool = True) -> list[tuple[str, float]]:
+        """The phases and engine transitions since the last reset, in order."""
+        events = list(self.events)
+        if reset:
+            self.events.clear()
+        return events
