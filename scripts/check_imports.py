@@ -1,12 +1,16 @@
-"""Imports point down: no module of easytrain imports from a layer above its own.
+"""Imports point down: no module of easytrain imports from a layer above its own, and no modules import each
+other in a cycle.
 
-    python scripts/check_imports.py [ROOT]     # exit 0 clean, 1 with each upward import as file:line
+    python scripts/check_imports.py [ROOT]     # exit 0 clean, 1 with each upward import or cycle as file:line
 
 Every module belongs to a unit: a subpackage of ``easytrain/`` (``trainer``, ``workers``, ...) or a module at
 its top (``main``, ``cli``). :data:`LAYERS` orders the units, top first; a unit may import itself and any unit
 of a lower layer, never one of its own layer (units of a layer are independent of each other) or above. Every
 import counts: at module level, inside a function (a lazy import is still a dependency), under
-``TYPE_CHECKING``, absolute or relative. Only the standard library is used (``ast``): nothing is imported.
+``TYPE_CHECKING``, absolute or relative. The same imports, module to module (the module a dotted name reaches:
+``from easytrain.models.families import family_of`` reaches ``families/__init__.py``), must form no cycle, lazy
+imports included: a lazy import only hides a cycle from Python, not from a reader. Only the standard library is
+used (``ast``): nothing is imported.
 """
 
 from __future__ import annotations
@@ -146,6 +150,64 @@ def check_tree(root: Path, layers: Sequence[Sequence[str]] = LAYERS) -> list[Vio
     return sorted(found, key=lambda v: (str(v.path), v.line))
 
 
+def module_of_file(path: Path, root: Path) -> str:
+    """``easytrain.config.paths`` for config/paths.py, ``easytrain.config`` for config/__init__.py."""
+    parts = [PACKAGE, *path.relative_to(root).with_suffix("").parts]
+    return ".".join(parts[:-1] if parts[-1] == ROOT_MODULE else parts)
+
+
+def import_graph(root: Path) -> dict[str, dict[str, int]]:
+    """Module -> each easytrain module it imports -> the first line that does (a name resolves to the longest
+    module it starts with)."""
+    files = {module_of_file(path, root): path for path in sorted(root.rglob("*.py"))}
+    graph: dict[str, dict[str, int]] = {}
+    for module, path in files.items():
+        edges = graph.setdefault(module, {})
+        package = _package_of_file(path, root)
+        for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"), filename=str(path))):
+            if not isinstance(node, (ast.Import, ast.ImportFrom)):
+                continue
+            for name in _imported_modules(node, package):
+                parts = name.split(".")
+                target = next((".".join(parts[:k]) for k in range(len(parts), 0, -1) if ".".join(parts[:k]) in files),
+                              None)
+                if target is not None and target != module and target != PACKAGE:
+                    edges.setdefault(target, node.lineno)
+    return graph
+
+
+def cycles(graph: dict[str, dict[str, int]]) -> list[list[str]]:
+    """The modules of each import cycle (strongly connected components of more than one module), each listed
+    from its smallest name along its imports."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    found: list[list[str]] = []
+
+    def visit(node: str) -> None:  # Tarjan; the package is small enough for recursion
+        index[node] = low[node] = len(index)
+        stack.append(node)
+        for target in graph.get(node, {}):
+            if target not in index:
+                visit(target)
+                low[node] = min(low[node], low[target])
+            elif target in stack:
+                low[node] = min(low[node], index[target])
+        if low[node] == index[node]:
+            component = []
+            while True:
+                member = stack.pop()
+                component.append(member)
+                if member == node:
+                    break
+            if len(component) > 1:
+                found.append(sorted(component))
+    for node in sorted(graph):
+        if node not in index:
+            visit(node)
+    return sorted(found)
+
+
 def main(argv: Optional[Sequence[str]] = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("root", nargs="?", type=Path, default=Path(__file__).resolve().parents[1] / PACKAGE,
@@ -158,12 +220,22 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     found = check_tree(root)
     for violation in found:
         print(violation.render(root.parent))
+    graph = import_graph(root)
+    loops = cycles(graph)
+    for members in loops:
+        inside = set(members)
+        print("import cycle: " + "; ".join(f"{a} -> {b} (line {line})" for a in members
+                                            for b, line in sorted(graph[a].items()) if b in inside))
     if found:
         order = " -> ".join(", ".join(units) for units in LAYERS)
         print(f"check_imports: {len(found)} import(s) against the layer order (top imports bottom): {order}",
               file=sys.stderr)
+    if loops:
+        print(f"check_imports: {len(loops)} import cycle(s), lazy imports included: move what both sides need "
+              "below them", file=sys.stderr)
+    if found or loops:
         return 1
-    print(f"check_imports: every import of {args.root.name}/ points down")
+    print(f"check_imports: every import of {args.root.name}/ points down, and none forms a cycle")
     return 0
 
 

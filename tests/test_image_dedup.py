@@ -10,7 +10,7 @@ import torch
 
 from easytrain.models.families import family_of
 from easytrain.models.hf import load_model, model_folder
-from easytrain.models.image_dedup import dedupe_images, distinct_images
+from easytrain.models.image_dedup import distinct_images
 from easytrain.workers.forward import response_log_probs
 
 from conftest import tiny_families
@@ -34,7 +34,7 @@ def test_deduped_tower_gives_the_same_log_probs_and_gradients(family: str, tmp_p
     assert images == len(batch) and batch["image_grid_thw"].shape[0] == images  # every row carries its copy
     folder = model_folder(config.model)
     plain, deduped = load_model(config.model, folder), load_model(config.model, folder)
-    stats = dedupe_images(deduped)
+    stats = family_of(deduped).dedupe_images(deduped)
     assert stats is not None
     mask = batch["response_mask"].bool()
     results = []
@@ -71,7 +71,7 @@ def test_greedy_rollout_is_unchanged_and_prefills_each_image_once(tmp_path: Path
     outputs = []
     for dedupe in (False, True):
         model = load_model(config.model, folder)
-        stats = dedupe_images(model) if dedupe else None
+        stats = family_of(model).dedupe_images(model) if dedupe else None
         engine = HFEngine(model, [0], 1, torch.device("cpu"), share_prefill=False,  # n prefills of each image
                           drop_finished=False)
         outputs.append(engine.generate(prompts, params))

@@ -103,3 +103,29 @@ def test_downward_imports_pass(tmp_path: Path) -> None:
         "config/validate.py": "def check() -> None:\n    from easytrain.rewards.registry import REGISTRY\n",
     })
     assert script.check_tree(root) == []
+
+
+def test_an_import_cycle_is_caught_even_when_one_side_is_lazy(tmp_path: Path) -> None:
+    """Two modules of one unit importing each other (one inside a function, where Python tolerates it) and a
+    package whose ``__init__`` imports a module that imports the package back: both cycles, with their lines; a
+    module importing its own package's sibling is not one."""
+    check = _script()
+    root = _tree(tmp_path, {
+        "__init__.py": "",
+        "models/__init__.py": "",
+        "models/a.py": "from easytrain.models.b import f\n",
+        "models/b.py": "def f():\n    from easytrain.models import a\n",
+        "models/families/__init__.py": "from easytrain.models.families.qwen import Q\n",
+        "models/families/qwen.py": "from easytrain.models.families.base import B\n\ndef g():\n"
+                                   "    from easytrain.models.dedup import h\n",
+        "models/families/base.py": "B = 1\n",
+        "models/dedup.py": "def h():\n    from easytrain.models.families import family_of\n",
+    })
+    graph = check.import_graph(root)
+    assert graph["easytrain.models.b"] == {"easytrain.models.a": 2}
+    assert check.cycles(graph) == [
+        ["easytrain.models.a", "easytrain.models.b"],
+        ["easytrain.models.dedup", "easytrain.models.families", "easytrain.models.families.qwen"]]
+    done = subprocess.run([sys.executable, str(SCRIPT), str(root)], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 1 and "2 import cycle(s)" in done.stderr
+    assert "easytrain.models.a -> easytrain.models.b (line 1)" in done.stdout

@@ -25,7 +25,8 @@ import torch.multiprocessing as mp
 from torch import nn
 
 from easytrain.config.schema import ActorConfig
-from easytrain.distributed.strategy import TrainStrategy, build_strategy
+from easytrain.distributed.strategy import TrainStrategy
+from easytrain.workers.base import build_strategy
 
 from reference import lr_at
 

@@ -23,7 +23,7 @@ def _build_and_step(rank: int, world: int, out: Path) -> None:
 
     from easytrain.config import load
     from easytrain.distributed.deepspeed import parameter_count
-    from easytrain.distributed.strategy import build_strategy
+    from easytrain.workers.base import build_strategy
     from easytrain.models.hf import load_model, model_folder
     from easytrain.workers.base import build_sharded_model
 

@@ -151,14 +151,3 @@ class FSDPStrategy(TrainStrategy):
         states = [v for state in self.optimizer.state.values() for v in state.values()
                   if torch.is_tensor(v) and v.dim() > 0]
         return sorted({t.device.type for t in states})
-
-
-def build_strategy(model: nn.Module, cfg: ActorConfig, total_steps: int,
-                   compute_dtype: str = "float32") -> TrainStrategy:
-    """The role's strategy for a model already built (and, for FSDP, sharded, its compute dtype set as mixed
-    precision) by the worker; DeepSpeed takes ``compute_dtype`` (``model.dtype``) itself."""
-    if cfg.strategy == "deepspeed":
-        from easytrain.distributed.deepspeed import DeepSpeedStrategy
-
-        return DeepSpeedStrategy(model, cfg, total_steps, compute_dtype=compute_dtype)
-    return FSDPStrategy(model, cfg, total_steps)

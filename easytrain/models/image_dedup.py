@@ -60,14 +60,6 @@ def distinct_images(pixel_values: torch.Tensor, grid_thw: torch.Tensor) -> tuple
     return firsts, owner
 
 
-def dedupe_images(model: nn.Module) -> Optional[DedupStats]:
-    """Install the hooks on ``model``'s vision tower (in place), the way its family's adapter says; returns their
-    counters, None for a text model or a family without dedup."""
-    from easytrain.models.families import family_of
-
-    return family_of(model).dedupe_images(model)
-
-
 def dedupe_patch_rows(visual: nn.Module, merge: int) -> DedupStats:
     """Hooks for a tower called ``visual(pixel_rows, grid_thw)`` that returns every image's merged features back
     to back as ``pooler_output`` (and, where the tower has them, per-layer ``deepstack_features`` alike)."""

@@ -30,24 +30,12 @@ from typing import Any, Iterator, Optional
 import torch
 from torch import nn
 
-from easytrain.models.varlen import (PREFERENCES, SDPA_BLOCKS, VarlenPlan, kernel_for, plan_layout,
-                                     varlen_attention)
+from easytrain.models.varlen import (PREFERENCES, SDPA_BLOCKS, Block, Layout, VarlenPlan, kernel_for,  # noqa: F401
+                                     plan_layout, varlen_attention)
 
 logger = logging.getLogger(__name__)
 
 ATTENTION = "easytrain_segments"
-
-
-@dataclass(frozen=True)
-class Block:
-    prefix: tuple[int, int]
-    """[start, end) of a sample or prompt: causal attention within it."""
-    parts: tuple[tuple[int, int], ...] = ()
-    """[start, end) of each response sharing the prefix: it sees the prefix and its own earlier tokens."""
-
-
-Layout = list[list[Block]]
-"""Per row of the batch, its blocks; together they cover every column of the row in order."""
 
 
 @dataclass

@@ -30,15 +30,25 @@ import inspect
 import logging
 from dataclasses import dataclass
 from functools import lru_cache
-from typing import TYPE_CHECKING, Any, Callable, Collection, Optional, Sequence
+from typing import Any, Callable, Collection, Optional, Sequence
 
 import torch
 from torch import nn
 
-if TYPE_CHECKING:
-    from easytrain.models.segments import Layout
-
 logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class Block:
+    prefix: tuple[int, int]
+    """[start, end) of a sample or prompt: causal attention within it."""
+    parts: tuple[tuple[int, int], ...] = ()
+    """[start, end) of each response sharing the prefix: it sees the prefix and its own earlier tokens."""
+
+
+Layout = list[list[Block]]
+"""Per row of the batch, its blocks; together they cover every column of the row in order
+(:mod:`easytrain.models.segments` builds them)."""
 
 FLASH_ATTN = "flash_attn"
 TORCH_VARLEN = "torch_varlen"
@@ -89,8 +99,8 @@ def cu_seqlens(lengths: Sequence[int]) -> torch.Tensor:
     return out
 
 
-def plan_layout(layout: "Layout", length: int) -> VarlenPlan:
-    """The variable-length arguments of ``layout`` (rows of :class:`~easytrain.models.segments.Block`) over rows of
+def plan_layout(layout: Layout, length: int) -> VarlenPlan:
+    """The variable-length arguments of ``layout`` (rows of :class:`Block`) over rows of
     ``length`` columns, flattened row after row. Raises ``ValueError`` if a row's blocks and parts do not cover its
     columns exactly once (the same rule as the block-by-block path)."""
     sequences: list[tuple[int, int, list[tuple[int, int]]]] = []  # (query start, end, key ranges) in flat columns

@@ -19,8 +19,8 @@ from easytrain.distributed.checkpoint import BackgroundSave
 from easytrain.memory.host import host_buffer_bytes
 from easytrain.distributed.deepspeed import parameter_count
 from easytrain.distributed.group import Dispatch, dispatch
-from easytrain.distributed.strategy import TrainStrategy, build_strategy
-from easytrain.workers.base import WorkerBase, build_sharded_model
+from easytrain.distributed.strategy import TrainStrategy
+from easytrain.workers.base import WorkerBase, build_sharded_model, build_strategy
 from easytrain.workers.debug import ActorDebug, debug_bases
 from easytrain.workers.forward import log_probs_of, micro_log_probs
 from easytrain.workers.shared_prompt import supports_shared_prompt, text_config

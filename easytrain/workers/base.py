@@ -13,18 +13,19 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from easytrain.config.schema import Config, RoleConfig
-from easytrain.distributed.deepspeed import zero3_construction
+from easytrain.config.schema import ActorConfig, Config, RoleConfig
+from easytrain.distributed.deepspeed import DeepSpeedStrategy, zero3_construction
 from easytrain.distributed.fsdp import apply_activation_checkpointing, apply_fsdp, build_mesh
 from easytrain.distributed.group import Dispatch, dispatch, free_port
 from easytrain.distributed.load import load_from_rank0
+from easytrain.distributed.strategy import FSDPStrategy, TrainStrategy
 from easytrain.distributed.ulysses import SequenceParallel, apply_ulysses, sequence_parallel_group
 from easytrain.memory import peaks
 from easytrain.memory.host import malloc_threshold_bytes
 from easytrain.memory.readings import process_info, release_process_memory, torch_allocator
+from easytrain.models.families import family_of
 from easytrain.models.hf import load_model, model_folder
 from easytrain.models.segments import apply_segment_attention
-from easytrain.models.image_dedup import dedupe_images
 from easytrain.models.parts import apply_lora, freeze_parts
 
 logger = logging.getLogger(__name__)
@@ -172,7 +173,7 @@ def build_sharded_model(config: Config, role: RoleConfig, folder: str, device: t
     def prepare(model: nn.Module) -> nn.Module:  # the same steps, in the same order, on every rank
         getattr(model, "config").use_cache = False
         if model_cfg.dedupe_images:
-            dedupe_images(model)
+            family_of(model).dedupe_images(model)  # each distinct image through the tower once
         if sp is not None:
             apply_ulysses(model, sp)
         elif device.type == "cuda" and model_cfg.attn_implementation == "sdpa":
@@ -211,3 +212,12 @@ def build_sharded_model(config: Config, role: RoleConfig, folder: str, device: t
                 if buffer.device != device:
                     setattr(module, name, buffer.to(device))
     return model
+
+
+def build_strategy(model: nn.Module, cfg: ActorConfig, total_steps: int,
+                   compute_dtype: str = "float32") -> TrainStrategy:
+    """The role's strategy for a model already built (and, for FSDP, sharded, its compute dtype set as mixed
+    precision) by the worker; DeepSpeed takes ``compute_dtype`` (``model.dtype``) itself."""
+    if cfg.strategy == "deepspeed":
+        return DeepSpeedStrategy(model, cfg, total_steps, compute_dtype=compute_dtype)
+    return FSDPStrategy(model, cfg, total_steps)

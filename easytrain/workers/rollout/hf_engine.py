@@ -33,7 +33,6 @@ from easytrain.workers.forward import model_inputs, suppressed_tokens, takes_vid
 from easytrain.distributed.batch import Batch
 from easytrain.memory.flag import MemoryStop, PressureFlag
 from easytrain.models.families import family_of
-from easytrain.models.image_dedup import dedupe_images
 from easytrain.workers.rollout.decode import decode, generate_positions
 from easytrain.workers.rollout.engine import EngineSpec, RolloutEngine, SamplingParams, response_mask
 from easytrain.workers.rollout.static_decode import StaticDecoder, unsupported, wants_static
@@ -96,7 +95,7 @@ class HFEngine(RolloutEngine):
 
         model = load_model(config.model, str(spec.folder), device=str(spec.device))  # a random: model is built there
         if config.model.dedupe_images:  # the prompts' n copies share their images: one prefill of each
-            dedupe_images(model)
+            family_of(model).dedupe_images(model)
         rollout = config.worker.rollout
         return cls(model, spec.stop_ids, spec.pad_id, spec.device, rollout.share_prefill, rollout.drop_finished,
                    rollout.sleep_level if spec.fused else 0, rollout.static_cache)
