@@ -18,6 +18,15 @@ from grpo_helpers import make_config
 pytestmark = pytest.mark.slow
 
 
+def assert_engine_holds_the_actors_weights(trainer: RLTrainer) -> None:
+    """The (one) engine's weights equal the actor's, tensor for tensor, by HF name."""
+    actor = trainer.roles.actor.call("full_state_dict")
+    engine = trainer.roles.rollout.call("engine_weights")[0]
+    assert set(engine) == set(actor)
+    for name, tensor in actor.items():
+        assert torch.equal(engine[name], tensor), name
+
+
 def test_phase_order_with_a_sleeping_engine(ray_local: None, tmp_path: Path) -> None:
     config = make_config(str(tmp_path), "algorithm.kl_coef=0.01", "algorithm.use_kl_loss=true",
                          "worker.actor.ppo_epochs=2", "worker.rollout.sleep_level=2", "trainer.workers_per_node=2",
@@ -79,11 +88,7 @@ def test_one_process_syncs_the_whole_model_in_place_without_a_collective(ray_loc
         synced = trainer.train_step().metrics
         assert synced["sync/buckets"] == 1.0 and synced["sync/shared_staging"] == 0.0
         assert synced["sync/in_place"] == synced["sync/tensors"] > 0  # every weight overwritten where it lies
-        actor = trainer.roles.actor.call("full_state_dict")  # HF names
-        engine = trainer.roles.rollout.call("engine_weights")[0]
-        assert set(engine) == set(actor)
-        for name, tensor in actor.items():
-            assert torch.equal(engine[name], tensor), name
+        assert_engine_holds_the_actors_weights(trainer)
     finally:
         trainer.close()
 
@@ -114,10 +119,6 @@ def test_a_frozen_vision_tower_is_synced_once(ray_local: None, tmp_path: Path, l
             sent.append(trainer.train_step().metrics["sync/tensors"])
             trainer.step += 1
         assert sent == ([every] * 3 if discards else [every, every - frozen, every - frozen])
-        actor = trainer.roles.actor.call("full_state_dict")  # HF names
-        engine = trainer.roles.rollout.call("engine_weights")[0]
-        assert set(engine) == set(actor)
-        for name, tensor in actor.items():
-            assert torch.equal(engine[name], tensor), name
+        assert_engine_holds_the_actors_weights(trainer)
     finally:
         trainer.close()

@@ -23,7 +23,8 @@ from easytrain.config import ConfigError, compose, with_default_preset
 from easytrain.main import resolve
 from easytrain.models.families import Family, family_of
 from easytrain.models.families.base import STAND_IN_IMAGE, Bound
-from easytrain.models.families.qwen import CHATML_TOKENS, chatml_template, text_config
+from easytrain.models.families.qwen import text_config
+from easytrain.models.families.templates import CHATML_TOKENS, chatml_template
 from easytrain.models.hf import load_model
 from easytrain.models.tiny import SPECS, build_tokenizer
 from easytrain.trainer.data import RLData

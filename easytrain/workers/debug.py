@@ -60,7 +60,7 @@ class RolloutDebug:
 
 
 class FusedDebug:
-    """A fused worker's test-only reading (the host class records ``events``)."""
+    """A fused worker's test-only entries (the host class records ``events`` and holds ``rollout``)."""
 
     @dispatch(Dispatch.BROADCAST)
     def phase_log(self: Any, reset: bool = True) -> list[tuple[str, float]]:
@@ -69,3 +69,19 @@ class FusedDebug:
         if reset:
             self.events.clear()
         return events
+
+    # the object-store path into this process's engine from an actor in another group (a test's LoRA actor
+    # beside the fused roles); a run's fused actor always syncs in process (FusedWorker.sync_weights)
+
+    def begin_weight_update(self: Any, lora_scale: float = 1.0, partial: bool = False) -> None:
+        self._enter("sync")
+        self.rollout.begin_weight_update(lora_scale, partial)
+
+    def receive_part(self: Any, index: int, part: int, parts: int, wire: dict[str, Any]) -> None:
+        self.rollout.receive_part(index, part, parts, wire)
+
+    def finish_weight_update(self: Any) -> dict[str, float]:
+        try:
+            return self.rollout.finish_weight_update()
+        finally:
+            self._leave()

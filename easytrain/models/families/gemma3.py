@@ -25,7 +25,7 @@ from torch import nn
 
 from easytrain.data.vision import MM_IMAGE, Layout
 from easytrain.models.families.base import Family, TinySpec
-from easytrain.models.families.qwen import CHATML_TOKENS, chatml_template
+from easytrain.models.families.templates import CHATML_TOKENS, chatml_template
 
 BOI, EOI, SOFT = "<start_of_image>", "<end_of_image>", "<image_soft_token>"
 

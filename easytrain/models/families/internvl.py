@@ -24,7 +24,8 @@ from torch import nn
 
 from easytrain.data.vision import Layout
 from easytrain.models.families.base import Family, TinySpec, side
-from easytrain.models.families.qwen import CHATML_TOKENS, chatml_template, text_config
+from easytrain.models.families.qwen import text_config
+from easytrain.models.families.templates import CHATML_TOKENS, chatml_template
 
 IMAGE_CONTEXT = "<IMG_CONTEXT>"
 VIDEO = "<video>"

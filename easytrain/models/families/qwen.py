@@ -22,33 +22,9 @@ from torch import nn
 from easytrain.data.images import BadSample, to_rgb
 from easytrain.data.vision import MM_TEXT, MM_VIDEO, Layout
 from easytrain.models.families.base import FEATURES, Family, TinySpec
+from easytrain.models.families.templates import CHATML_TOKENS, chatml_template
 
-CHATML_TOKENS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>")
 VISION_TOKENS = ("<|vision_start|>", "<|vision_end|>", "<|vision_pad|>", "<|image_pad|>", "<|video_pad|>")
-
-def chatml_template(image: str, video: str = "", system: bool = True) -> str:
-    """A ChatML chat template (the tiny tokenizers' turns) that writes ``image`` (``video``) for an image (video)
-    part of a message's content list; ``system``: a default system turn first. No whitespace control: the string
-    holds no incidental whitespace."""
-    default_system = ("{% if loop.first and message['role'] != 'system' %}"
-                      "<|im_start|>system\nYou are a helpful assistant.<|im_end|>\n"
-                      "{% endif %}") if system else ""
-    video_part = f"{{% elif part['type'] == 'video' %}}{video}" if video else ""
-    return (
-        "{% for message in messages %}"
-        + default_system
-        + "<|im_start|>{{ message['role'] }}\n"
-        "{% if message['content'] is string %}{{ message['content'] }}"
-        "{% else %}{% for part in message['content'] %}"
-        f"{{% if part['type'] == 'image' %}}{image}"
-        + video_part
-        + "{% elif part['type'] == 'text' %}{{ part['text'] }}{% endif %}"
-        "{% endfor %}{% endif %}"
-        "<|im_end|>\n"
-        "{% endfor %}"
-        "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
-    )
-
 
 CHAT_TEMPLATE = chatml_template("<|vision_start|><|image_pad|><|vision_end|>",
                                 "<|vision_start|><|video_pad|><|vision_end|>")
