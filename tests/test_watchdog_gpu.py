@@ -77,3 +77,94 @@ def test_a_gpu_without_worker_readings_is_judged_by_nvml() -> None:
     samples, _ = _step(RECORDING["healthy"][3])
     (gpu,) = gpu_pressure(samples, [])
     assert gpu["basis"] == "nvml" and gpu["held_bytes"] == max(s["used_bytes"] for s in samples)
+
+
+class ReplayedNvml:
+    """NVML as ``gpu_readings`` calls it, answering one GPU's recorded "used" readings in order; once they run
+    out it keeps answering the last (a sample the sampler's own thread might take repeats the boundary)."""
+
+    def __init__(self) -> None:
+        self.pending: list[dict[str, int]] = []
+        self.current: dict[str, int] = {}
+
+    def play(self, readings: list[dict[str, int]]) -> None:
+        self.pending = list(readings)
+
+    def nvmlDeviceGetCount(self) -> int:  # noqa: N802 - NVML's names
+        return 1
+
+    def nvmlDeviceGetHandleByIndex(self, index: int) -> int:  # noqa: N802
+        return index
+
+    def nvmlDeviceGetUUID(self, handle: int) -> bytes:  # noqa: N802
+        return UUID.encode()
+
+    def nvmlDeviceGetMemoryInfo(self, handle: int) -> Any:  # noqa: N802
+        from types import SimpleNamespace
+
+        if self.pending:
+            self.current = self.pending.pop(0)
+        return SimpleNamespace(used=self.current["used_bytes"], total=self.current["total_bytes"])
+
+
+class InProcess:
+    """A sampler in this process answering as its Ray actor handle does (``handle.method.remote(...)``)."""
+
+    def __init__(self, sampler: Any) -> None:
+        self.sampler = sampler
+
+    def __getattr__(self, name: str) -> Any:
+        import ray
+        from types import SimpleNamespace
+
+        method = getattr(self.sampler, name)
+        return SimpleNamespace(remote=lambda *args, **kwargs: ray.put(method(*args, **kwargs)))
+
+
+@pytest.mark.parametrize("scenario", ["healthy", "leak"])
+def test_recorded_gpu_readings_through_the_samplers_collection_are_judged_as_on_the_gpu(
+        ray_local: None, tmp_path: Path, scenario: str) -> None:
+    """The recorded steps go the whole way a run's readings go: NVML read by the node sampler's own
+    ``sample``, buffered, drained at the step boundary (whose sample is the boundary reading), then
+    ``Watchdog.collect`` with the workers' allocator readings. Its levels and fractions per step are those the
+    recording's own script computed on the GPU (``summary``); ``memory.jsonl`` holds every reading."""
+    import ray
+
+    from easytrain.memory.watchdog import NodeSampler, Watchdog
+
+    config = load([f"trainer.output_dir={tmp_path}", "watchdog.sample_period_s=3600"])  # no sample of its own
+    dog = Watchdog(config, str(tmp_path))
+    nvml = ReplayedNvml()
+    (node,) = dog.samplers
+    ray.kill(dog.samplers[node])
+    sampler = NodeSampler(node, 3600.0, None)
+    sampler.nvml = nvml
+    dog.samplers[node] = InProcess(sampler)
+    summary, levels, held, nvml_max = RECORDING["summary"][scenario], [], [], []
+    try:
+        for step in RECORDING[scenario]:
+            nvml.play([*step["gpu_samples"], step["boundary"]])
+            for _ in step["gpu_samples"]:
+                sampler.sample()
+            workers = [{**w, "node_ip": sampler.node_ip, "gpu_uuid": UUID[4:].upper()} for w in step["workers"]]
+            out = dog.collect(step["step"], workers)
+            levels.append(out.level)
+            held.append(out.metrics["memory/gpu_held_fraction_max"])
+            nvml_max.append(out.metrics["memory/gpu_fraction_max"])
+            if out.level != "ok":
+                assert "vram" in out.resources
+                assert any("GPU 0 (held by its processes)" in line for line in out.pressure), out.pressure
+    finally:
+        sampler.stop()
+        dog.samplers.pop(node)  # nothing left for close() to kill
+        dog.close(plot=False)
+    # RAM is judged too: on this machine it is ok, so the step's level is the GPU's
+    assert levels == summary["held_levels"]
+    assert held == pytest.approx(summary["held_fraction_per_step"], abs=5e-5)  # the summary's 4 decimals
+    assert nvml_max == pytest.approx(summary["nvml_fraction_max_per_step"], abs=5e-4)  # rounded to 3-4
+    if scenario == "healthy":
+        assert "hard" in summary["nvml_levels"]  # NVML's "used" alone would have stopped this healthy run
+    records = [json.loads(line) for line in (tmp_path / "memory.jsonl").read_text().splitlines()]
+    used = [r["used_bytes"] for r in records if r["kind"] == "gpu"]
+    assert used == [s["used_bytes"] for step in RECORDING[scenario]
+                    for s in [*step["gpu_samples"], step["boundary"]]]
