@@ -16,7 +16,8 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from easytrain.data.sft import IGNORE
-from easytrain.distributed.ulysses import SequenceParallel, apply_ulysses, gather_sequence, sequence
+from easytrain.distributed.ulysses import SequenceParallel, apply_ulysses, gather_sequence
+from easytrain.models.segments import packed_blocks, segments
 from easytrain.models.tiny import build_tiny
 
 from conftest import tiny_families
@@ -40,11 +41,18 @@ def token_log_probs(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor
     return torch.log_softmax(logits.float(), -1).gather(-1, targets.clamp(min=0)[..., None])[..., 0]
 
 
-def run_rank(rank: int, folder: str) -> None:
+def run_rank(rank: int, folder: str, checkpointed: bool = False) -> None:
+    """``checkpointed``: the Ulysses model under the actor's activation checkpointing, in training mode: its layers
+    recompute in backward, after the layout's context has closed, and must recompute on their chunk."""
     from transformers import AutoModelForCausalLM
+
+    from easytrain.distributed.fsdp import apply_activation_checkpointing
 
     reference = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32, attn_implementation="sdpa")
     model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32, attn_implementation="sdpa")
+    if checkpointed:
+        apply_activation_checkpointing(model)
+        model.train()  # transformers checkpoints only in training mode (the tiny configs have no dropout)
     ids, positions, targets = packed_inputs(model.config.vocab_size)
     trained = targets != IGNORE
 
@@ -54,7 +62,7 @@ def run_rank(rank: int, folder: str) -> None:
     sp = SequenceParallel(group=dist.group.WORLD, size=2, rank=rank, recording=True)
     apply_ulysses(model, sp)
     part = sp.chunk(ids.shape[1])
-    with sequence(sp, positions):
+    with segments(packed_blocks(positions)):  # the packed samples' layout: Ulysses splits and attends by it
         local_logits = model(input_ids=ids, position_ids=positions, use_cache=False).logits
     assert local_logits.shape[1] == ids.shape[1] // 2  # the head ran on this rank's chunk only
     local_lp = token_log_probs(local_logits, targets[:, part])
@@ -64,7 +72,7 @@ def run_rank(rank: int, folder: str) -> None:
 
     heads, layers = model.config.num_attention_heads, model.config.num_hidden_layers
     head_dim = model.config.hidden_size // heads
-    assert len(sp.record) == layers
+    assert len(sp.record) == layers * (2 if checkpointed else 1)  # recomputed attention goes through Ulysses too
     for call in sp.record:  # before: this chunk with every head; inside attention: every position, half the heads
         assert call["local_query"] == (1, heads, 16, head_dim)
         assert call["attention_query"] == (1, heads // 2, 32, head_dim)
@@ -138,7 +146,7 @@ def run_vl_rank(rank: int, run_dir: str, family: str) -> None:
     sp = SequenceParallel(group=dist.group.WORLD, size=2, rank=rank, recording=True)
     apply_ulysses(model, sp)
     part = sp.chunk(inputs["input_ids"].shape[1])
-    with sequence(sp, sample_positions(inputs)):
+    with segments(packed_blocks(sample_positions(inputs))):
         local_lp = token_log_probs(model(**inputs, use_cache=False).logits, targets[:, part])
     (local_lp * trained[:, part]).sum().backward()
     torch.testing.assert_close(gather_sequence(local_lp.detach(), sp) * trained, ref_lp.detach() * trained,
@@ -161,8 +169,9 @@ def run_vl_rank(rank: int, run_dir: str, family: str) -> None:
 
 
 VL_CASES = tuple(tiny_families("ulysses", images=True))
-CASES = ("qwen2-tiny", "qwen2-small") + VL_CASES
-"""qwen2 tiny: 2 heads over 1 KV head (repeated); small: 4 over 2; the VL families Ulysses serves, with images."""
+CASES = ("qwen2-tiny", "qwen2-small", "qwen2-checkpointed") + VL_CASES
+"""qwen2 tiny: 2 heads over 1 KV head (repeated); small: 4 over 2; checkpointed: small under activation
+checkpointing; the VL families Ulysses serves, with images."""
 
 
 def run_cases(rank: int, port: int, folders: dict[str, str], out: str) -> None:
@@ -170,7 +179,9 @@ def run_cases(rank: int, port: int, folders: dict[str, str], out: str) -> None:
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
     try:
         for case in CASES:
-            if case.startswith("qwen2-"):
+            if case == "qwen2-checkpointed":
+                run_rank(rank, folders["qwen2-small"], checkpointed=True)
+            elif case.startswith("qwen2-"):
                 run_rank(rank, folders[case])
             else:
                 run_dir = Path(out) / case
@@ -207,6 +218,10 @@ def passed(job: tuple[Path, Optional[Any]], case: str) -> None:
 @pytest.mark.parametrize("size", ["tiny", "small"])  # tiny: 2 heads over 1 KV head (repeated); small: 4 over 2
 def test_ulysses_two_ranks_equal_the_unsplit_qwen2(size: str, job: tuple[Path, Optional[Any]]) -> None:
     passed(job, f"qwen2-{size}")
+
+
+def test_ulysses_under_activation_checkpointing_recomputes_on_its_chunk(job: tuple[Path, Optional[Any]]) -> None:
+    passed(job, "qwen2-checkpointed")
 
 
 @pytest.mark.parametrize("family", VL_CASES)

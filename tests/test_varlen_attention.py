@@ -17,9 +17,9 @@ import pytest
 import torch
 
 from easytrain.distributed.batch import Batch
-from easytrain.distributed.ulysses import SequenceParallel, sequence
+from easytrain.distributed.ulysses import length as ulysses_length
 from easytrain.models import segments as seg
-from easytrain.models.segments import Block, attend, packed_blocks, segments
+from easytrain.models.segments import Block, active, attend, packed_blocks, segments
 from easytrain.models.varlen import (FLASH_ATTN, REFERENCE, SDPA_BLOCKS, TORCH_VARLEN, choose_kernel, cu_seqlens,
                                      flash_attn_function, kernel_for, plan_layout, torch_varlen_function, varlen_call)
 from easytrain.trainer.mfu import (attended_pairs, attention_flops, causal_pairs, peak_bf16_flops, update_mfu)
@@ -72,10 +72,10 @@ def test_cu_seqlens_of_a_packed_micro_batch_are_its_rows_and_ulysses_samples() -
     assert torch.equal(plan.cu_seq_q, cu_seqlens(lengths)) and torch.equal(plan.cu_seq_k, plan.cu_seq_q)
     assert plan.cu_seq_q[-1] == rows == sum(lengths) and (plan.max_q, plan.max_k) == (9, 9)
     assert plan.key_index is None  # packed samples: the keys are the queries, nothing to gather
-    sp = SequenceParallel(group=None, size=1, rank=0)
-    with sequence(sp, positions):  # Ulysses' own boundaries: a sample index per position
-        assert sp.samples is not None
-        assert torch.equal(torch.bincount(sp.samples), plan.cu_seq_q.diff().long())
+    with segments(packed_blocks(positions)):  # what Ulysses splits and attends by
+        (row,) = active()  # type: ignore[misc]
+        assert [b.prefix[1] - b.prefix[0] for b in row] == plan.cu_seq_q.diff().tolist() == lengths
+        assert ulysses_length([row]) == rows
 
 
 def test_cu_seqlens_of_the_vision_rows_follow_the_text_position() -> None:

@@ -29,38 +29,37 @@ averaging the strategies do over all ``dp x sp`` ranks, a loss scaled by
 global token mean.
 
 Sequences are padding-free (one flattened sequence, batch dimension 1), its
-length a multiple of ``P`` (padded with an untrained segment). Outside a
-:func:`sequence` context (generation) the hooks pass everything through and
-attention is plain sdpa.
+length a multiple of ``P`` (padded with an untrained segment), run inside the
+packed samples' layout (:func:`easytrain.models.segments.segments`): the hooks
+and the attention read the sequence's samples from it, so a layer that
+activation checkpointing recomputes in backward, under the layout its forward
+ran with (:func:`~easytrain.models.segments.checkpoint_contexts`), recomputes
+on its chunk too. Outside a layout (generation) the hooks pass everything
+through and attention is plain sdpa.
 """
 
 from __future__ import annotations
 
-from contextlib import contextmanager
 from dataclasses import dataclass, field
-from typing import Any, Iterator, Optional
+from typing import Any, Optional
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
-from easytrain.models.segments import Layout, attend, mask_outside_layouts, packed_blocks, segments
+from easytrain.models.segments import active, attend, mask_outside_layouts
+from easytrain.models.varlen import Layout
 
 ATTENTION = "ulysses"
 
 
 @dataclass
 class SequenceParallel:
-    """One sequence-parallel group and what the current forward needs: the sample of every position of the
-    full sequence (for the mask), and what was recorded for tests and logs."""
+    """One sequence-parallel group, and what was recorded for tests and logs."""
 
     group: Any
     size: int
     rank: int
-    samples: Optional[torch.Tensor] = None
-    """(S,) sample index of every position of the full sequence (packed samples attend only to themselves)."""
-    blocks: Layout = field(default_factory=list)
-    """The same as attention blocks (:mod:`easytrain.models.segments`), one per sample."""
     record: list[dict[str, Any]] = field(default_factory=list)
     """Per attention call: local and gathered shapes and the collectives run (when recording is on)."""
     recording: bool = False
@@ -125,7 +124,8 @@ def ulysses_attention(module: nn.Module, query: torch.Tensor, key: torch.Tensor,
                       **kwargs: Any) -> tuple[torch.Tensor, None]:
     """Attention over the full sequence with ``H / P`` heads per rank; takes and returns the chunk."""
     sp: SequenceParallel = module.ulysses  # type: ignore[assignment]
-    if sp.samples is None:  # not a packed training forward (generation): ordinary attention on every rank
+    layout = active()
+    if layout is None:  # not a packed training forward (generation): ordinary attention on every rank
         from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
         return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
@@ -137,7 +137,7 @@ def ulysses_attention(module: nn.Module, query: torch.Tensor, key: torch.Tensor,
         repeat = sp.size // kv_heads if sp.size % kv_heads == 0 else heads // kv_heads
         key, value = key.repeat_interleave(repeat, dim=1), value.repeat_interleave(repeat, dim=1)
     q, k, v = (all_to_all(t, sp, scatter_dim=1, gather_dim=2) for t in (query, key, value))
-    out = attend(q, k, v, sp.blocks, scaling)  # sample by sample: no S x S mask of the whole sequence
+    out = attend(q, k, v, layout, scaling)  # sample by sample: no S x S mask of the whole sequence
     if sp.recording:
         sp.record.append({"local_query": tuple(query.shape), "attention_query": tuple(q.shape),
                           "attention_key": tuple(k.shape), "collectives": ["all_to_all"] * 4})
@@ -146,13 +146,19 @@ def ulysses_attention(module: nn.Module, query: torch.Tensor, key: torch.Tensor,
 
 
 def register_attention() -> None:
-    """``"ulysses"`` in transformers' attention interface; inside :func:`sequence` the model builds no mask
-    (Ulysses attention follows the packed samples' blocks), outside it sdpa's."""
+    """``"ulysses"`` in transformers' attention interface; inside a layout the model builds no mask (Ulysses
+    attention follows the packed samples' blocks), outside it sdpa's."""
     from transformers import AttentionInterface
     from transformers.masking_utils import AttentionMaskInterface
 
     AttentionInterface.register(ATTENTION, ulysses_attention)
     AttentionMaskInterface.register(ATTENTION, mask_outside_layouts)
+
+
+def length(layout: Layout) -> int:
+    """The columns a packed sequence's layout covers (one row, its blocks in order)."""
+    last = layout[0][-1]
+    return max([last.prefix[1], *(end for _, end in last.parts)])
 
 
 def decoder_layers(model: nn.Module) -> list[nn.Module]:
@@ -170,16 +176,18 @@ def apply_ulysses(model: nn.Module, sp: SequenceParallel) -> nn.Module:
     register_attention()
 
     def slice_inputs(layer: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[Any, Any]:
-        if sp.samples is None:  # outside sequence(): generation, the whole sequence on every rank
+        layout = active()
+        if layout is None:  # no layout: generation, the whole sequence on every rank
             return None
-        full, part = sp.samples.shape[0], sp.chunk(sp.samples.shape[0])
+        full = length(layout)
+        part = sp.chunk(full)
         hidden = args[0] if args else kwargs["hidden_states"]
         if hidden.shape[1] == full:  # the first layer: the embeddings (and image features) of every position
             hidden = hidden[:, part]
         cos, sin = kwargs["position_embeddings"]
         if cos.shape[-2] == full:
             kwargs["position_embeddings"] = (cos[..., part, :], sin[..., part, :])
-        kwargs.pop("attention_mask", None)  # none is built inside sequence(); Ulysses attention needs none
+        kwargs.pop("attention_mask", None)  # none is built inside a layout; Ulysses attention needs none
         if args:
             return (hidden, *args[1:]), kwargs
         kwargs["hidden_states"] = hidden
@@ -206,19 +214,3 @@ def sequence_parallel_group(world_size: int, size: int, rank: int) -> SequencePa
         if start <= rank < start + size:
             mine = group
     return SequenceParallel(group=mine, size=size, rank=rank % size)
-
-
-@contextmanager
-def sequence(sp: SequenceParallel, position_ids: torch.Tensor) -> Iterator[None]:
-    """The full sequence's sample boundaries for the forward run inside, from its text positions (1, S):
-    a position that does not follow its predecessor starts a sample."""
-    text = position_ids.reshape(-1)
-    starts = torch.ones_like(text, dtype=torch.bool)
-    starts[1:] = text[1:] != text[:-1] + 1
-    sp.samples = starts.long().cumsum(0) - 1
-    sp.blocks = packed_blocks(text)
-    try:
-        with segments(sp.blocks):  # no mask is built for the whole sequence
-            yield
-    finally:
-        sp.samples, sp.blocks = None, []

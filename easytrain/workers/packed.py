@@ -29,7 +29,7 @@ from torch import nn
 from easytrain.algorithms.losses import entropy_from_logits, gather_log_probs, sampling_logits
 from easytrain.data.sft import IGNORE
 from easytrain.distributed.batch import Batch
-from easytrain.distributed.ulysses import SequenceParallel, gather_sequence, sequence
+from easytrain.distributed.ulysses import SequenceParallel, gather_sequence
 from easytrain.models.families import Family, family_of
 from easytrain.models.segments import packed_blocks, segments, uses_segments
 
@@ -97,9 +97,7 @@ def kept_logits(model: nn.Module, inputs: dict[str, torch.Tensor], keep: torch.T
     local = keep[part].nonzero().squeeze(-1)
     model_inputs = {k: v.to(device) for k, v in inputs.items() if k != "targets"}
     context: Any = nullcontext()
-    if sp is not None:
-        context = sequence(sp, sample_positions(inputs))
-    elif "attention_mask" not in inputs and uses_segments(model):  # packed samples, attended one by one
+    if sp is not None or ("attention_mask" not in inputs and uses_segments(model)):  # packed: sample by sample
         context = segments(packed_blocks(sample_positions(inputs)))
     with context:
         logits = model(**model_inputs, logits_to_keep=local.to(device), use_cache=False).logits
