@@ -189,7 +189,8 @@ class DeepSpeedConfig(Section):
 
 @dataclass
 class RoleConfig(Section):
-    """Placement and memory settings every role has."""
+    """Placement and memory settings of the roles that run a training model (the actor and the reference; the
+    rollout engine has its own, below)."""
 
     fsdp: FSDPConfig = field(default_factory=FSDPConfig)
     offload: OffloadConfig = field(default_factory=OffloadConfig)
@@ -272,7 +273,7 @@ class MultiTurnConfig(Section):
 
 
 @dataclass
-class RolloutConfig(RoleConfig):
+class RolloutConfig(Section):
     engine: str = choice("hf", "hf", "vllm")
     """Generation engine: hf (transformers generate, any device) or vllm."""
     n: int = bounded(4, low=1)

@@ -196,8 +196,9 @@ def _check_batches(cfg: Config) -> None:
 
 
 def _roles(cfg: Config) -> list[tuple[str, Any]]:
+    """The roles that run a training model, with their FSDP, offload and Ulysses settings."""
     w = cfg.worker
-    return [("actor", w.actor), ("ref", w.ref), ("rollout", w.rollout)]
+    return [("actor", w.actor), ("ref", w.ref)]
 
 
 def _check_parallelism(cfg: Config) -> None:
@@ -213,11 +214,9 @@ def _check_parallelism(cfg: Config) -> None:
             raise ConfigError(f"worker.{name}.fsdp.shard_size", shard,
                               f"must be -1 (all ranks) or divide the {where}",
                               f"use -1 or one of {_divisors(world)}")
-    for name in ("ref", "rollout"):
-        if getattr(cfg.worker, name).offload.optimizer:
-            raise ConfigError(f"worker.{name}.offload.optimizer", True,
-                              f"the {name} role holds no optimizer",
-                              f"set worker.{name}.offload.optimizer=false (offload.params is the one that applies)")
+    if cfg.worker.ref.offload.optimizer:
+        raise ConfigError("worker.ref.offload.optimizer", True, "the ref role holds no optimizer",
+                          "set worker.ref.offload.optimizer=false (offload.params is the one that applies)")
 
 
 def _check_strategy(cfg: Config) -> None:
@@ -499,7 +498,7 @@ def _check_reward(cfg: Config) -> None:
 
 def _check_against_shape(cfg: Config, shape: ModelShape) -> None:
     heads, kv = shape.num_attention_heads, shape.num_key_value_heads
-    for name, role in _roles(cfg)[:2]:  # sequence parallelism applies to the training-side roles
+    for name, role in _roles(cfg):
         u = role.ulysses_size
         if u == 1:
             continue
