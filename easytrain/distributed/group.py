@@ -58,9 +58,21 @@ class Dispatch(enum.Enum):
     EACH = "each"
 
 
+BUSY: dict[str, float] = {}
+"""Seconds this process spent inside each dispatched method (by name) since the last :func:`busy_times`."""
+
+
+def busy_times(reset: bool = True) -> dict[str, float]:
+    """A copy of :data:`BUSY`, emptied when ``reset``."""
+    out = dict(BUSY)
+    if reset:
+        BUSY.clear()
+    return out
+
+
 def dispatch(mode: Dispatch) -> Callable[[F], F]:
-    """Declare how a worker method is called across the group; the worker's busy time is recorded
-    per method (``self.busy``) so orchestration overhead can be told apart from work, and so are its host and
+    """Declare how a worker method is called across the group; the process's busy time is recorded
+    per method (:data:`BUSY`) so orchestration overhead can be told apart from work, and so are its host and
     device memory peaks (:mod:`easytrain.memory.peaks`), which the plan check compares with the plan. The
     outermost call trims the heap (:func:`easytrain.memory.peaks.trim_heap`) when it ends and before it starts:
     Ray drops a call's arguments and result only after the call returns, so what they held is freed after the
@@ -78,8 +90,7 @@ def dispatch(mode: Dispatch) -> Callable[[F], F]:
                 peaks.leave(fn.__name__)
                 if not peaks.active():  # the outermost call: its freed heap goes back before the next one
                     peaks.trim_heap()
-                busy = self.__dict__.setdefault("busy", {})
-                busy[fn.__name__] = busy.get(fn.__name__, 0.0) + time.perf_counter() - start
+                BUSY[fn.__name__] = BUSY.get(fn.__name__, 0.0) + time.perf_counter() - start
         setattr(timed, DISPATCH_ATTR, mode)
         return timed  # type: ignore[return-value]
     return mark

@@ -16,7 +16,7 @@ from torch import nn
 from easytrain.config.schema import ActorConfig, Config, RoleConfig
 from easytrain.distributed.deepspeed import DeepSpeedStrategy, zero3_construction
 from easytrain.distributed.fsdp import apply_activation_checkpointing, apply_fsdp, build_mesh
-from easytrain.distributed.group import Dispatch, dispatch, free_port
+from easytrain.distributed.group import Dispatch, busy_times, dispatch, free_port
 from easytrain.distributed.load import load_from_rank0
 from easytrain.distributed.strategy import FSDPStrategy, TrainStrategy
 from easytrain.distributed.ulysses import SequenceParallel, apply_ulysses, sequence_parallel_group
@@ -113,11 +113,8 @@ class WorkerBase:
                         self.sp.rank)
 
     def busy_times(self, reset: bool = True) -> dict[str, float]:
-        """Seconds spent inside each dispatched method since the last reset."""
-        busy = dict(self.__dict__.get("busy", {}))
-        if reset:
-            self.__dict__["busy"] = {}
-        return busy
+        """Seconds this process spent inside each dispatched method since the last reset."""
+        return busy_times(reset)
 
     @dispatch(Dispatch.BROADCAST)
     def memory(self) -> dict[str, Any]:

@@ -162,9 +162,6 @@ class FusedWorker(*debug_bases(FusedDebug), WorkerBase):  # type: ignore[misc]
         method's time also counts in ``call_role``, so that one is left out)."""
         busy = super().busy_times(reset)
         busy.pop("call_role", None)
-        for part in self.parts.values():
-            for method, seconds in part.busy_times(reset).items():
-                busy[method] = busy.get(method, 0.0) + seconds
         return busy
 
     @dispatch(Dispatch.BROADCAST)

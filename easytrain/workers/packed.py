@@ -34,11 +34,6 @@ from easytrain.models.families import Family, family_of
 from easytrain.models.segments import packed_blocks, segments, uses_segments
 
 
-def is_vision_model(model: nn.Module) -> bool:
-    """Whether the model takes multimodal rotary position rows (its family's adapter says)."""
-    return family_of(model).rope_rows
-
-
 def flatten(batch: Batch, family: Family) -> dict[str, torch.Tensor]:
     """Model inputs (and ``targets``, when the batch has them) of ``batch`` as one padding-free sequence (batch
     dimension 1), as the model ``family`` takes them. A family with multimodal rotary rows takes four rows of

@@ -11,8 +11,11 @@ the features that need family knowledge off. Adding a family is a module here, i
 from __future__ import annotations
 
 import json
+import weakref
 from pathlib import Path
 from typing import Any, Mapping, Union
+
+from torch import nn
 
 from easytrain.models.families.base import FEATURES, Family, TinySpec
 from easytrain.models.families.gemma3 import Gemma3
@@ -41,14 +44,16 @@ def family_of(config: Union[Mapping[str, Any], Any]) -> Family:
         if "model_type" not in config:
             raise ValueError("a model config without model_type: its architecture, and so its family, is unknown")
         return adapter_class(str(config["model_type"]))(config)
-    cached = getattr(config, "_easytrain_family", None)
-    if cached is not None:
-        return cached
-    hf = getattr(config, "config", config)  # a model, or its config
-    family = adapter_class(str(getattr(hf, "model_type", "")))(hf.to_dict())
-    if hasattr(config, "config"):
-        object.__setattr__(config, "_easytrain_family", family)
-    return family
+    if isinstance(config, nn.Module):
+        family = _OF_MODEL.get(config)
+        if family is None:
+            family = _OF_MODEL[config] = family_of(config.config)
+        return family
+    return adapter_class(str(getattr(config, "model_type", "")))(config.to_dict())
+
+
+_OF_MODEL: "weakref.WeakKeyDictionary[nn.Module, Family]" = weakref.WeakKeyDictionary()
+"""The adapter of each live model, made once (a model's config does not change)."""
 
 
 def family_of_folder(folder: Union[str, Path]) -> Family:

@@ -393,6 +393,22 @@ class Family:
         """Position ids of a (left- or right-padded) batch; ``tensors``: its vision stream."""
         return text_positions(attention_mask)
 
+    def decode_positions(self, positions: torch.Tensor) -> torch.Tensor:
+        """The ``position_ids`` a decoding forward takes for the text positions ``positions`` (B, T)."""
+        return positions
+
+    def begin_prefill(self, model: nn.Module) -> None:
+        """Before the HF engine's prefill: forget what the model kept from the last batch (nothing here)."""
+
+    def prefill_offsets(self, model: nn.Module, rows: int, device: torch.device) -> torch.Tensor:
+        """Per row of the last prefill, how far the next position lies past the row's token count (the text
+        position: zeros)."""
+        return torch.zeros(rows, dtype=torch.long, device=device)
+
+    def repeat_prefill(self, model: nn.Module, n: int) -> None:
+        """After a prefill whose KV cache is repeated ``n`` times per row: repeat what the model keeps per row
+        (nothing here)."""
+
     def visual_kwargs(self, tensors: Mapping[str, torch.Tensor], seconds_arg: bool = False) -> dict[str, torch.Tensor]:
         """The model's keyword arguments for a batch's vision stream (the fixed-size path: the images, each
         ``C x S x S``)."""

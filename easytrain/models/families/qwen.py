@@ -163,6 +163,28 @@ class Qwen2VL(Family):
     def takes_token_types(self) -> bool:
         return True
 
+    def decode_positions(self, positions: torch.Tensor) -> torch.Tensor:
+        """Text positions on every rope axis (3, B, T)."""
+        return positions[None].expand(3, -1, -1)
+
+    def begin_prefill(self, model: nn.Module) -> None:
+        """The model keeps the last prefill's rope offsets (``rope_deltas``) and would reuse them: the prefill
+        computes this batch's from its images."""
+        self.inner(model).rope_deltas = None
+
+    def prefill_offsets(self, model: nn.Module, rows: int, device: torch.device) -> torch.Tensor:
+        """The rope offsets the prefill computed from each row's images (zeros after a text-only prefill, which
+        was given its positions)."""
+        deltas = getattr(self.inner(model), "rope_deltas", None)
+        if deltas is None:
+            return super().prefill_offsets(model, rows, device)
+        return deltas.reshape(-1).to(device)
+
+    def repeat_prefill(self, model: nn.Module, n: int) -> None:
+        inner = self.inner(model)
+        if getattr(inner, "rope_deltas", None) is not None:
+            inner.rope_deltas = inner.rope_deltas.repeat_interleave(n, dim=0)
+
     def vllm_prompt_ids(self, ids: list[int]) -> list[int]:
         """Each run of image (or video) pads back to one pad: vLLM's processor replaces a pad by as many as the
         image it is given takes (the same count, the image being sized already)."""

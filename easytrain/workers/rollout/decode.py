@@ -31,7 +31,7 @@ import torch
 from torch import nn
 
 from easytrain.algorithms.losses import gather_log_probs, sampling_logits
-from easytrain.workers.packed import is_vision_model
+from easytrain.models.families import family_of
 from easytrain.workers.rollout.engine import SamplingParams
 
 
@@ -66,21 +66,15 @@ def prefill(model: Any, once: dict[str, torch.Tensor]) -> tuple[Any, torch.Tenso
     images). Both decode paths start here, so their first tokens come from the same numbers."""
     from transformers import DynamicCache
 
-    vision = is_vision_model(model)
-    inner: Any = getattr(model, "model", None)
+    family = family_of(model)
     mask = once["attention_mask"]
     inputs = dict(once)
-    visuals = "image_grid_thw" in once or "video_grid_thw" in once
-    if not visuals:  # text positions (three equal rope rows for a VL model)
-        positions = generate_positions(mask)
-        inputs["position_ids"] = positions[None].expand(3, -1, -1) if vision else positions
-    elif inner is not None:
-        inner.rope_deltas = None  # the prefill computes this batch's rope offsets from its images
+    family.begin_prefill(model)  # nothing of the last batch's rope offsets is kept
+    if "image_grid_thw" not in once and "video_grid_thw" not in once:  # text positions, on every rope axis
+        inputs["position_ids"] = family.decode_positions(generate_positions(mask))
     cache = DynamicCache(config=model.config)
     logits = model(**inputs, past_key_values=cache, use_cache=True, logits_to_keep=1).logits[:, -1].float()
-    offsets = torch.zeros(mask.shape[0], dtype=torch.long, device=mask.device)
-    if visuals and inner is not None and getattr(inner, "rope_deltas", None) is not None:
-        offsets = inner.rope_deltas.reshape(-1).to(mask.device)
+    offsets = family.prefill_offsets(model, mask.shape[0], mask.device)
     return cache, logits, mask.long().sum(-1) + offsets
 
 
@@ -92,7 +86,7 @@ def decode(model: Any, once: dict[str, torch.Tensor], n: int, params: SamplingPa
     with pad after each stop token, and the raw per-token log-probs of the sampling distribution (B*n, T).
     T is the number of steps run (at most ``params.max_new_tokens``). ``check`` is called before every token
     (the engine's pressure check: raising there ends the loop)."""
-    vision = is_vision_model(model)
+    family = family_of(model)
     mask = once["attention_mask"]
     cache, logits, next_position = prefill(model, once)
     if n > 1:
@@ -122,7 +116,7 @@ def decode(model: Any, once: dict[str, torch.Tensor], n: int, params: SamplingPa
         mask = torch.cat([mask, mask.new_ones(mask.shape[0], 1)], dim=1)
         position = next_position[:, None]
         out = model(input_ids=token[:, None], attention_mask=mask, past_key_values=cache, use_cache=True,
-                    position_ids=position[None].expand(3, -1, -1) if vision else position)
+                    position_ids=family.decode_positions(position))
         logits = out.logits[:, -1].float()
         next_position = next_position + 1
     return responses[:, :steps], log_probs[:, :steps]

@@ -257,13 +257,11 @@ class HFEngine(RolloutEngine):
         if "mm_token_type_ids" not in head:  # plain positions: ones that skip the left padding, as generate's
             head["position_ids"] = generate_positions(head["attention_mask"])
         cache = DynamicCache(config=self.model.config)
-        inner: Any = getattr(self.model, "model", None)
-        if inner is not None and hasattr(inner, "rope_deltas"):
-            inner.rope_deltas = None  # computed afresh from this batch's images by the prefill
+        family = family_of(self.model)
+        family.begin_prefill(self.model)  # the model computes this batch's rope offsets afresh
         self.model(**head, past_key_values=cache, use_cache=True, logits_to_keep=1)
         cache.batch_repeat_interleave(n)
-        if inner is not None and getattr(inner, "rope_deltas", None) is not None:
-            inner.rope_deltas = inner.rope_deltas.repeat_interleave(n, dim=0)
+        family.repeat_prefill(self.model, n)
         return {"input_ids": expanded["input_ids"], "attention_mask": expanded["attention_mask"],
                 "past_key_values": cache}
 

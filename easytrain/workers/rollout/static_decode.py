@@ -39,7 +39,7 @@ from typing import Any, Callable, Optional
 import torch
 
 from easytrain.algorithms.losses import gather_log_probs, sampling_logits
-from easytrain.workers.packed import is_vision_model
+from easytrain.models.families import family_of
 from easytrain.workers.rollout.decode import choose, prefill
 from easytrain.workers.rollout.engine import SamplingParams
 
@@ -106,7 +106,7 @@ class StaticDecoder:
             raise ValueError(f"worker.rollout.static_cache: the static KV cache cannot serve this model ({reason}); "
                              "set worker.rollout.static_cache=off")
         self.model = model
-        self.vision = is_vision_model(model)
+        self.family = family_of(model)
         self.bucket = bucket
         self.compiled = compile_options is not None
         """The step is a ``torch.compile`` (on CUDA: CUDA graphs); else it runs eagerly."""
@@ -138,7 +138,7 @@ class StaticDecoder:
     def _forward(self, token: torch.Tensor, position: torch.Tensor, mask: torch.Tensor, cache: Any) -> torch.Tensor:
         """One decode step of every row: ``token`` (R,), ``position`` (R, 1), ``mask`` (R, cache length); the
         next-token logits (R, V) in float32. The cache writes the slot its own counter points at."""
-        positions = position[None].expand(3, -1, -1) if self.vision else position
+        positions = self.family.decode_positions(position)
         out = self.model(input_ids=token[:, None], attention_mask=mask, position_ids=positions,
                          past_key_values=cache, use_cache=True, logits_to_keep=1)
         return out.logits[:, -1].float()
