@@ -16,6 +16,7 @@ What is left is the driver's own work, Ray calls and (de)serialisation.
 from __future__ import annotations
 
 import argparse
+import os
 import statistics
 import sys
 import tempfile
@@ -24,6 +25,7 @@ from typing import Any
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
+os.environ.setdefault("EASYTRAIN_DEBUG_METHODS", "1")  # the workers' busy_times (easytrain.workers.debug)
 
 from bench.provenance import write_result  # noqa: E402
 

@@ -19,6 +19,7 @@ trend across settings is the figure. Writes ``bench/results/multinode.json``.
 from __future__ import annotations
 
 import argparse
+import os
 import json
 import logging
 import statistics
@@ -31,6 +32,7 @@ from typing import Any
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
+os.environ.setdefault("EASYTRAIN_DEBUG_METHODS", "1")  # the workers' busy_times (easytrain.workers.debug)
 
 from bench.provenance import write_result  # noqa: E402
 

@@ -19,6 +19,7 @@ machine's memcpy bandwidth (a 512 MB tensor copy) measured in the same run.
 from __future__ import annotations
 
 import argparse
+import os
 import json
 import shutil
 import statistics
@@ -30,6 +31,7 @@ from typing import Any
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
+os.environ.setdefault("EASYTRAIN_DEBUG_METHODS", "1")  # the workers' busy_times (easytrain.workers.debug)
 
 from bench.provenance import write_result  # noqa: E402
 

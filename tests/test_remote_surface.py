@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from easytrain.workers.actor import ActorWorker
-from easytrain.workers.debug import ActorDebug, FusedDebug, RolloutDebug
+from easytrain.workers.debug import ActorDebug, FusedDebug, RolloutDebug, WorkerDebug
 from easytrain.workers.fused import FusedWorker
 from easytrain.workers.reference import ReferenceWorker
 from easytrain.workers.reward_pool import RewardWorker
@@ -22,7 +22,7 @@ from easytrain.workers.sft import SFTWorker
 PACKAGE = Path(__file__).resolve().parents[1] / "easytrain"
 ACTORS = (ActorWorker, RolloutWorker, ReferenceWorker, FusedWorker, SFTWorker,
           RewardWorker.__ray_metadata__.modified_class)  # (declared with @ray.remote)
-DEBUG = (ActorDebug, RolloutDebug, FusedDebug)
+DEBUG = (WorkerDebug, ActorDebug, RolloutDebug, FusedDebug)
 
 
 def uses() -> dict[str, int]:

@@ -29,11 +29,6 @@ class ProbeRole:
         return self.rank, tuple(ray.get_gpu_ids()), ray.get_runtime_context().get_node_id(), os.getpid()
 
 
-class ProbeFused(ProbeRole):
-    def call_role(self, role: str, method: str, *args: Any) -> Any:
-        return getattr(self, method)(*args)
-
-
 PROBES = {"actor": ProbeRole, "rollout": ProbeRole, "ref": ProbeRole}
 
 
@@ -54,7 +49,7 @@ def gpu_config(nnodes: int, per_node: int, *extra: str) -> Config:
 
 def placements(config: Config) -> tuple[dict[str, list[Any]], int]:
     """Each role's (rank, GPU ids, node, pid) in rank order, and how many processes the run has."""
-    groups, pools, fused = start_groups(config, ProbeFused, PROBES)
+    groups, pools, fused = start_groups(config, ProbeRole, PROBES)
     try:
         seen = {role: group.call("where") for role, group in groups.items()}
         processes = len({pid for ranks in seen.values() for *_, pid in ranks})

@@ -17,8 +17,8 @@ store.
 A group can host several roles in each process (fused workers: one process
 per device holding the actor, the reference and the rollout engine). Each
 role then gets a view (:meth:`WorkerGroup.view`): a group with the role's
-name, dispatch modes and block size that addresses the same processes, its
-calls routed to the role inside (``call_role``).
+name and block size that addresses the same processes, whose class has one
+remote method per operation of each role it hosts.
 
 Workers are created with ``max_restarts=0`` on purpose: a restarted rank
 would come back without its shard of the model and optimizer and hang the
@@ -30,6 +30,7 @@ or stops with the command to resume.
 
 from __future__ import annotations
 
+import copy
 import enum
 import functools
 import logging
@@ -59,7 +60,8 @@ class Dispatch(enum.Enum):
 
 
 BUSY: dict[str, float] = {}
-"""Seconds this process spent inside each dispatched method (by name) since the last :func:`busy_times`."""
+"""Seconds this process spent inside each outermost dispatched call (by method name) since the last
+:func:`busy_times` (a fused worker's ``update`` counts once, not again for its actor's)."""
 
 
 def busy_times(reset: bool = True) -> dict[str, float]:
@@ -80,17 +82,17 @@ def dispatch(mode: Dispatch) -> Callable[[F], F]:
     def mark(fn: F) -> F:
         @functools.wraps(fn)
         def timed(self: Any, *args: Any, **kwargs: Any) -> Any:
-            start = time.perf_counter()
-            if not peaks.active():  # the last call's arguments and result, freed since its trim, go back first
+            start, outermost = time.perf_counter(), not peaks.active()
+            if outermost:  # the last call's arguments and result, freed since its trim, go back first
                 peaks.trim_heap()
             peaks.enter()
             try:
                 return fn(self, *args, **kwargs)
             finally:
                 peaks.leave(fn.__name__)
-                if not peaks.active():  # the outermost call: its freed heap goes back before the next one
+                if outermost:  # its freed heap goes back before the next call; its time is the process's
                     peaks.trim_heap()
-                BUSY[fn.__name__] = BUSY.get(fn.__name__, 0.0) + time.perf_counter() - start
+                    BUSY[fn.__name__] = BUSY.get(fn.__name__, 0.0) + time.perf_counter() - start
         setattr(timed, DISPATCH_ATTR, mode)
         return timed  # type: ignore[return-value]
     return mark
@@ -135,8 +137,6 @@ class WorkerGroup:
         if pool.world_size % block_size:
             raise ValueError(f"{role}: blocks of {block_size} ranks do not tile {pool.world_size} workers")
         self.block_size = block_size
-        self.hosted: Optional[str] = None
-        """The role this view addresses inside multi-role processes (None: the process's own methods)."""
         remote_cls = ray.remote(worker_cls)
         self.workers: list[Any] = []
         for placement in pool.placements:
@@ -147,21 +147,17 @@ class WorkerGroup:
             self.workers.append(remote_cls.options(**options).remote(
                 *init_args, role=role, rank=placement.rank, world_size=pool.world_size))
 
-    def view(self, role: str, role_cls: type, block_size: int = 1) -> "WorkerGroup":
-        """The ``role`` hosted in each of this group's processes (a :class:`role_cls` inside), as a group of its
-        own: same ranks, same processes, the role's dispatch modes and block size."""
+    def view(self, role: str, block_size: int = 1) -> "WorkerGroup":
+        """The same processes addressed as ``role``'s group (the roles of a fused worker): calls go to this
+        group's own remote methods, under the role's name and with its block size."""
         if self.world_size % block_size:
             raise ValueError(f"{role}: blocks of {block_size} ranks do not tile {self.world_size} workers")
-        view = object.__new__(WorkerGroup)
-        view.role, view.pool, view.worker_cls, view.block_size = role, self.pool, role_cls, block_size
-        view.hosted, view.workers = role, self.workers
+        view = copy.copy(self)
+        view.role, view.block_size = role, block_size
         return view
 
     def _method(self, worker: Any, method: str) -> Any:
-        """The remote method to call on ``worker``: its own, or the hosted role's through ``call_role``."""
-        if self.hosted is None:
-            return getattr(worker, method).remote
-        return functools.partial(worker.call_role.remote, self.hosted, method)
+        return getattr(worker, method).remote
 
     @property
     def world_size(self) -> int:

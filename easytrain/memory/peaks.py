@@ -4,7 +4,7 @@ Every method a worker group dispatches (:func:`easytrain.distributed.group.dispa
 :func:`enter` and :func:`leave`. Entering resets the kernel's high-water mark of this process's resident set
 (``VmHWM``, reset by writing ``5`` to ``/proc/self/clear_refs``) and, on a GPU, torch's peak allocator
 statistics; leaving reads both. The call's peak is therefore the most the process held at any instant of the
-call, not a sample. Calls nest (a fused worker's ``call_role`` runs the role's ``update``): before an inner
+call, not a sample. Calls nest (a fused worker's ``update`` runs its actor's): before an inner
 call resets the counters, the peak so far is folded into every enclosing call, so each call's figure covers its
 whole span. Worker actors run one call at a time (no concurrency groups), which is what makes one process-wide
 counter usable.

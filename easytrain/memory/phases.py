@@ -1,5 +1,5 @@
-"""The order of an RL step's phases on a device that hosts every role: written once, read by the driver and the
-planner.
+"""The order of an RL step's phases on a device that hosts every role: written once, read by the planner, run by
+the driver (:mod:`easytrain.trainer.rl`, whose hand-offs the tests check against it).
 
 With fused workers (``trainer.colocate=true``) one process per device holds the actor, the reference and the
 rollout engine, and the phases take the device in turn:
@@ -47,16 +47,3 @@ reference without a KL term, no old log-probs when they are reused on-policy, no
 cannot)."""
 
 ORDER: tuple[str, ...] = tuple(p.name for p in STEP)
-
-
-def phase(name: str) -> Phase:
-    """The step phase called ``name``."""
-    for p in STEP:
-        if p.name == name:
-            return p
-    raise KeyError(f"no step phase {name!r}; phases: {', '.join(ORDER)}")
-
-
-def engine_state(name: str) -> str:
-    """What the engine holds on the device during phase ``name``."""
-    return phase(name).engine

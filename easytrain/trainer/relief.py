@@ -161,8 +161,8 @@ class MemoryGuard:
 
     def sleep_rollout(self, resources: set[str]) -> Relief:
         """Between steps the engine holds its weights (woken for the sync). Asleep, it frees them from its device
-        until the next rollout: level 2 drops them (the fused worker refills them from the actor before the next
-        generation: one in-process sync), level 1 moves them to host memory (GPU)."""
+        until the next rollout: level 2 drops them (the driver refills them from the actor before the next
+        generation: one in-process sync, :meth:`Roles.wake_engine`), level 1 moves them to host memory (GPU)."""
         assert self.roles is not None
         level, on_gpu = self.config.worker.rollout.sleep_level, self.config.trainer.device == "cuda"
         if not self.roles.rollout_sleeps:
@@ -174,7 +174,7 @@ class MemoryGuard:
         if ("vram" if on_gpu else "ram") not in resources:
             return Relief(0, f"{'host RAM' if on_gpu else 'GPU memory'} is under pressure: the engine's sleep frees "
                              f"{'GPU memory' if on_gpu else 'host RAM'}")
-        freed = int(sum(self.roles.rollout.call("sleep")))
+        freed = self.roles.sleep_engine()
         return Relief(freed, f"engine asleep (level {level}) until the next rollout"
                              + (", which refills its weights from the actor" if level == 2 else ""))
 

@@ -6,7 +6,9 @@
 (the reward workers score from the end of the generation, while the reference pass runs; the driver collects
 the scores after it)
 
-the order of :data:`easytrain.memory.phases.STEP` (fused workers put their engine in each phase's state).
+the order of :data:`easytrain.memory.phases.STEP`. The driver hands the device over itself: the engine sleeps
+before the reference pass, its weights wake for the sync and its KV cache before the next generation
+(:meth:`Roles.sleep_engine`, :meth:`Roles.wake_engine`; nothing where the engine cannot sleep).
 With ``trainer.rollout_mode=one_step_off`` the step trains on the batch generated during the last step while
 the engine generates the next one (:mod:`easytrain.trainer.ahead`).
 
@@ -71,7 +73,7 @@ class RLTrainer(Trainer):
         roles = build_roles(self.config, self.optimizer_steps)
         self.forward = Forward.of(self.config, roles.actor_model)  # how log-prob and update passes are laid out
         if self.config.model.path.startswith(RANDOM_PREFIX):  # the engine built its own random weights: the actor's
-            roles.transport.sync(roles.actor, roles.rollout)
+            roles.sync()
         return roles
 
     def new_batches(self) -> Iterator[Batch]:
@@ -90,7 +92,7 @@ class RLTrainer(Trainer):
     def load_driver_state(self, state: dict[str, Any], folder: Path) -> None:
         self.kl.load_state_dict(state["kl"])
         self.ready = load_generated(state["ahead"], folder) if "ahead" in state else None
-        self.roles.transport.sync(self.roles.actor, self.roles.rollout)  # the engine serves the restored weights
+        self.roles.sync()  # the engine serves the restored weights
 
     # ------------------------------------------------------------------ one step
 
@@ -100,6 +102,9 @@ class RLTrainer(Trainer):
         batch, scoring, sampling = self.rollout(prompts, timer)
         ahead = self.generate_ahead(prompts) if self.one_step_off else None  # the next batch, while this trains
         self.check_pressure("rollout")  # before the update, hard pressure ends the step unfinished: nothing lost
+        if self.roles.rollout_sleeps:
+            with timer("sleep"):  # the engine hands the device to the training roles until the sync
+                self.roles.sleep_engine()
         batch = self.with_reference(batch, timer)  # while the reward workers score the responses
         scores = scoring(timer)
         self.check_pressure("ref")
@@ -112,8 +117,8 @@ class RLTrainer(Trainer):
             update = self.update(batch)
         self.check_pressure("update", before_update=False)  # from here on the step finishes and saves
         next_batch = self.finish_ahead(ahead, timer) if ahead is not None else None
-        with timer("sync"):
-            synced = self.roles.transport.sync(self.roles.actor, self.roles.rollout)
+        with timer("sync"):  # the engine's weights wake, the actor's go in
+            synced = self.roles.sync()
         if next_batch is not None:
             self.ready = next_batch()  # scored while the weights synced
         metrics = {**reward_metrics(scores), **response_metrics(batch, self.config.data.max_response_length),
@@ -162,6 +167,7 @@ class RLTrainer(Trainer):
 
     def generate(self, prompts: Batch, timer: PhaseTimer, validate: bool = False, call: int = 0) -> Batch:
         with timer("generate"):
+            self.roles.wake_engine(generate=True)  # and its KV cache
             batch = self.roles.rollout.call("generate", prompts, self.step, validate, call)
         return batch if validate else with_prompt_visuals(batch, prompts, self.config.worker.rollout.n)
 
@@ -203,12 +209,7 @@ class RLTrainer(Trainer):
         return table
 
     def with_reference(self, batch: Batch, timer: PhaseTimer) -> Batch:
-        """Hand the device to the training roles (the engine sleeps until the next sync), then add the reference
-        log-probs when the run has a reference. A fused worker puts its engine to sleep as the reference pass
-        begins (phases.STEP), so the sleep is a call of its own only when nothing else would make it."""
-        if self.roles.rollout_sleeps and (self.roles.fused is None or self.roles.reference is None):
-            with timer("sleep"):
-                self.roles.rollout.call("sleep")
+        """The reference log-probs, when the run has a reference."""
         reference = self.roles.reference
         if reference is None:
             return batch

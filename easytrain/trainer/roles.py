@@ -43,6 +43,12 @@ class Roles:
     lora_reference: bool = False
     rollout_sleeps: bool = False
     """The engine frees its device memory after each rollout (fused workers whose engine can sleep)."""
+    drops_weights: bool = False
+    """Its sleep drops the weights (level 2): they come back only through a sync."""
+    engine_asleep: set[str] = field(default_factory=set)
+    """What the engine's last sleep freed that no wake has brought back (``weights``, ``kv_cache``)."""
+    engine_stale: bool = False
+    """A sleep dropped the engine's weights and no sync has refilled them."""
     fused: Optional[WorkerGroup] = None
     """The fused workers' own group (one process per device) when the role groups are views of it."""
     actor_model: dict[str, int] = field(default_factory=dict)
@@ -55,6 +61,40 @@ class Roles:
         if self.ref is not None:
             return self.ref
         return self.actor if self.lora_reference else None
+
+    # ------------------------------------------------------------------ the engine's device hand-offs
+
+    def sleep_engine(self) -> int:
+        """Hand the device to the training roles: the engine frees its weights and KV cache (where it can
+        sleep, and its weights are awake); bytes freed."""
+        if not self.rollout_sleeps or "weights" in self.engine_asleep:
+            return 0
+        freed = int(sum(self.rollout.call("sleep")))
+        self.engine_asleep, self.engine_stale = {"weights", "kv_cache"}, self.drops_weights
+        return freed
+
+    def wake_engine(self, generate: bool) -> None:
+        """Before a sync (``generate=False``) the engine takes back its weights' room; before generating also its
+        KV cache, and weights a sleep dropped are refilled from the actor first (a sync: only after a sleep
+        between steps, the watchdog's relief)."""
+        if "weights" in self.engine_asleep:
+            self.rollout.call("wake", ["weights"])
+            self.engine_asleep.discard("weights")
+        if generate and self.engine_stale:
+            self.sync()
+        if generate and "kv_cache" in self.engine_asleep:
+            self.rollout.call("wake", ["kv_cache"])
+            self.engine_asleep.discard("kv_cache")
+
+    def sync(self) -> dict[str, float]:
+        """The actor's weights into the engine (its weights woken first); the sync's metrics."""
+        assert self.transport is not None and self.rollout is not None
+        self.wake_engine(generate=False)
+        synced = self.transport.sync(self.actor, self.rollout)
+        self.engine_stale = False
+        return synced
+
+    # ------------------------------------------------------------------ processes
 
     def processes(self) -> dict[str, WorkerGroup]:
         """The run's worker processes by group name, each process once: ``worker`` (fused), or one group per role."""
@@ -114,7 +154,7 @@ def start_groups(config: Config, fused_cls: type = FusedWorker,
     if t.colocate:
         pool = ResourcePool("fused", t.nnodes, t.workers_per_node, t.device)
         fused = WorkerGroup(fused_cls, "worker", pool, num_cpus=1.0, num_gpus=gpus, init_args=(config,), env=ENV)
-        return {name: fused.view(name, classes[name], blocks[name]) for name in names}, [pool], fused
+        return {name: fused.view(name, blocks[name]) for name in names}, [pool], fused
     pools = {name: ResourcePool(name, t.nnodes, t.workers_per_node, t.device) for name in names}
     groups = {name: WorkerGroup(classes[name], name, pools[name], num_cpus=1.0, num_gpus=gpus, init_args=(config,),
                                 env=ENV, block_size=blocks[name]) for name in names}
@@ -133,16 +173,19 @@ def build_roles(config: Config, total_optimizer_steps: int) -> Roles:
                 group.init_process_group()
         if rollout.block_size > 1:
             rollout.init_blocks()
-    pending = [actor.submit("setup", total_optimizer_steps), rollout.submit("setup")]
-    if ref is not None:
-        pending.append(ref.submit("setup"))
-    sizes = [group.collect(p) for group, p in zip([actor, rollout] + ([ref] if ref else []), pending)]
+    if fused is not None:  # every role of a process in one call
+        setup = fused.call("setup", total_optimizer_steps)[0]
+    else:  # the roles' processes load their models in parallel
+        pending = {name: group.submit("setup", *([total_optimizer_steps] if name == "actor" else []))
+                   for name, group in groups.items()}
+        setup = {name: groups[name].collect(p)[0] for name, p in pending.items()}
     logger.info("actor: %s parameters (%s trainable) on %d rank(s); rollout engine %s; reference %s; %s",
-                sizes[0][0]["total"], sizes[0][0]["trainable"], actor.world_size, sizes[1][0]["engine"],
+                setup["actor"]["total"], setup["actor"]["trainable"], actor.world_size, setup["rollout"]["engine"],
                 "on" if ref else "off",
                 "one fused process per device" if fused is not None else "a pool of processes per role")
     bucket_mb = config.worker.rollout.sync_bucket_mb
     transport = InProcessTransport(fused, bucket_mb) if fused is not None else BucketedTransport(bucket_mb)
     return Roles(actor, ref, rollout, RewardPool(config.reward), transport, pools,
                  lora_reference=config.model.lora.rank > 0 and config.algorithm.kl_coef > 0,
-                 rollout_sleeps=bool(sizes[1][0]["can_sleep"]), fused=fused, actor_model=sizes[0][0])
+                 rollout_sleeps=bool(setup["rollout"]["can_sleep"]),
+                 drops_weights=config.worker.rollout.sleep_level == 2, fused=fused, actor_model=setup["actor"])

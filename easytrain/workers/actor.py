@@ -30,8 +30,8 @@ logger = logging.getLogger(__name__)
 
 
 class ActorWorker(*debug_bases(ActorDebug), WorkerBase):  # type: ignore[misc]
-    def __init__(self, config: Config, *, role: str, rank: int, world_size: int) -> None:
-        super().__init__(config, role=role, rank=rank, world_size=world_size)
+    def __init__(self, config: Config, *, role: str, rank: int, world_size: int, hosted: bool = False) -> None:
+        super().__init__(config, role=role, rank=rank, world_size=world_size, hosted=hosted)
         self.cfg = config.worker.actor
         self.model: Any = None
         self.strategy: Optional[TrainStrategy] = None

@@ -16,11 +16,12 @@ from torch import nn
 from easytrain.config.schema import ActorConfig, Config, RoleConfig
 from easytrain.distributed.deepspeed import DeepSpeedStrategy, zero3_construction
 from easytrain.distributed.fsdp import apply_activation_checkpointing, apply_fsdp, build_mesh
-from easytrain.distributed.group import Dispatch, busy_times, dispatch, free_port
+from easytrain.distributed.group import Dispatch, dispatch, free_port
 from easytrain.distributed.load import load_from_rank0
 from easytrain.distributed.strategy import FSDPStrategy, TrainStrategy
 from easytrain.distributed.ulysses import SequenceParallel, apply_ulysses, sequence_parallel_group
 from easytrain.memory import peaks
+from easytrain.workers.debug import WorkerDebug, debug_bases
 from easytrain.memory.host import malloc_threshold_bytes
 from easytrain.memory.readings import process_info, release_process_memory, torch_allocator
 from easytrain.models.families import family_of
@@ -70,23 +71,30 @@ def worker_threads(config: Config) -> int:
     return max(1, node_cpus() // (t.workers_per_node * roles))
 
 
-class WorkerBase:
+def init_process(config: Config, role: str, rank: int, device: torch.device) -> None:
+    """Logging, the device, the host allocator, the seed and the threads of a worker process."""
+    logging.basicConfig(level=logging.INFO, format=f"[{role}{rank}] %(levelname)s %(name)s: %(message)s")
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.disable_progress_bar()  # per-worker "Loading weights" bars would flood the driver's log
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    threshold = malloc_threshold_bytes(config)
+    if threshold and not peaks.fix_mmap_threshold(threshold):
+        logger.warning("trainer.malloc_mmap_threshold_kb: this C library is not glibc; its allocator is left as is")
+    torch.manual_seed(config.trainer.seed + 1000 * rank)
+    torch.set_num_threads(worker_threads(config))
+
+
+class WorkerBase(*debug_bases(WorkerDebug)):  # type: ignore[misc]
     """What a role worker is before it holds a model: its rank, device, seed and process group."""
 
-    def __init__(self, config: Config, *, role: str, rank: int, world_size: int) -> None:
-        logging.basicConfig(level=logging.INFO, format=f"[{role}{rank}] %(levelname)s %(name)s: %(message)s")
-        from transformers.utils import logging as hf_logging
-
-        hf_logging.disable_progress_bar()  # per-worker "Loading weights" bars would flood the driver's log
+    def __init__(self, config: Config, *, role: str, rank: int, world_size: int, hosted: bool = False) -> None:
+        """``hosted``: a role inside a fused worker's process, which set the process up (:func:`init_process`)."""
         self.config, self.role, self.rank, self.world_size = config, role, rank, world_size
         self.device = torch.device("cuda", 0) if config.trainer.device == "cuda" else torch.device("cpu")
-        if self.device.type == "cuda":
-            torch.cuda.set_device(self.device)
-        threshold = malloc_threshold_bytes(config)
-        if threshold and not peaks.fix_mmap_threshold(threshold):
-            logger.warning("trainer.malloc_mmap_threshold_kb: this C library is not glibc; its allocator is left as is")
-        torch.manual_seed(config.trainer.seed + 1000 * rank)
-        torch.set_num_threads(worker_threads(config))
+        if not hosted:
+            init_process(config, role, rank, self.device)
         self.folder = model_folder(config.model)
         self.sp: Optional[SequenceParallel] = None
         """This rank's Ulysses group (``worker.<role>.ulysses_size`` > 1), set with the process group."""
@@ -111,10 +119,6 @@ class WorkerBase:
             self.sp = sequence_parallel_group(self.world_size, size, self.rank)
             logger.info("%s rank %d: Ulysses group of %d ranks (position %d)", self.role, self.rank, size,
                         self.sp.rank)
-
-    def busy_times(self, reset: bool = True) -> dict[str, float]:
-        """Seconds this process spent inside each dispatched method since the last reset."""
-        return busy_times(reset)
 
     @dispatch(Dispatch.BROADCAST)
     def memory(self) -> dict[str, Any]:

@@ -14,8 +14,8 @@ from easytrain.workers.forward import micro_log_probs
 
 
 class ReferenceWorker(WorkerBase):
-    def __init__(self, config: Config, *, role: str, rank: int, world_size: int) -> None:
-        super().__init__(config, role=role, rank=rank, world_size=world_size)
+    def __init__(self, config: Config, *, role: str, rank: int, world_size: int, hosted: bool = False) -> None:
+        super().__init__(config, role=role, rank=rank, world_size=world_size, hosted=hosted)
         self.model: Any = None
 
     @dispatch(Dispatch.BROADCAST)

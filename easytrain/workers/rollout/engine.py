@@ -108,6 +108,15 @@ class RolloutEngine(abc.ABC):
         """Re-allocate what :meth:`sleep` freed (``weights`` before a sync, ``kv_cache`` before generating)."""
 
 
+def describe_sleep(engine: RolloutEngine) -> str:
+    """What an engine that cannot serve a call now lacks, and what the driver must do first."""
+    if "weights" in engine.asleep:
+        return "its weights sleep (wake them, then sync weights: Roles.wake_engine)"
+    if engine.stale:
+        return "its weights were dropped by a level-2 sleep (sync weights first)"
+    return f"its {', '.join(sorted(engine.asleep))} sleeps (wake it first: Roles.wake_engine)"
+
+
 ENGINES: dict[str, str] = {
     "hf": "easytrain.workers.rollout.hf_engine:HFEngine",
     "vllm": "easytrain.workers.rollout.vllm_engine:VLLMEngine",

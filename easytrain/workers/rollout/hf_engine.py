@@ -34,7 +34,7 @@ from easytrain.distributed.batch import Batch
 from easytrain.memory.flag import MemoryStop, PressureFlag
 from easytrain.models.families import family_of
 from easytrain.workers.rollout.decode import decode, generate_positions
-from easytrain.workers.rollout.engine import EngineSpec, RolloutEngine, SamplingParams, response_mask
+from easytrain.workers.rollout.engine import EngineSpec, RolloutEngine, SamplingParams, describe_sleep, response_mask
 from easytrain.workers.rollout.static_decode import StaticDecoder, unsupported, wants_static
 
 logger = logging.getLogger(__name__)
@@ -140,10 +140,8 @@ class HFEngine(RolloutEngine):
 
     @torch.no_grad()
     def generate(self, prompts: Batch, params: SamplingParams) -> Batch:
-        self.wake()
-        if self.stale:
-            raise RuntimeError("the HF engine dropped its weights when it went to sleep (level 2); sync weights "
-                               "before generating")
+        if self.asleep or self.stale:
+            raise RuntimeError(f"the HF engine cannot generate: {describe_sleep(self)}")
         if self.static is not None or self.drop_finished or has_video(prompts):
             # transformers' generate places the tokens after a long clip elsewhere than its own teacher-forced
             # positions (and easytrain's) do; easytrain's loop continues from the prompt's largest position

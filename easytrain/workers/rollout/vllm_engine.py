@@ -225,10 +225,8 @@ class VLLMEngine(RolloutEngine):
             seed=params.seed + prompt_index * params.n, logit_bias=self.banned, detokenize=False)
 
     def generate(self, prompts: Batch, params: SamplingParams) -> Batch:
-        if self.stale:
-            raise RuntimeError("the vLLM engine discarded its weights when it went to sleep (level 2); "
-                               "sync weights before generating")
-        self.wake()
+        if self.asleep or self.stale:
+            raise RuntimeError(f"the vLLM engine cannot generate: {describe_sleep(self)}")
         requests = self.requests(prompts)
         outputs = self.llm.generate(requests, [self.sampling_params(params, i) for i in range(len(requests))],
                                     use_tqdm=False)
@@ -244,7 +242,8 @@ class VLLMEngine(RolloutEngine):
     # ------------------------------------------------------------------ weights
 
     def begin_weight_update(self, partial: bool = False) -> None:
-        self.wake(("weights",))
+        if "weights" in self.asleep:
+            raise RuntimeError(f"the vLLM engine cannot take weights: {describe_sleep(self)}")
         self.quiet.partial = partial  # the frozen layers keep their weights: their "failed to load" lines go
         self.llm.collective_rpc(_begin_reload)
 

@@ -8,7 +8,7 @@ Weights arrive in buckets, each in parts pushed by the actor ranks (see
 from __future__ import annotations
 
 import logging
-from typing import Any, Optional
+from typing import Any, Optional, Sequence
 
 import torch
 
@@ -52,8 +52,8 @@ def stop_token_ids(tokenizer: Any, stop_tokens: list[str]) -> list[int]:
 
 
 class RolloutWorker(*debug_bases(RolloutDebug), WorkerBase):  # type: ignore[misc]
-    def __init__(self, config: Config, *, role: str, rank: int, world_size: int) -> None:
-        super().__init__(config, role=role, rank=rank, world_size=world_size)
+    def __init__(self, config: Config, *, role: str, rank: int, world_size: int, hosted: bool = False) -> None:
+        super().__init__(config, role=role, rank=rank, world_size=world_size, hosted=hosted)
         self.engine: Optional[RolloutEngine] = None
         self.sync_meter = AliveBytes()
         self._parts: dict[int, dict[int, dict[str, torch.Tensor]]] = {}
@@ -140,10 +140,16 @@ class RolloutWorker(*debug_bases(RolloutDebug), WorkerBase):  # type: ignore[mis
 
     @dispatch(Dispatch.BROADCAST)
     def sleep(self) -> int:
-        """Free the engine's device memory until the next weight sync (colocated roles on GPU)."""
+        """Free the engine's device memory until it is woken (colocated roles); bytes freed."""
         assert self.engine is not None, "setup() first"
         self.freed_bytes = self.engine.sleep()
         return self.freed_bytes
+
+    @dispatch(Dispatch.BROADCAST)
+    def wake(self, tags: Sequence[str]) -> None:
+        """The engine takes back ``weights`` (before a sync) or its ``kv_cache`` (before generating)."""
+        assert self.engine is not None, "setup() first"
+        self.engine.wake(tags)
 
     # ------------------------------------------------------------------ weights (called by the actor ranks)
 
