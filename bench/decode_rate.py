@@ -44,11 +44,7 @@ PATHS = ("generate", "dynamic", "static", "static_fresh_cache")
 
 
 def _engine(model: Any, path: str, stop_ids: list[int], pad_id: int, device: torch.device) -> HFEngine:
-    if path == "generate":
-        return HFEngine(model, stop_ids, pad_id, device, share_prefill=False, drop_finished=False,
-                        static_cache="off")
-    return HFEngine(model, stop_ids, pad_id, device, share_prefill=True, drop_finished=True,
-                    static_cache="off" if path == "dynamic" else "on")
+    return HFEngine(model, stop_ids, pad_id, device, static_cache="on" if path.startswith("static") else "off")
 
 
 def _sync(device: torch.device) -> None:
@@ -99,6 +95,8 @@ def decode_rate(model: Any, prompts: Batch, n: int, max_new_tokens: int, stop_id
         engine = engines[path]
         if path == "static_fresh_cache" and engine.static is not None:
             engine.static.release()
+        if path == "generate":  # transformers' own loop, each row prefilled
+            return engine.transformers_generate(prompts, params)
         return engine.generate(prompts, params)
 
     first_s: dict[str, float] = {}

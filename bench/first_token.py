@@ -5,7 +5,7 @@
 The tiny random model (float32) is built on the device; one batch of prompts of the default synthetic image task
 comes through easytrain's data pipeline (:class:`~easytrain.trainer.data.RLData`). For every decode path of the
 real :class:`~easytrain.workers.rollout.hf_engine.HFEngine` (``static``: the static KV cache, compiled into CUDA
-graphs on CUDA and eager elsewhere; ``drop_finished``; ``generate``) and every attention (``sdpa`` left to
+graphs on CUDA and eager elsewhere; ``dynamic``, easytrain's loop; ``generate``) and every attention (``sdpa`` left to
 torch's choice, ``sdpa:<backend>`` pinned by ``torch.nn.attention.sdpa_kernel``, ``eager``) the engine decodes
 greedily, ``n`` samples per prompt, and the actor's forward code (:func:`~easytrain.workers.forward.log_probs_of`)
 recomputes the responses' log-probs in each layout (padded, padding-free, prompt-shared, both), under the same
@@ -58,7 +58,7 @@ logger = logging.getLogger("first_token")
 BACKENDS = {"math": SDPBackend.MATH, "efficient": SDPBackend.EFFICIENT_ATTENTION,
             "flash": SDPBackend.FLASH_ATTENTION, "cudnn": SDPBackend.CUDNN_ATTENTION}
 ATTENTIONS = ("sdpa", *(f"sdpa:{name}" for name in BACKENDS), "eager")
-PATHS = ("static", "drop_finished", "generate")
+PATHS = ("static", "dynamic", "generate")
 LAYOUTS = {"padded": (False, False), "packed": (True, False), "shared": (False, True), "packed_shared": (True, True)}
 REFERENCE = "generate|eager"  # whose greedy tokens the others are compared with: transformers' own loop and attention
 
@@ -172,7 +172,7 @@ def actor(probe: Probe, batch: Batch, layout: str, alone_first: torch.Tensor) ->
 
 def generate(probe: Probe, path: str) -> tuple[Batch, bool]:
     """The engine's greedy rollout on ``path``, assembled as the actor takes it; whether the step was compiled."""
-    engine = HFEngine(probe.model, probe.stops, probe.pad, probe.device, drop_finished=path != "generate",
+    engine = HFEngine(probe.model, probe.stops, probe.pad, probe.device,
                       static_cache="on" if path == "static" else "off")
     compiled = engine.static is not None and engine.static.compiled
     if compiled:
@@ -181,7 +181,7 @@ def generate(probe: Probe, path: str) -> tuple[Batch, bool]:
     caught.setLevel(logging.WARNING)  # the engine says there why its static path fell back to the dynamic loop
     engine_log.addHandler(caught)
     try:
-        out = engine.generate(probe.prompts, probe.params)
+        out = (engine.transformers_generate if path == "generate" else engine.generate)(probe.prompts, probe.params)
     finally:
         engine_log.removeHandler(caught)
     if path == "static" and engine.static is None:

@@ -11,16 +11,14 @@ and the ratio. The switches (each tested for equal results in tests/):
 
 - ``model.dedupe_images``: each distinct image through the vision tower once
   per forward (rollout prefill, reference, actor), not once per response;
-- ``worker.rollout.share_prefill``: the HF engine prefills each prompt once
-  and copies its KV cache to the prompt's n samples;
-- ``worker.rollout.drop_finished``: the HF engine decodes with easytrain's
-  loop, finished rows leaving the batch (off: transformers ``generate``);
 - ``worker.actor.share_prompt``: the reference and actor forward passes run
   each prompt once with its responses after it;
 - ``worker.actor.reuse_log_probs_on_policy`` (on in both: it was already the
   default) skips the old-log-prob pass when the update is exactly on-policy.
 
-Not switches, so in both variants: a Batch carries each prompt's images once
+Not switches, so in both variants: the HF engine's decode loop (each prompt prefilled once for its n
+samples, finished rows leaving the batch: ``worker.rollout.share_prefill`` and ``drop_finished`` were
+switches when results/step_optimisations.json was recorded, and the one path since), a Batch carries each prompt's images once
 and its tensors as numpy arrays in transit (``easytrain/distributed/batch.py``),
 and worker processes use their share of the cores (``trainer.threads_per_worker``).
 
@@ -42,8 +40,7 @@ sys.path.insert(0, str(ROOT))
 
 from bench.provenance import write_result  # noqa: E402
 
-SWITCHES = ["model.dedupe_images", "worker.rollout.share_prefill", "worker.rollout.drop_finished",
-            "worker.actor.share_prompt"]
+SWITCHES = ["model.dedupe_images", "worker.actor.share_prompt"]
 VARIANTS = {"plain": [f"{s}=false" for s in SWITCHES], "optimised": [f"{s}=true" for s in SWITCHES]}
 
 

@@ -17,8 +17,9 @@ What runs, for each model size, ``--repeats`` times, in rotating order:
 - ``easytrain_2w``: two fused worker processes (FSDP2 over gloo), one
   core each, 16 sequences per micro batch;
 - ``easytrain_plain``: ``easytrain`` with the step optimisations off
-  (``share_prompt``, ``share_prefill``, ``drop_finished``,
-  ``dedupe_images``): what they are worth here;
+  (``share_prompt``, ``dedupe_images``; the recorded result also turned
+  off the HF engine's shared prefill and decode loop, switches then, one path since): what they are worth
+  here;
 - ``trl``: ``bench/_trl_side.py`` (TRL's ``GRPOTrainer``, one process), run
   with the bench venv's python.
 
@@ -90,8 +91,7 @@ RESULT = ROOT / "bench" / "results" / "trl_compare.json"
 DEFAULT_BENCH_PYTHON = os.environ.get("EASYTRAIN_BENCH_PYTHON", "/work/bench-venv/bin/python")
 ONE_WORKER = ["trainer.workers_per_node=1", "worker.actor.micro_batch_size_per_device_for_update=32",
               "worker.actor.micro_batch_size_per_device_for_experience=32"]
-STEP_OPTIMISATIONS_OFF = ["worker.actor.share_prompt=false", "worker.rollout.share_prefill=false",
-                          "worker.rollout.drop_finished=false", "model.dedupe_images=false"]
+STEP_OPTIMISATIONS_OFF = ["worker.actor.share_prompt=false", "model.dedupe_images=false"]
 VARIANTS = {
     # one fused worker process (actor, reference and rollout) using both cores (threads_per_worker's
     # default), all 32 sequences in one micro batch as TRL's per_device_train_batch_size=32 does

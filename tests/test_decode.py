@@ -1,4 +1,5 @@
-"""The HF engine's own decoding loop (``worker.rollout.drop_finished``) against transformers ``generate``.
+"""The HF engine's own decoding loop (each prompt prefilled once for its n samples, finished rows leaving the
+batch) against transformers ``generate`` (:meth:`HFEngine.transformers_generate`, each row prefilled).
 
 Greedy decoding must give generate's tokens, also when rows stop early and
 leave the batch; sampling must give generate's draws while no row has
@@ -45,8 +46,8 @@ def setup(tmp_path: Path, family: str) -> tuple[Any, Batch, Any, list[int]]:
     return model, prompts, data.tokenizer, [data.tokenizer.convert_tokens_to_ids("<|im_end|>")]
 
 
-def engine(model: Any, stops: list[int], pad: int, drop: bool, share: bool = True) -> HFEngine:
-    return HFEngine(model, stops, pad, CPU, share_prefill=share, drop_finished=drop)
+def engine(model: Any, stops: list[int], pad: int) -> HFEngine:
+    return HFEngine(model, stops, pad, CPU)
 
 
 def forward_rows(model: Any) -> tuple[list[int], Any]:
@@ -59,7 +60,7 @@ def forward_rows(model: Any) -> tuple[list[int], Any]:
 def early_stop_tokens(model: Any, prompts: Batch, stops: list[int], pad: int, params: SamplingParams) -> list[int]:
     """Stop ids that end some rows early and leave others running: of the tokens a first run produced, the one
     that would give the rows the most distinct lengths (some ending, some running to the end)."""
-    first = engine(model, stops, pad, drop=False).generate(prompts, params)["responses"]
+    first = engine(model, stops, pad).transformers_generate(prompts, params)["responses"]
     steps = first.shape[1]
 
     def lengths(token: int) -> torch.Tensor:
@@ -73,23 +74,22 @@ def early_stop_tokens(model: Any, prompts: Batch, stops: list[int], pad: int, pa
 
 
 @pytest.mark.parametrize("family", ["qwen2_5_vl", "qwen2", "qwen2_5_vl_text"])
-@pytest.mark.parametrize("share", [False, True])
-def test_greedy_equals_generate_with_rows_leaving(family: str, share: bool, tmp_path: Path) -> None:
+def test_greedy_equals_generate_with_rows_leaving(family: str, tmp_path: Path) -> None:
     model, prompts, tokenizer, stops = setup(tmp_path, family)
     pad = tokenizer.pad_token_id
     params = SamplingParams(n=3, temperature=0.0, top_p=1.0, top_k=0, max_new_tokens=10, seed=5)
     stops = early_stop_tokens(model, prompts, stops, pad, params)
     rows, handle = forward_rows(model)
-    ours = engine(model, stops, pad, drop=True, share=share).generate(prompts, params)
+    ours = engine(model, stops, pad).generate(prompts, params)
     handle.remove()
-    theirs = engine(model, stops, pad, drop=False, share=False).generate(prompts, params)
+    theirs = engine(model, stops, pad).transformers_generate(prompts, params)
     assert torch.equal(ours["responses"], theirs["responses"])
     assert torch.equal(ours["response_mask"], theirs["response_mask"])
     torch.testing.assert_close(ours["rollout_log_probs"], theirs["rollout_log_probs"], rtol=1e-5, atol=1e-5)
     lengths = ours["response_mask"].sum(-1)
     assert lengths.min() < lengths.max()  # some rows stopped early, others went on
     decode_rows = rows[1:]
-    assert rows[0] == (len(prompts) if share else len(prompts) * params.n)  # the prefill
+    assert rows[0] == len(prompts)  # the prefill: once per prompt, its cache copied to its n rows
     assert decode_rows == sorted(decode_rows, reverse=True) and decode_rows[-1] < len(prompts) * params.n
     # each decode forward ran exactly the rows whose response was still going
     expected = [int((lengths > step).sum()) for step in range(1, int(lengths.max()))]
@@ -101,11 +101,12 @@ def test_sampling_equals_generate_until_a_row_stops(family: str, tmp_path: Path)
     model, prompts, tokenizer, _ = setup(tmp_path, family)
     never = [int(model.config.image_token_id)] if family != "qwen2" else [tokenizer.pad_token_id + 10**6]
     params = SamplingParams(n=4, temperature=0.9, top_p=0.95, top_k=50, max_new_tokens=12, seed=11)
-    ours = engine(model, never, tokenizer.pad_token_id, drop=True).generate(prompts, params)
-    theirs = engine(model, never, tokenizer.pad_token_id, drop=False, share=False).generate(prompts, params)
+    ours = engine(model, never, tokenizer.pad_token_id).generate(prompts, params)
+    theirs = engine(model, never, tokenizer.pad_token_id).transformers_generate(prompts, params)
     assert torch.equal(ours["responses"], theirs["responses"])  # the same draws from the same seed
     torch.testing.assert_close(ours["rollout_log_probs"], theirs["rollout_log_probs"], rtol=1e-5, atol=1e-5)
-    assert len(set(map(tuple, ours["responses"].tolist()))) > len(prompts)  # really sampled
+    assert len(set(map(tuple, ours["responses"].tolist()))) > len(prompts)  # really sampled: the shared cache
+    # did not make a prompt's rows copies
 
 
 @pytest.mark.parametrize("family", ["qwen2_5_vl", "qwen2"])
@@ -115,7 +116,7 @@ def test_sampled_log_probs_match_a_forward_after_rows_leave(family: str, tmp_pat
     params = SamplingParams(n=4, temperature=1.0, top_p=1.0, top_k=0, max_new_tokens=12, seed=3)
     stops = early_stop_tokens(model, prompts, stops, pad, params)
     rows, handle = forward_rows(model)
-    out = engine(model, stops, pad, drop=True).generate(prompts, params)
+    out = engine(model, stops, pad).generate(prompts, params)
     handle.remove()
     lengths = out["response_mask"].sum(-1)
     assert lengths.min() < lengths.max() and min(rows[1:]) < len(prompts) * params.n  # rows left the batch

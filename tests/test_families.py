@@ -178,8 +178,8 @@ def test_a_bound_family_builds_the_collators_vision_inputs(tiny_model: Any) -> N
 
 
 def test_a_family_whose_cache_rows_cannot_be_reused_generates_with_generate(tmp_path: Path) -> None:
-    """Qwen3.5's linear-attention states cannot be copied or dropped by row: the HF engine turns its shared prefill
-    and decode loops off, and the responses' log-probs still equal the training forward's."""
+    """Qwen3.5's linear-attention states cannot be copied or dropped by row: the HF engine decodes with transformers
+    generate instead of its own loops, and the responses' log-probs still equal the training forward's."""
     from easytrain.trainer.data import to_batch
     from easytrain.workers.forward import response_log_probs
     from easytrain.workers.rollout.engine import SamplingParams
@@ -189,7 +189,7 @@ def test_a_family_whose_cache_rows_cannot_be_reused_generates_with_generate(tmp_
     data, raw, model = prompt_batch(tmp_path, "qwen3_5")
     prompts = to_batch(raw, keep_images=False)
     engine = HFEngine(model, [-1], data.tokenizer.pad_token_id, torch.device("cpu"))  # asks for both by default
-    assert not engine.share_prefill and not engine.drop_finished and engine.static is None
+    assert not engine.reuses_kv and engine.static is None
     out = engine.generate(prompts, SamplingParams(2, 1.0, 1.0, -1, 4, seed=1))
     batch = assemble(prompts, out, 2, family_of(model))
     log_probs, _ = response_log_probs(model, batch, 1.0, torch.device("cpu"))

@@ -247,7 +247,7 @@ def test_grpo_runs_end_to_end_on_the_tiny_llava(llava: Path, tmp_path: Path) -> 
     assert all(math.isfinite(r[k]) for r in steps for k in ("reward/mean", "actor/pg_loss", "actor/grad_norm"))
     assert all(r["actor/grad_norm"] > 0 for r in steps)
     assert_logged_off(log)
-    assert "worker.rollout.share_prefill, drop_finished and static_cache: off" in log  # the HF engine's KV reuse
+    assert "the HF engine decodes with transformers generate" in log  # no KV reuse for the generic adapter
 
 
 @pytest.mark.slow

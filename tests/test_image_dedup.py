@@ -72,9 +72,8 @@ def test_greedy_rollout_is_unchanged_and_prefills_each_image_once(tmp_path: Path
     for dedupe in (False, True):
         model = load_model(config.model, folder)
         stats = family_of(model).dedupe_images(model) if dedupe else None
-        engine = HFEngine(model, [0], 1, torch.device("cpu"), share_prefill=False,  # n prefills of each image
-                          drop_finished=False)
-        outputs.append(engine.generate(prompts, params))
+        engine = HFEngine(model, [0], 1, torch.device("cpu"))
+        outputs.append(engine.transformers_generate(prompts, params))  # a prefill per row: n of each image
         if stats is not None:
             assert stats.calls[0] == (3 * len(prompts), len(prompts))  # the prefill: each image once
     assert torch.equal(outputs[0]["responses"], outputs[1]["responses"])

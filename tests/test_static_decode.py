@@ -2,7 +2,7 @@
 loop, run eagerly on CPU (on CUDA the same step is compiled into CUDA graphs: tests/gpu/test_static_decode_gpu.py).
 
 Greedy decoding must give generate's tokens and the dynamic loop's, for a text model and a VL model (with images,
-and given text only), one and several samples per prompt, the prefill shared or not, with rows stopping at
+and given text only), one and several samples per prompt (the prefill shared by a prompt's rows), with rows stopping at
 different steps (finished rows stay in the batch: every decode forward has all rows); sampling must give the
 dynamic loop's draws while no row has stopped; and with rows stopping, every sampled log-prob must be the one a
 teacher-forced forward of the finished sequences gives. The prompts are left-padded and the cache is longer than
@@ -39,17 +39,17 @@ CPU = torch.device("cpu")
 TOL = dict(rtol=1e-5, atol=1e-5)
 
 
-def engine(model: Any, stops: list[int], pad: int, path: str, share: bool = True) -> HFEngine:
-    """``static``: the static-cache loop; ``dynamic``: rows leave the batch; ``generate``: transformers'."""
-    return HFEngine(model, stops, pad, CPU, share_prefill=share, drop_finished=path != "generate",
-                    static_cache="on" if path == "static" else "off")
+def engine(model: Any, stops: list[int], pad: int, path: str) -> HFEngine:
+    """``static``: the static-cache loop; ``dynamic``: rows leave the batch (``transformers_generate``: the
+    reference)."""
+    return HFEngine(model, stops, pad, CPU, static_cache="on" if path == "static" else "off")
 
 
-def static_engine_rows(model: Any, stops: list[int], pad: int, share: bool, prompts: Batch,
+def static_engine_rows(model: Any, stops: list[int], pad: int, prompts: Batch,
                        params: SamplingParams) -> tuple[Batch, list[int], HFEngine]:
     rows, handle = dynamic_tests.forward_rows(model)
     try:
-        ours = engine(model, stops, pad, "static", share)
+        ours = engine(model, stops, pad, "static")
         out = ours.generate(prompts, params)
     finally:
         handle.remove()
@@ -57,17 +57,17 @@ def static_engine_rows(model: Any, stops: list[int], pad: int, share: bool, prom
 
 
 @pytest.mark.parametrize("family", ["qwen2", "qwen2_5_vl", "qwen2_5_vl_text"])  # the last: a VL model, text only
-@pytest.mark.parametrize("n,share", [(1, True), (3, False), (3, True)])
-def test_greedy_static_equals_generate_and_dynamic(family: str, n: int, share: bool, tmp_path: Path) -> None:
+@pytest.mark.parametrize("n", [1, 3])
+def test_greedy_static_equals_generate_and_dynamic(family: str, n: int, tmp_path: Path) -> None:
     model, prompts, tokenizer, stops = dynamic_tests.setup(tmp_path, family)
     pad = tokenizer.pad_token_id
     assert (prompts["attention_mask"] == 0).any()  # left padding: the static mask must hide it
     assert ("image_grid_thw" in prompts) == (family == "qwen2_5_vl")  # images: rope offsets enter the positions
     params = SamplingParams(n=n, temperature=0.0, top_p=1.0, top_k=0, max_new_tokens=10, seed=5)
     stops = dynamic_tests.early_stop_tokens(model, prompts, stops, pad, params)
-    ours, rows, static = static_engine_rows(model, stops, pad, share, prompts, params)
-    generated = engine(model, stops, pad, "generate", share=False).generate(prompts, params)
-    dynamic = engine(model, stops, pad, "dynamic", share).generate(prompts, params)
+    ours, rows, static = static_engine_rows(model, stops, pad, prompts, params)
+    generated = engine(model, stops, pad, "dynamic").transformers_generate(prompts, params)
+    dynamic = engine(model, stops, pad, "dynamic").generate(prompts, params)
     assert torch.equal(ours["responses"], generated["responses"])
     assert torch.equal(ours["response_mask"], generated["response_mask"])
     assert torch.equal(ours["responses"], dynamic["responses"])
@@ -76,7 +76,7 @@ def test_greedy_static_equals_generate_and_dynamic(family: str, n: int, share: b
     lengths = ours["response_mask"].sum(-1)
     assert lengths.min() < lengths.max()  # some rows stopped early, others went on
     total = len(prompts) * n
-    assert rows[0] == (len(prompts) if share else total)  # the prefill: once per prompt when shared
+    assert rows[0] == len(prompts)  # the prefill: once per prompt
     assert rows[1:] == [total] * (int(lengths.max()) - 1)  # finished rows stayed: every step had every row
     # the cache spans more than was written: slots past the written ones were attended under the mask
     assert static.static is not None and static.static._shape is not None
@@ -91,7 +91,7 @@ def test_sampling_static_equals_dynamic_until_a_row_stops(family: str, tmp_path:
     params = SamplingParams(n=4, temperature=0.9, top_p=0.95, top_k=50, max_new_tokens=12, seed=11)
     ours = engine(model, never, tokenizer.pad_token_id, "static").generate(prompts, params)
     dynamic = engine(model, never, tokenizer.pad_token_id, "dynamic").generate(prompts, params)
-    generated = engine(model, never, tokenizer.pad_token_id, "generate", share=False).generate(prompts, params)
+    generated = engine(model, never, tokenizer.pad_token_id, "dynamic").transformers_generate(prompts, params)
     assert torch.equal(ours["responses"], dynamic["responses"])  # the same draws from the same seed
     assert torch.equal(ours["responses"], generated["responses"])
     torch.testing.assert_close(ours["rollout_log_probs"], dynamic["rollout_log_probs"], **TOL)
@@ -104,7 +104,7 @@ def test_static_sampled_log_probs_match_a_forward_after_rows_stop(family: str, t
     pad = tokenizer.pad_token_id
     params = SamplingParams(n=4, temperature=1.0, top_p=1.0, top_k=0, max_new_tokens=12, seed=3)
     stops = dynamic_tests.early_stop_tokens(model, prompts, stops, pad, params)
-    out, rows, _ = static_engine_rows(model, stops, pad, True, prompts, params)
+    out, rows, _ = static_engine_rows(model, stops, pad, prompts, params)
     lengths = out["response_mask"].sum(-1)
     assert lengths.min() < lengths.max()  # rows finished while others went on decoding beside them
     assert set(rows[1:]) == {len(prompts) * params.n}
@@ -226,8 +226,8 @@ def test_the_setting_picks_the_path(tmp_path: Path) -> None:
     pad = tokenizer.pad_token_id
     assert HFEngine(model, stops, pad, CPU).static is None  # auto on CPU: the dynamic loop
     assert HFEngine(model, stops, pad, CPU, static_cache="off").static is None
-    static = HFEngine(model, stops, pad, CPU, drop_finished=False, static_cache="on").static
-    assert static is not None and not static.compiled  # on CPU: eager; and it wins over drop_finished=false
+    static = HFEngine(model, stops, pad, CPU, static_cache="on").static
+    assert static is not None and not static.compiled  # on CPU: eager
     assert cache_length(1, 1) == CACHE_BUCKET and cache_length(CACHE_BUCKET, 1) == 2 * CACHE_BUCKET
     model.config.get_text_config(decoder=True).layer_types = ["sliding_attention", "full_attention"]
     assert unsupported(model) is not None

@@ -118,13 +118,11 @@ def reverse_frames(batch: Batch) -> Batch:
     return Batch({**batch.tensors, "pixel_values": pixels}, batch.meta, batch.image_counts)
 
 
-@pytest.mark.parametrize("drop_finished,share,fps", [(True, True, 2.0), (True, False, 2.0), (False, True, 2.0),
-                                                     (True, True, 0.05), (False, True, 0.05)])
-def test_the_rollouts_log_probs_equal_the_training_pass(drop_finished: bool, share: bool, fps: float,
-                                                        tmp_path: Path) -> None:
+@pytest.mark.parametrize("fps", [2.0, 0.05])
+def test_the_rollouts_log_probs_equal_the_training_pass(fps: float, tmp_path: Path) -> None:
     """The HF engine generates from video prompts (the model computes its positions from the split arguments and
-    the clips' seconds; each prompt prefilled once or per row; with drop_finished=false too, where a batch with a
-    video still runs easytrain's loop) and its per-token log-probs equal the training forward's over the assembled
+    the clips' seconds; each prompt prefilled once for its rows) and its per-token log-probs equal the training
+    forward's over the assembled
     rows, which use easytrain's positions. At 0.05 fps a temporal patch spans 40 s: the clip's temporal positions (160 per patch) reach past the
     text after it, and the responses continue from the prompt's largest position, as generation does."""
     from easytrain.workers.rollout.engine import SamplingParams
@@ -133,7 +131,7 @@ def test_the_rollouts_log_probs_equal_the_training_pass(drop_finished: bool, sha
     config = video_config(tmp_path, "qwen2_5_vl", f"data.video_fps={fps}")
     prompts = prompts_with_both(config)
     model = actor_model(config)
-    engine = HFEngine(model, [-1], 0, CPU, share_prefill=share, drop_finished=drop_finished)  # no stop: 4 tokens
+    engine = HFEngine(model, [-1], 0, CPU)  # no stop: 4 tokens
     generated = engine.generate(prompts, SamplingParams(N, 1.0, 1.0, -1, 4, seed=5))
     batch = assemble(prompts, generated, N, family_of(model))
     lp, _ = response_log_probs(model, batch, 1.0, CPU)

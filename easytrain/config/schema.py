@@ -284,18 +284,10 @@ class RolloutConfig(Section):
     """Nucleus sampling mass."""
     top_k: int = bounded(-1, low=-1)
     """Top-k sampling; -1 = off."""
-    share_prefill: bool = True
-    """hf engine: prefill each prompt once and copy its KV cache to its n samples, instead of n prefills (vLLM
-    shares the prefix by itself)."""
-    drop_finished: bool = True
-    """hf engine: decode with easytrain's own loop, in which a row that produced a stop token leaves the batch
-    and the KV cache (same greedy tokens; sampled draws the same until a row finishes, the same distribution
-    after); false = transformers generate, every row decoded until the longest ends. On CUDA the static-cache loop
-    (static_cache=auto) is used instead of either; static_cache=off leaves the choice to this switch."""
     static_cache: str = choice("auto", "auto", "on", "off")
     """hf engine: auto = on CUDA (a static KV cache, decode steps compiled into CUDA graphs; finished rows stay
-    in the batch, so it takes precedence over drop_finished), off on CPU; on = the static cache also on CPU
-    (eager; for tests); off = never (drop_finished decides)."""
+    in the batch), off on CPU; on = the static cache also on CPU (eager; for tests); off = never: easytrain's
+    dynamic loop (each prompt prefilled once for its n samples, finished rows leave the batch)."""
     gpu_memory_utilization: float = bounded(0.6, low=0.0, high=1.0, low_open=True)
     """Fraction of each GPU's memory vLLM may reserve (weights + KV cache)."""
     tensor_parallel_size: int = bounded(1, low=1)

@@ -66,6 +66,7 @@ from easytrain.memory.sft import plan_sft, sft_worker_parts, validation_prompts
 from easytrain.memory.states import FP32, role_states, shard_degree
 from easytrain.memory.phases import Phase
 from easytrain.config.presets import RANDOM_PREFIX
+from easytrain.models.families import family_of
 from easytrain.memory.rl_shape import Shape, experience_micro, gathered_units, packed_group, per_rank, shape_of, update_micro
 
 __all__ = ["CUDA_CONTEXT_BYTES", "GB", "Capacity", "Plan", "Row", "capacity_of", "plan", "worker_bytes",
@@ -131,12 +132,13 @@ def rollout_phase(config: Config, s: Shape, hf_config: dict[str, Any], capacity:
     rows = -(-prompts * n // (s.world // tp))
     dims = model_dims(hf_config)
     kv = rows * s.seq_tokens * kv_bytes_per_token(hf_config, config.model.dtype)
-    if r.drop_finished:  # the decode loop: one position's logits at a time (fp32 copy, scaled, log-softmax)
+    reuses_kv = family_of(hf_config).unsupported("kv_reuse") is None  # easytrain's decode loops, else generate
+    if reuses_kv:  # the decode loop: one position's logits at a time (fp32 copy, scaled, log-softmax)
         logits = 4 * rows * dims.vocab * FP32
     else:  # transformers' generate: every position's logits kept, stacked, scaled, log-softmax
         logits = 4 * rows * s.response * dims.vocab * s.dtype_bytes
-    # worker.rollout.share_prefill: each prompt's prefill runs once for its n samples
-    prefill_rows = -(-prompts // (s.world // tp)) if r.share_prefill and n > 1 else rows
+    # the decode loop prefills each prompt once for its n samples
+    prefill_rows = -(-prompts // (s.world // tp)) if reuses_kv and n > 1 else rows
     prompt = MicroShape(prefill_rows, s.seq_tokens - s.response, 0, s.images, s.image_tokens)
     return {"weights": weights, "kv cache": kv, "logits": logits,
             **pass_activations(config, "prefill", dims, prompt, s.dtype_bytes, s.on_gpu, adapters=False, grad=False,

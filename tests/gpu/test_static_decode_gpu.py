@@ -51,8 +51,7 @@ def test_compiled_static_greedy_equals_generate(family: str, tmp_path: Path) -> 
     params = SamplingParams(n=3, temperature=0.0, top_p=1.0, top_k=0, max_new_tokens=16, seed=0)
 
     def reference(stop_ids: list[int]) -> Batch:
-        return HFEngine(model, stop_ids, pad, cuda, share_prefill=False, drop_finished=False,
-                        static_cache="off").generate(prompts, params)
+        return HFEngine(model, stop_ids, pad, cuda, static_cache="off").transformers_generate(prompts, params)
 
     first = reference(stops)["responses"]
     candidates = [int(t) for t in first.unique() if int(t) not in stops and int(t) != pad]

@@ -405,10 +405,6 @@ class Family:
         position: zeros)."""
         return torch.zeros(rows, dtype=torch.long, device=device)
 
-    def repeat_prefill(self, model: nn.Module, n: int) -> None:
-        """After a prefill whose KV cache is repeated ``n`` times per row: repeat what the model keeps per row
-        (nothing here)."""
-
     def visual_kwargs(self, tensors: Mapping[str, torch.Tensor], seconds_arg: bool = False) -> dict[str, torch.Tensor]:
         """The model's keyword arguments for a batch's vision stream (the fixed-size path: the images, each
         ``C x S x S``)."""

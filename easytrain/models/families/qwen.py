@@ -180,11 +180,6 @@ class Qwen2VL(Family):
             return super().prefill_offsets(model, rows, device)
         return deltas.reshape(-1).to(device)
 
-    def repeat_prefill(self, model: nn.Module, n: int) -> None:
-        inner = self.inner(model)
-        if getattr(inner, "rope_deltas", None) is not None:
-            inner.rope_deltas = inner.rope_deltas.repeat_interleave(n, dim=0)
-
     def vllm_prompt_ids(self, ids: list[int]) -> list[int]:
         """Each run of image (or video) pads back to one pad: vLLM's processor replaces a pad by as many as the
         image it is given takes (the same count, the image being sized already)."""

@@ -11,11 +11,12 @@ level the generation stops (:class:`MemoryStop`: the step ends unfinished, nothi
 level the prompts still to generate are taken in pieces half the size, each with its own KV cache, the piece
 in flight is begun again, and the engine keeps the smaller piece for the rest of the run.
 
-Three decode paths (``worker.rollout``): on CUDA (``static_cache=auto``) the static-cache loop, whose steps
-replay as CUDA graphs (:mod:`easytrain.workers.rollout.static_decode`); otherwise easytrain's loop in which
-finished rows leave the batch (``drop_finished``, :mod:`easytrain.workers.rollout.decode`); or transformers
-``generate``. The static path, when chosen, wins over ``drop_finished`` (its rows stay by design); both go
-through the same pieces and pressure checks.
+One decode path per device class: on CUDA (``worker.rollout.static_cache=auto``) the static-cache loop, whose
+steps replay as CUDA graphs (:mod:`easytrain.workers.rollout.static_decode`); elsewhere easytrain's loop, in
+which each prompt is prefilled once for its n samples and finished rows leave the batch
+(:mod:`easytrain.workers.rollout.decode`). Both go through the same pieces and pressure checks. A family whose
+adapter does not serve ``kv_reuse`` (the generic one: its KV cache may not take row copies and selections)
+decodes with transformers ``generate``, every row until the longest ends.
 """
 
 from __future__ import annotations
@@ -33,20 +34,12 @@ from easytrain.workers.forward import model_inputs, suppressed_tokens, takes_vid
 from easytrain.distributed.batch import Batch
 from easytrain.memory.flag import MemoryStop, PressureFlag
 from easytrain.models.families import family_of
-from easytrain.workers.rollout.decode import decode, generate_positions
+from easytrain.workers.rollout.decode import decode
 from easytrain.workers.rollout.engine import EngineSpec, RolloutEngine, SamplingParams, describe_sleep, response_mask
 from easytrain.workers.rollout.static_decode import StaticDecoder, unsupported, wants_static
 
 logger = logging.getLogger(__name__)
 
-def has_video(batch: Batch) -> bool:
-    """Whether ``batch``'s vision stream holds a video."""
-    seconds = batch.tensors.get("visual_seconds")
-    return seconds is not None and bool((seconds > 0).any())
-
-
-PER_TOKEN = ("input_ids", "attention_mask", "mm_token_type_ids", "token_type_ids")
-"""Model inputs with a column per token (a prefill of all but the last token cuts them)."""
 GENERATE_INPUTS = ("input_ids", "attention_mask", *VISUAL_KEYS, "mm_token_type_ids")
 
 
@@ -55,26 +48,22 @@ class _Shrink(Exception):
 
 
 class HFEngine(RolloutEngine):
-    def __init__(self, model: Any, stop_ids: list[int], pad_id: int, device: torch.device,
-                 share_prefill: bool = True, drop_finished: bool = True, sleep_level: int = 0,
+    def __init__(self, model: Any, stop_ids: list[int], pad_id: int, device: torch.device, sleep_level: int = 0,
                  static_cache: str = "auto") -> None:
         self.model, self.eos_ids, self.pad_id, self.device = model.eval(), stop_ids, pad_id, device
-        self.share_prefill = share_prefill
-        """Prefill each prompt once for its n samples (worker.rollout.share_prefill)."""
-        self.drop_finished = drop_finished
-        """Decode with easytrain's loop, finished rows leaving the batch (worker.rollout.drop_finished)."""
+        reason = family_of(model).unsupported("kv_reuse")
+        self.reuses_kv = reason is None
+        """easytrain's decode loops serve the model (its family reuses KV cache rows); else ``generate``."""
+        if not self.reuses_kv:
+            logger.info("the HF engine decodes with transformers generate: %s", reason)
         self.static: Optional[StaticDecoder] = None
-        """The static-cache loop (worker.rollout.static_cache), compiled on CUDA; None = the paths above."""
-        if wants_static(static_cache, device):
+        """The static-cache loop (worker.rollout.static_cache), compiled on CUDA; None = the dynamic loop."""
+        if self.reuses_kv and wants_static(static_cache, device):
             reason = unsupported(model)
             if reason is None or static_cache == "on":  # "on" with an unsupported model raises here
                 self.static = StaticDecoder.for_device(model, device)
             else:
                 logger.info("worker.rollout.static_cache=auto: no static KV cache, %s", reason)
-        reason = family_of(model).unsupported("kv_reuse")
-        if reason is not None and (self.share_prefill or self.drop_finished or self.static is not None):
-            logger.info("worker.rollout.share_prefill, drop_finished and static_cache: off, %s", reason)
-            self.share_prefill, self.drop_finished, self.static = False, False, None
         self.suppressed = suppressed_tokens(model.config)
         self.sleep_level = sleep_level if device.type == "cuda" or sleep_level == 2 else 0
         self.asleep: set[str] = set()
@@ -97,8 +86,8 @@ class HFEngine(RolloutEngine):
         if config.model.dedupe_images:  # the prompts' n copies share their images: one prefill of each
             family_of(model).dedupe_images(model)
         rollout = config.worker.rollout
-        return cls(model, spec.stop_ids, spec.pad_id, spec.device, rollout.share_prefill, rollout.drop_finished,
-                   rollout.sleep_level if spec.fused else 0, rollout.static_cache)
+        return cls(model, spec.stop_ids, spec.pad_id, spec.device, rollout.sleep_level if spec.fused else 0,
+                   rollout.static_cache)
 
     # ------------------------------------------------------------------ sleep
 
@@ -142,17 +131,12 @@ class HFEngine(RolloutEngine):
     def generate(self, prompts: Batch, params: SamplingParams) -> Batch:
         if self.asleep or self.stale:
             raise RuntimeError(f"the HF engine cannot generate: {describe_sleep(self)}")
-        if self.static is not None or self.drop_finished or has_video(prompts):
-            # transformers' generate places the tokens after a long clip elsewhere than its own teacher-forced
-            # positions (and easytrain's) do; easytrain's loop continues from the prompt's largest position
-            return self._decode(prompts, params)
-        expanded = prompts.repeat_interleave(params.n)
-        inputs = self._inputs(expanded)
-        # A VL model computes its 3-D positions in the prefill only from images; without any it would not skip
-        # the left padding, so such batches prefill each row.
-        vision_ok = "image_grid_thw" in inputs or "video_grid_thw" in inputs or "mm_token_type_ids" not in inputs
-        if self.share_prefill and params.n > 1 and inputs["input_ids"].shape[1] > 1 and vision_ok:
-            inputs = self._prefilled(prompts, params.n, inputs)
+        return self._decode(prompts, params) if self.reuses_kv else self.transformers_generate(prompts, params)
+
+    def transformers_generate(self, prompts: Batch, params: SamplingParams) -> Batch:
+        """:meth:`generate` through transformers ``generate``, each row prefilled and decoded until the longest
+        ends: the path of a family without KV reuse, and the reference the tests hold the decode loops to."""
+        inputs = self._inputs(prompts.repeat_interleave(params.n))
         sample = params.temperature > 0
         torch.manual_seed(params.seed)
         out = self.model.generate(
@@ -171,7 +155,7 @@ class HFEngine(RolloutEngine):
         prompt ``i`` samples with seed ``params.seed + i * n``: the whole batch in one piece draws what it always
         did. Soft pressure while a piece decodes halves the piece size and begins it again, once per spell of
         pressure (until the flag reads below soft at the start of a generation)."""
-        share = self.share_prefill and params.n > 1
+        share = params.n > 1  # each prompt prefilled once, its cache repeated for its n rows
         run = self.static.decode if self.static is not None else partial(decode, self.model)
         outputs: list[tuple[torch.Tensor, torch.Tensor]] = []
         start = 0
@@ -243,25 +227,6 @@ class HFEngine(RolloutEngine):
         """What generation feeds the model from ``batch``, on this engine's device (videos split from images)."""
         return model_inputs(batch, self.device, family_of(self.model), GENERATE_INPUTS,
                             takes_video_seconds(self.model))
-
-    def _prefilled(self, prompts: Batch, n: int, expanded: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-        """Prefill every prompt but its last token once, then hand ``generate`` the cache repeated for the
-        prompt's ``n`` rows: it feeds the last prompt token and samples from there, as it would have after
-        its own prefill of each row (images and prompt tokens computed once instead of ``n`` times)."""
-        from transformers import DynamicCache
-
-        once = self._inputs(prompts)
-        head = {k: v[:, :-1] if k in PER_TOKEN else v for k, v in once.items()}
-        if "mm_token_type_ids" not in head:  # plain positions: ones that skip the left padding, as generate's
-            head["position_ids"] = generate_positions(head["attention_mask"])
-        cache = DynamicCache(config=self.model.config)
-        family = family_of(self.model)
-        family.begin_prefill(self.model)  # the model computes this batch's rope offsets afresh
-        self.model(**head, past_key_values=cache, use_cache=True, logits_to_keep=1)
-        cache.batch_repeat_interleave(n)
-        family.repeat_prefill(self.model, n)
-        return {"input_ids": expanded["input_ids"], "attention_mask": expanded["attention_mask"],
-                "past_key_values": cache}
 
     @torch.no_grad()
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> int:
