@@ -48,7 +48,7 @@ from easytrain.trainer.data import RLData  # noqa: E402
 from easytrain.workers.forward import log_probs_of, suppressed_tokens  # noqa: E402
 from easytrain.workers.rollout.decode import prefill  # noqa: E402
 from easytrain.workers.rollout.engine import SamplingParams  # noqa: E402
-from easytrain.workers.rollout.hf_engine import PER_TOKEN, HFEngine  # noqa: E402
+from easytrain.workers.rollout.hf_engine import HFEngine  # noqa: E402
 from easytrain.workers.rollout.worker import stop_token_ids  # noqa: E402
 from easytrain.workers.sequences import assemble  # noqa: E402
 from easytrain.workers.shared_prompt import prompt_groups, text_config  # noqa: E402
@@ -126,6 +126,10 @@ def build(device: torch.device, family: str, n: int, tmp: str) -> Probe:
                  config.worker.rollout.temperature, device)
 
 
+PER_TOKEN = ("input_ids", "attention_mask", "mm_token_type_ids", "token_type_ids")
+"""Model inputs with a column per token (cutting a prompt's padding cuts them)."""
+
+
 def alone_logits(probe: Probe, engine: HFEngine) -> torch.Tensor:
     """Next-token logits (B, V) of each prompt run alone, its padding cut: a plain forward, no cache."""
     rows = []
@@ -133,9 +137,7 @@ def alone_logits(probe: Probe, engine: HFEngine) -> torch.Tensor:
         inputs = engine._inputs(probe.prompts.select([i]))  # noqa: SLF001 - the engine's own model inputs
         keep = inputs["attention_mask"][0].bool()
         inputs = {k: v[:, keep] if k in PER_TOKEN else v for k, v in inputs.items()}
-        inner = getattr(probe.model, "model", None)
-        if inner is not None and hasattr(inner, "rope_deltas"):
-            inner.rope_deltas = None  # positions from this prompt's own images
+        probe.family.begin_prefill(probe.model)  # positions from this prompt's own images
         out = probe.model(**inputs, use_cache=False, logits_to_keep=1)
         rows.append(out.logits[:, -1].float())
     return torch.cat(rows)

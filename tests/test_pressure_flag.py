@@ -97,7 +97,7 @@ def write_after(model: torch.nn.Module, flag: PressureFlag, calls: int, level: s
 
 def test_hard_pressure_stops_a_generation_at_the_next_token(generation) -> None:
     model, prompts, pad, stops, params, flag = generation
-    hf = engine(model, stops, pad, drop=True)
+    hf = engine(model, stops, pad)
     hf.pressure = flag
     calls: list[int] = []
     counter = model.register_forward_hook(lambda *_: calls.append(1))
@@ -114,13 +114,13 @@ def test_hard_pressure_stops_a_generation_at_the_next_token(generation) -> None:
 def test_soft_pressure_begins_the_generation_again_in_pieces_half_the_size(generation) -> None:
     model, prompts, pad, stops, params, flag = generation
     assert len(prompts) == 4
-    quiet = engine(model, stops, pad, drop=True)
+    quiet = engine(model, stops, pad)
     whole = quiet.generate(prompts, params)
     quiet.piece = 2  # what the engine should fall back to: the same draws as a generation in pieces of two
     halves = quiet.generate(prompts, params)
     assert not torch.equal(whole["responses"], halves["responses"])  # pieces are seeded by their first prompt
 
-    hf = engine(model, stops, pad, drop=True)
+    hf = engine(model, stops, pad)
     hf.pressure = flag
     hook = write_after(model, flag, 4, "soft")  # in the middle of the whole batch's decode
     try:
