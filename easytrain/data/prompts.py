@@ -60,12 +60,6 @@ def build_messages(problem: str, num_images: int, num_videos: int = 0) -> list[d
 DEFAULT_LAYOUT = Layout()
 
 
-def expand_visuals(text: str, image_tokens: Sequence[int], video_tokens: Sequence[int] = (),
-                   layout: Layout = DEFAULT_LAYOUT) -> str:
-    """``text`` with each image and video pad expanded to its visual's token count (in order of appearance)."""
-    return layout.expand(text, image_tokens, video_tokens)
-
-
 @dataclass
 class RenderedPrompt:
     vllm_text: str

@@ -499,13 +499,3 @@ def _flatten(obj: Any, prefix: str = "") -> Any:
             yield from _flatten(value, name + ".")
         elif torch.is_tensor(value):
             yield name, tuple(value.shape)  # a DTensor reports its global shape
-
-
-def distcp_files(folder: Path) -> list[str]:
-    """The shard files in a DCP folder (one per saving rank)."""
-    return sorted(p.name for p in folder.glob("*.distcp"))
-
-
-def saved_world_size(folder: Path) -> Optional[int]:
-    n = len(list(folder.glob("rng_rank*.json")))
-    return n or None

@@ -99,7 +99,6 @@ class Trainer:
         self.pending_save: Optional[PendingCheckpoint] = None
         """A checkpoint being written in the background (trainer.checkpoint_async), published once written."""
         self.stop_reason: Optional[str] = None
-        self.save_requested = False
         self.guard = MemoryGuard(config, t.output_dir) if config.watchdog.enabled else None
         self.plan_check = PlanCheck.of(config, self.guard.watchdog.write if self.guard is not None else None)
 
@@ -189,8 +188,8 @@ class Trainer:
                     self.request_stop(stop)
             self.metrics.log(self.step, metrics)
             self.finish_save(wait=False)
-            if self.save_requested or (t.save_freq > 0 and self.step % t.save_freq == 0):
-                self.save(background=t.checkpoint_async and not self.save_requested)  # the watchdog's: bounded
+            if t.save_freq > 0 and self.step % t.save_freq == 0:
+                self.save(background=t.checkpoint_async)
             if self.stop_reason is not None:
                 raise Stopped(self.stop_reason, self.step, self.save())
             if t.val_freq > 0 and self.step % t.val_freq == 0 and self.step < self.total_steps:
@@ -245,10 +244,6 @@ class Trainer:
             logger.warning("%s: saving a checkpoint at the end of the current step and stopping", reason)
         self.stop_reason = reason
 
-    def request_checkpoint(self) -> None:
-        """Save at the end of the current step and go on (the watchdog's request)."""
-        self.save_requested = True
-
     def check_pressure(self, phase: str, before_update: bool = True) -> None:
         """Node RAM between two phases of a step (the watchdog's samplers): soft pressure is relieved now; hard
         pressure before the update ends the step unfinished (:class:`StepAborted`), from the update on the step
@@ -294,7 +289,6 @@ class Trainer:
         """Checkpoint the current step (once); None when saving is off (trainer.save_freq=0). ``background``: return
         once the workers staged their state and publish it at a later step boundary, once written (also None).
         ``boundary``: the data position and RNG the step ended with (a later step was begun and abandoned)."""
-        self.save_requested = False
         if self.config.trainer.save_freq == 0 or self.step == 0:
             return None
         self.finish_save(wait=True)  # one checkpoint in flight at a time, published in order

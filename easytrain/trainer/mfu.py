@@ -41,11 +41,6 @@ def peak_bf16_flops(device_name: str) -> Optional[float]:
     return None
 
 
-def device_peak_flops(device: Optional[torch.device] = None) -> Optional[float]:
-    """:func:`peak_bf16_flops` of this process's CUDA device (or ``device``); None without CUDA."""
-    if not torch.cuda.is_available():
-        return None
-    return peak_bf16_flops(torch.cuda.get_device_name(device))
 
 
 def update_mfu(num_params: int, tokens: int, seconds: float, peak_flops: float,

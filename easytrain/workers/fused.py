@@ -183,9 +183,3 @@ class FusedWorker(*debug_bases(FusedDebug), WorkerBase):  # type: ignore[misc]
         reading = super().memory()
         reading["sleep_freed_gb"] = self.rollout.freed_bytes / 2**30
         return reading
-
-
-def fused_parts(config: Config) -> list[str]:
-    """The roles a fused worker of ``config`` hosts."""
-    return ["actor", "rollout"] + (["ref"] if needs_reference(config) else [])
-
