@@ -245,3 +245,18 @@ def test_internvl_hands_vllm_one_context_token_per_image() -> None:
     ids = [500, start, *[context] * 4, end, 700, start, *[context] * 20, end, start, context, end, 900]
     assert family.vllm_prompt_ids(ids) == [500, context, 700, context, context, 900]
     assert family.vllm_prompt_ids([500, 600, 700]) == [500, 600, 700]
+
+
+def test_a_models_adapter_is_found_through_a_wrapper_and_made_once(tiny_model: Any) -> None:
+    """A loaded model's adapter is made once and kept for it; a wrapper whose own ``config`` is not the model's
+    (DeepSpeed's engine holds its JSON settings there) answers with the model it wraps."""
+    model = load_model(ModelConfig(path="tiny:qwen2_5_vl"), str(tiny_model("qwen2_5_vl")))
+    family = family_of(model)
+    assert family.model_type == "qwen2_5_vl" and family_of(model) is family
+
+    class Engine(torch.nn.Module):  # the shape of deepspeed.DeepSpeedEngine: .module, and .config its settings
+        def __init__(self, module: torch.nn.Module) -> None:
+            super().__init__()
+            self.module, self.config = module, {"train_batch_size": 4}
+
+    assert family_of(Engine(model)) is family

@@ -47,6 +47,9 @@ def family_of(config: Union[Mapping[str, Any], Any]) -> Family:
     if isinstance(config, nn.Module):
         family = _OF_MODEL.get(config)
         if family is None:
+            wrapped = getattr(config, "module", None)
+            if not hasattr(getattr(config, "config", None), "model_type") and isinstance(wrapped, nn.Module):
+                return family_of(wrapped)  # a wrapper whose own config is not the model's (DeepSpeed's engine)
             family = _OF_MODEL[config] = family_of(config.config)
         return family
     return adapter_class(str(getattr(config, "model_type", "")))(config.to_dict())
