@@ -234,3 +234,26 @@ def test_the_setting_picks_the_path(tmp_path: Path) -> None:
     assert HFEngine(model, stops, pad, torch.device("cpu"), static_cache="auto").static is None
     with pytest.raises(ValueError, match="static_cache=off"):
         HFEngine(model, stops, pad, CPU, static_cache="on")
+
+
+def test_an_asleep_engine_refuses_to_generate_until_woken_and_synced(tmp_path: Path) -> None:
+    """The device changes hands only where the driver says so: an engine asked to generate while asleep raises
+    instead of waking itself; woken, it still refuses weights its level-2 sleep dropped until a sync refills
+    them, and then generates what it did before the sleep."""
+    model, prompts, tokenizer, stops = dynamic_tests.setup(tmp_path, "qwen2")
+    params = SamplingParams(n=2, temperature=0.0, top_p=1.0, top_k=0, max_new_tokens=4, seed=0)
+    engine = HFEngine(model, stops, tokenizer.pad_token_id, CPU, sleep_level=2)
+    weights = {name: t.detach().clone() for name, t in model.state_dict().items()}
+    before = engine.generate(prompts, params)
+    assert engine.sleep() > 0
+    with pytest.raises(RuntimeError, match="its weights sleep"):
+        engine.generate(prompts, params)
+    with pytest.raises(RuntimeError, match="its weights sleep"):
+        engine.begin_weight_update()  # nor takes weights into room it has not woken
+    engine.wake(("weights", "kv_cache"))
+    with pytest.raises(RuntimeError, match="dropped by a level-2 sleep"):
+        engine.generate(prompts, params)
+    engine.begin_weight_update()
+    engine.load_weights(weights.items())
+    engine.finish_weight_update()  # every dropped weight refilled: no longer stale
+    assert torch.equal(engine.generate(prompts, params)["responses"], before["responses"])

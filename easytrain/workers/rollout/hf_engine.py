@@ -253,7 +253,8 @@ class HFEngine(RolloutEngine):
         return out
 
     def begin_weight_update(self, partial: bool = False) -> None:
-        self.wake(("weights",))
+        if "weights" in self.asleep:
+            raise RuntimeError(f"the HF engine cannot take weights: {describe_sleep(self)}")
         self._filled = set()
 
     def finish_weight_update(self) -> None:
