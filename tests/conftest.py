@@ -15,7 +15,11 @@
 - ``writable(section)``: a changeable copy of a loaded (read-only) config section, for a test that moves a
   setting of a live object (a run's own config never changes).
 - markers: ``slow`` (end-to-end; ``pytest -m 'not slow'`` skips them), ``gpu``
-  (skipped without CUDA).
+  (skipped without CUDA), ``serial`` (reads or changes the whole machine: runs with no other test beside it).
+- Two test processes (``pytest -n 2``) never share a Ray: every easytrain run a test starts makes a Ray of its
+  own (``RAY_ADDRESS=local``), and tests of one end-to-end file, or of one session run (``default_run``,
+  ``uninterrupted_run``), go to one process (``xdist_group``, for ``--dist loadgroup``), which runs that
+  session run once.
 """
 
 from __future__ import annotations
@@ -30,6 +34,7 @@ import torch
 os.environ.setdefault("HF_HUB_OFFLINE", "1")  # tests never download
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 os.environ.setdefault("RAY_DEDUP_LOGS", "0")
+os.environ["RAY_ADDRESS"] = "local"  # a run a test starts never joins another test's Ray (ray.address)
 os.environ["EASYTRAIN_DEBUG_METHODS"] = "1"  # the workers' test-only remote methods (easytrain.workers.debug)
 
 def tiny_families(feature: Optional[str] = None, images: bool = False) -> list[str]:
@@ -165,6 +170,10 @@ def tiny_model(tmp_path_factory: pytest.TempPathFactory) -> Callable[..., Path]:
     return get
 
 
+SESSION_RUNS = ("default_run", "uninterrupted_run")
+
+
+@pytest.hookimpl(tryfirst=True)  # before xdist reads the groups
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     try:
         import torch
@@ -176,9 +185,19 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     for item in items:
         if "gpu" in item.keywords and not has_gpu:
             item.add_marker(skip_gpu)
+        group = xdist_group(item)
+        if group:
+            item.add_marker(pytest.mark.xdist_group(group))
     # Another Ray replaces the shared local one: those tests run last, grouped by the Ray they need (a stable
     # sort: file order otherwise).
     items.sort(key=cluster_rank)
+
+
+def xdist_group(item: pytest.Item) -> Optional[str]:
+    """The test process an end-to-end test must share: its session run's, else its file's (module fixtures)."""
+    names = getattr(item, "fixturenames", ())
+    run = next((name for name in SESSION_RUNS if name in names), None)
+    return run or (item.path.stem if "slow" in item.keywords else None)
 
 
 def cluster_rank(item: pytest.Item) -> int:
@@ -235,9 +254,6 @@ DEFAULT_RUN_STEPS = 192
 def default_run(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """``python -m easytrain.main`` as it ships (watchdog, loggers, validation, report; no dashboard), all of its
     ``DEFAULT_RUN_STEPS`` steps; its run folder."""
-    import subprocess
-    import sys
-
     return run_main(tmp_path_factory.mktemp("default") / "run")
 
 
@@ -246,10 +262,8 @@ def run_main(run_dir: Path, *overrides: str) -> Path:
     import subprocess
     import sys
 
-    env = {**os.environ, "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
-    env.pop("RAY_ADDRESS", None)
     proc = subprocess.run([sys.executable, "-m", "easytrain.main", "ray.include_dashboard=false",
-                           f"hydra.run.dir={run_dir}", *overrides], cwd=Path(__file__).resolve().parents[1], env=env,
+                           f"hydra.run.dir={run_dir}", *overrides], cwd=Path(__file__).resolve().parents[1],
                           capture_output=True, text=True, timeout=1200)
     assert proc.returncode == 0, proc.stderr[-3000:]
     return run_dir

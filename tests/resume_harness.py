@@ -40,8 +40,7 @@ class Run:
         self.proc: Optional[subprocess.Popen] = None
 
     def start(self) -> "Run":
-        env = {**os.environ, "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false", **self.env}
-        env.pop("RAY_ADDRESS", None)
+        env = {**os.environ, **self.env}
         with open(self.log, "a") as log:
             self.proc = subprocess.Popen(self.args, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT)
         return self

@@ -11,7 +11,8 @@ import torch
 
 from easytrain.config import load, with_overrides
 from easytrain.config import ConfigError
-from easytrain.distributed.cluster import check_cluster_fits, check_local_gpus, places
+from easytrain.config.schema import RayConfig
+from easytrain.distributed.cluster import check_cluster_fits, check_local_gpus, places, ray_address
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="this machine's GPUs could hold the run")
@@ -81,3 +82,15 @@ def test_a_local_run_that_asks_for_more_cpus_than_ray_has_fails_in_seconds(tmp_p
     assert lines[-1].startswith("easytrain: config error: trainer.workers_per_node=4: the run needs 4 CPU(s)"), lines
     assert "with 2 CPU(s)" in lines[-1] and "raise ray.num_cpus" in lines[-1]
     assert time.monotonic() - start < 90  # Ray's start, not the pools' 120 s wait
+
+
+def test_local_starts_a_ray_of_its_own_and_an_address_is_joined(monkeypatch: pytest.MonkeyPatch) -> None:
+    """``local`` (Ray's own word) in ``ray.address`` or ``RAY_ADDRESS``: easytrain starts a new Ray, never joins one."""
+    monkeypatch.setenv("RAY_ADDRESS", "local")
+    assert ray_address(RayConfig()) == (None, "RAY_ADDRESS")
+    assert ray_address(RayConfig(address="10.0.0.1:6379")) == ("10.0.0.1:6379", "ray.address")
+    monkeypatch.setenv("RAY_ADDRESS", "10.0.0.2:6379")
+    assert ray_address(RayConfig()) == ("10.0.0.2:6379", "RAY_ADDRESS")
+    assert ray_address(RayConfig(address="local")) == (None, "ray.address")
+    monkeypatch.delenv("RAY_ADDRESS")
+    assert ray_address(RayConfig()) == (None, "RAY_ADDRESS")

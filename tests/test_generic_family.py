@@ -10,7 +10,6 @@ from __future__ import annotations
 import json
 import logging
 import math
-import os
 import subprocess
 import sys
 from pathlib import Path
@@ -210,10 +209,8 @@ def test_a_vision_config_without_the_fixed_image_interface_keeps_images_a_config
 def run_logged(run_dir: Path, *overrides: str) -> str:
     """``python -m easytrain.main`` with ``overrides`` in a process of its own (its own local Ray, no dashboard);
     the run's output, the Ray workers' lines included."""
-    env = {**os.environ, "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
-    env.pop("RAY_ADDRESS", None)
     proc = subprocess.run([sys.executable, "-m", "easytrain.main", "ray.include_dashboard=false",
-                           f"hydra.run.dir={run_dir}", *overrides], cwd=ROOT, env=env, stdout=subprocess.PIPE,
+                           f"hydra.run.dir={run_dir}", *overrides], cwd=ROOT, stdout=subprocess.PIPE,
                           stderr=subprocess.STDOUT, text=True, timeout=900)
     assert proc.returncode == 0, proc.stdout[-3000:]
     return proc.stdout

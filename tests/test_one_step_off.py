@@ -8,7 +8,6 @@ the batch the uninterrupted run generated during that step, landing on the same 
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import sys
 from pathlib import Path
@@ -122,12 +121,10 @@ def test_the_default_task_learns_one_step_off(tmp_path: Path) -> None:
     128 of its 192 steps (a constant learning rate: the same first 128 steps): held-out accuracy ends far above
     the best constant answer (1/4), as the sync default's does (the whole run reached 1.0 from step 128 on)."""
     run_dir = tmp_path / "run"
-    env = {**os.environ, "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
-    env.pop("RAY_ADDRESS", None)
     proc = subprocess.run([sys.executable, "-m", "easytrain.main", "trainer.colocate=false",
                            "trainer.rollout_mode=one_step_off", "trainer.workers_per_node=1",
                            "trainer.max_steps=128", "ray.include_dashboard=false", f"hydra.run.dir={run_dir}"],
-                          cwd=Path(__file__).resolve().parents[1], env=env, capture_output=True, text=True,
+                          cwd=Path(__file__).resolve().parents[1], capture_output=True, text=True,
                           timeout=1200)
     assert proc.returncode == 0, proc.stderr[-3000:]
     curve = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]

@@ -60,7 +60,8 @@ class WatchdogConfig(Section):
 @dataclass
 class RayConfig(Section):
     address: Optional[str] = None
-    """Cluster to join; null = RAY_ADDRESS if set, else start a local Ray."""
+    """Cluster to join; null = RAY_ADDRESS if set, else the cluster `ray start` left on this machine, else a new
+    local Ray; `local` = always a new local Ray."""
     num_cpus: Optional[int] = bounded(None, low=1)
     """CPUs of a local Ray started by easytrain; null = all of this machine's."""
     include_dashboard: bool = True

@@ -1,8 +1,10 @@
 """Starting or joining Ray.
 
 The driver joins the cluster named by ``ray.address`` (or ``RAY_ADDRESS``, as
-Ray's own tools do) and otherwise starts a local Ray on this machine. Ray's
-token authentication (on by default in Ray 2.60) is left as Ray sets it up.
+Ray's own tools do). Without one, Ray's rule applies: it joins the cluster a
+``ray start`` left on this machine, else starts a local Ray; ``local`` always
+starts a new local Ray (as ``ray.init(address="local")`` does). Ray's token
+authentication (on by default in Ray 2.60) is left as Ray sets it up.
 """
 
 from __future__ import annotations
@@ -10,7 +12,7 @@ from __future__ import annotations
 import logging
 import os
 import time
-from typing import Any
+from typing import Any, Optional
 
 from easytrain.config.derived import needs_reference
 from easytrain.config.errors import ConfigError
@@ -19,6 +21,15 @@ from easytrain.distributed.token import InsecureAddress, check_token_transport
 
 logger = logging.getLogger(__name__)
 
+LOCAL = "local"
+
+
+def ray_address(cfg: RayConfig) -> tuple[Optional[str], str]:
+    """The address the driver joins and the key it came from (``ray.address``, else ``RAY_ADDRESS``);
+    ``(None, ...)`` when easytrain starts the Ray (no address, or ``local``)."""
+    address, source = (cfg.address, "ray.address") if cfg.address else (os.environ.get("RAY_ADDRESS"), "RAY_ADDRESS")
+    return (None if not address or address == LOCAL else address), source
+
 
 def check_local_gpus(config: Config) -> None:
     """``trainer.device=cuda`` on a Ray that easytrain starts here: this machine must have a GPU per worker of the
@@ -26,7 +37,7 @@ def check_local_gpus(config: Config) -> None:
     waits for devices that never come. A joined cluster is checked by :func:`check_cluster_fits` once Ray is
     up."""
     t = config.trainer
-    if t.device != "cuda" or config.ray.address or os.environ.get("RAY_ADDRESS"):
+    if t.device != "cuda" or ray_address(config.ray)[0]:
         return
     import torch
 
@@ -66,7 +77,7 @@ def check_cluster_fits(config: Config, poll_s: float = 2.0) -> None:
     t = config.trainer
     pools = pools_per_node(config)
     key = "GPU" if t.device == "cuda" else "CPU"
-    joined = bool(config.ray.address or os.environ.get("RAY_ADDRESS"))
+    joined = ray_address(config.ray)[0] is not None
     deadline = time.monotonic() + (config.ray.wait_for_nodes_s if joined else 0)
     while True:
         capacities = [n.get("Resources", {}).get(key, 0.0) for n in ray.nodes() if n.get("Alive")]
@@ -109,15 +120,17 @@ def init_ray(cfg: RayConfig, namespace: str = "easytrain") -> dict[str, Any]:
 
     dashboard = ""
     if not ray.is_initialized():
-        address = cfg.address or os.environ.get("RAY_ADDRESS")
+        address, source = ray_address(cfg)
         if address:
-            check_client_address(address, "ray.address" if cfg.address else "RAY_ADDRESS")
+            check_client_address(address, source)
             logger.info("joining the Ray cluster at %s", address)
             context = ray.init(address=address, namespace=namespace, log_to_driver=True)
         else:
-            logger.info("starting a local Ray (num_cpus=%s)", cfg.num_cpus or "all")
-            context = ray.init(num_cpus=cfg.num_cpus, include_dashboard=cfg.include_dashboard,
-                               namespace=namespace, log_to_driver=True)
+            fresh = (cfg.address or os.environ.get("RAY_ADDRESS")) == LOCAL
+            logger.info("starting a local Ray (num_cpus=%s)%s", cfg.num_cpus or "all",
+                        "" if fresh else ", or joining the one `ray start` left on this machine")
+            context = ray.init(address=LOCAL if fresh else None, num_cpus=cfg.num_cpus,
+                               include_dashboard=cfg.include_dashboard, namespace=namespace, log_to_driver=True)
         dashboard = context.dashboard_url or ""
     resources = ray.cluster_resources()
     nodes = [n for n in ray.nodes() if n.get("Alive")]
