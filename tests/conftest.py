@@ -15,11 +15,9 @@
 - ``writable(section)``: a changeable copy of a loaded (read-only) config section, for a test that moves a
   setting of a live object (a run's own config never changes).
 - markers: ``slow`` (end-to-end; ``pytest -m 'not slow'`` skips them), ``gpu``
-  (skipped without CUDA), ``serial`` (reads or changes the whole machine: runs with no other test beside it).
-- Two test processes (``pytest -n 2``) never share a Ray: every easytrain run a test starts makes a Ray of its
-  own (``RAY_ADDRESS=local``), and tests of one end-to-end file, or of one session run (``default_run``,
-  ``uninterrupted_run``), go to one process (``xdist_group``, for ``--dist loadgroup``), which runs that
-  session run once.
+  (skipped without CUDA).
+- Every easytrain run a test starts makes a Ray of its own (``RAY_ADDRESS=local``): it never joins a Ray
+  another test (or a developer's ``ray start``) left on the machine.
 """
 
 from __future__ import annotations
@@ -170,10 +168,6 @@ def tiny_model(tmp_path_factory: pytest.TempPathFactory) -> Callable[..., Path]:
     return get
 
 
-SESSION_RUNS = ("default_run", "uninterrupted_run")
-
-
-@pytest.hookimpl(tryfirst=True)  # before xdist reads the groups
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     try:
         import torch
@@ -185,19 +179,9 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     for item in items:
         if "gpu" in item.keywords and not has_gpu:
             item.add_marker(skip_gpu)
-        group = xdist_group(item)
-        if group:
-            item.add_marker(pytest.mark.xdist_group(group))
     # Another Ray replaces the shared local one: those tests run last, grouped by the Ray they need (a stable
     # sort: file order otherwise).
     items.sort(key=cluster_rank)
-
-
-def xdist_group(item: pytest.Item) -> Optional[str]:
-    """The test process an end-to-end test must share: its session run's, else its file's (module fixtures)."""
-    names = getattr(item, "fixturenames", ())
-    run = next((name for name in SESSION_RUNS if name in names), None)
-    return run or (item.path.stem if "slow" in item.keywords else None)
 
 
 def cluster_rank(item: pytest.Item) -> int:

@@ -129,7 +129,7 @@ def test_select_equals_the_per_sample_layout(prompts: PerSample, indices: list[i
     assert_same(batch.select(indices), prompts.batch([samples[i] for i in indices]))
 
 
-def test_split_concat_and_interleave_equal_the_per_sample_layout(prompts: PerSample) -> None:
+def test_split_and_concat_equal_the_per_sample_layout(prompts: PerSample) -> None:
     batch, samples = repeated(prompts, 4)
     parts = batch.split(3)
     bounds = [len(samples) * p // 3 for p in range(4)]
@@ -139,8 +139,6 @@ def test_split_concat_and_interleave_equal_the_per_sample_layout(prompts: PerSam
     other = prompts.batch([1, 3, 3])
     assert_same(Batch.concat([parts[2], other, parts[0]]),
                 prompts.batch(samples[bounds[2]:] + [1, 3, 3] + samples[:bounds[1]]))
-    order = [s * 8 + r * 4 + i for r in range(2) for s in range(2) for i in range(4)]
-    assert_same(batch.interleave_for_ranks(8, 2), prompts.batch([samples[i] for i in order]))
 
 
 def test_a_ranks_share_carries_only_its_samples_images(prompts: PerSample) -> None:

@@ -58,15 +58,14 @@ def test_phase_order_with_a_sleeping_engine(ray_local: None, tmp_path: Path) -> 
 @pytest.mark.parametrize("lora", [False, True])
 def test_sync_refills_dropped_weights(ray_local: None, tmp_path: Path, lora: bool) -> None:
     """After a level-2 sleep and the in-process sync, the engine's weights equal the actor's on both ranks:
-    gathered through the node's shared staging buffers straight into the engine's parameters, or (LoRA) into
-    full tensors that are merged first."""
+    gathered by the process group's all-gather into full tensors (LoRA: merged first) and loaded."""
     adapters = ["model.lora.rank=4", "model.lora.alpha=8"] if lora else []
     config = make_config(str(tmp_path), "trainer.workers_per_node=2", "trainer.val_freq=-1", "trainer.save_freq=-1",
                          "algorithm.kl_coef=0.01", *adapters)
     trainer = RLTrainer(config)
     try:
         synced = trainer.train_step().metrics
-        assert synced["sync/shared_staging"] == 1.0 and (synced["sync/in_place"] > 0) != lora
+        assert synced["sync/in_place"] == 0 and synced["sync/tensors"] > 0 and synced["sync/gather_s"] > 0
         actor = trainer.roles.actor.call("full_state_dict")  # HF names, LoRA merged
         engines = trainer.roles.rollout.call("engine_weights")
         assert len(engines) == 2
@@ -86,7 +85,7 @@ def test_one_process_syncs_the_whole_model_in_place_without_a_collective(ray_loc
     trainer = RLTrainer(config)
     try:
         synced = trainer.train_step().metrics
-        assert synced["sync/buckets"] == 1.0 and synced["sync/shared_staging"] == 0.0
+        assert synced["sync/buckets"] == 1.0 and synced["sync/gather_s"] == 0.0
         assert synced["sync/in_place"] == synced["sync/tensors"] > 0  # every weight overwritten where it lies
         assert_engine_holds_the_actors_weights(trainer)
     finally:

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from easytrain.config import load
-from easytrain.memory.budget import engine_budget, image_tokens, kv_bytes_per_token, logits_peak, sequence_shape
+from easytrain.memory.budget import engine_budget, image_tokens, kv_bytes_per_token, sequence_shape
 from easytrain.config.presets import known_hf_configs
 from easytrain.models.tiny import tiny_hf_config
 
@@ -44,11 +44,6 @@ def test_sequence_shape_puts_image_tokens_inside_the_prompt_budget() -> None:
     tight = sequence_shape(load(["+exp=tiny", "data.video_key=videos", "data.max_frames=64"]),
                            tiny_hf_config("qwen2_5_vl"))  # 33 pieces share the 256-token prompt: 7 tokens each
     assert (tight.images, tight.image_tokens) == (33, 7)
-
-
-def test_logits_peak() -> None:
-    # 8 sequences x 1025 positions x 152064 vocab x 4 bytes, logits and log-softmax
-    assert logits_peak(8, 1025, 152_064) == 9_975_398_400
 
 
 def test_kv_cache_per_token() -> None:

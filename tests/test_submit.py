@@ -18,7 +18,7 @@ from easytrain.launch import jobs
 
 import fault_harness
 
-pytestmark = [pytest.mark.slow, pytest.mark.serial]  # ray stop --force ends every Ray on the machine
+pytestmark = pytest.mark.slow
 ROOT = Path(__file__).resolve().parents[1]
 
 

@@ -201,16 +201,6 @@ class Batch:
             out.pixels = Pixels.concat([b.pixels for b in batches])  # type: ignore[misc]
         return out
 
-    def interleave_for_ranks(self, per_step: int, ranks: int) -> "Batch":
-        """Reorder so each rank's contiguous share holds its slice of every optimizer step.
-
-        Step s uses samples [s*per_step, (s+1)*per_step) whatever the number of
-        ranks, so 1 rank and k ranks take the same optimizer steps on the same data.
-        """
-        steps, share = len(self) // per_step, per_step // ranks
-        return self.select([s * per_step + r * share + i for r in range(ranks) for s in range(steps)
-                            for i in range(share)])
-
     def __getstate__(self) -> dict[str, Any]:
         """What pickling (and so every Ray call and result) carries: the batch as it is held, stored rows once
         (:class:`Pixels`). CPU tensors travel as numpy arrays, which Ray serialises out of band (no copy into the

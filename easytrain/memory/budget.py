@@ -11,7 +11,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from easytrain.memory.params import hf_config_object
-from easytrain.memory.states import DTYPE_BYTES, FP32
+from easytrain.memory.states import DTYPE_BYTES
 
 PATCH = 14
 """Vision patch side (pixels): :func:`image_tokens`' default; a model's own geometry is
@@ -74,12 +74,6 @@ def sequence_shape(config: Any, hf_config: dict[str, Any]) -> SequenceShape:
         per_image = min(per_image, d.max_prompt_length // images)
     text = d.max_prompt_length - images * per_image
     return SequenceShape(text, images, per_image, d.max_response_length)
-
-
-def logits_peak(sequences: int, positions: int, vocab: int) -> int:
-    """The log-prob pass's peak: fp32 logits of ``positions`` per sequence and their log-softmax, both
-    alive at once (the actor keeps only the response positions' logits)."""
-    return 2 * sequences * positions * vocab * FP32
 
 
 def kv_bytes_per_token(hf_config: dict[str, Any], dtype: str, tensor_parallel: int = 1) -> int:

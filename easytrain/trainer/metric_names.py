@@ -100,9 +100,8 @@ METRICS: dict[str, str] = {
     "sync/buckets": "Buckets the weights went in (`worker.rollout.sync_bucket_mb`).",
     "sync/model_mb": "MB of weights synced.",
     "sync/tensors": "Tensors loaded into the engine.",
-    "sync/in_place": "Fused workers: tensors copied straight into the engine's parameters.",
-    "sync/shared_staging": "Fused workers: 1 when the ranks of a node gathered through shared staging buffers "
-                           "in /dev/shm (CPU), 0 otherwise.",
+    "sync/in_place": "Fused workers, one process holding the whole actor: tensors copied straight into the "
+                     "engine's parameters.",
     "sync/gather_s": "Fused workers: seconds gathering full tensors from the actor's shards (rank 0).",
     "sync/load_s": "Fused workers: seconds loading them into the engine (rank 0).",
     "sync/put_s": "A pool per role: seconds the actor's rank 0 spent putting its parts in Ray's object store.",

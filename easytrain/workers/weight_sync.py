@@ -283,41 +283,6 @@ def full_bucket(state: Mapping[str, torch.Tensor], names: list[str], dtype: torc
     return out
 
 
-def _flat_shards(state: Mapping[str, torch.Tensor]) -> bool:
-    """Whether every sharded tensor is split along dim 0 over the whole world (FSDP on a 1-D mesh), so its shards
-    laid end to end in rank order are the full tensor."""
-    import torch.distributed as dist
-    from torch.distributed.tensor import DTensor
-
-    world = dist.get_world_size() if dist.is_initialized() else 1
-    return world > 1 and all(t.device_mesh.ndim == 1 and t.device_mesh.size() == world and t.placements[0].is_shard(0)
-               for t in state.values() if isinstance(t, DTensor))
-
-
-_STAGING: dict[str, Any] = {}
-"""This process's shared staging buffers (NodeStaging), kept across syncs: mapped once, pages touched once."""
-
-
-def node_staging(state: Mapping[str, torch.Tensor], buckets: list[list[str]], dtype: torch.dtype) -> Any:
-    """The node's staging buffers for these buckets (every rank calls this: collectives), or None where the
-    ranks do not share a host."""
-    import torch.distributed as dist
-    from torch.distributed.tensor import DTensor
-
-    from easytrain.workers.peer_memory import NodeStaging
-
-    width = torch.empty((), dtype=dtype).element_size()
-    need = torch.tensor([max(sum(state[n].to_local().numel() * width for n in names
-                                 if isinstance(state[n], DTensor)) for names in buckets)])
-    dist.all_reduce(need, op=dist.ReduceOp.MAX)  # one decision for every rank
-    cached = _STAGING.get("buffers")
-    if _STAGING.get("unusable") or (cached is not None and cached.capacity >= int(need)):
-        return cached
-    _STAGING["buffers"] = staging = NodeStaging.connect(int(need))
-    _STAGING["unusable"] = staging is None
-    return staging
-
-
 def unsplit(state: Mapping[str, torch.Tensor]) -> Optional[dict[str, torch.Tensor]]:
     """The full tensors of a state that is not split across processes (plain tensors, or DTensors on a one-rank
     mesh: one GPU), without a collective; None where some tensor is sharded over several ranks."""
@@ -367,7 +332,7 @@ def _sync_unsplit(full: dict[str, torch.Tensor], engine: Any, lora_scale: float,
     engine.finish_weight_update()
     model_bytes = sum(t.numel() for t in full.values()) * torch.empty((), dtype=dtype).element_size()
     return {"sync/buckets": 1.0, "sync/model_mb": model_bytes / 2**20, "sync/tensors": float(loaded + len(targets)),
-            "sync/in_place": float(len(targets)), "sync/shared_staging": 0.0, "sync/gather_s": 0.0,
+            "sync/in_place": float(len(targets)), "sync/gather_s": 0.0,
             "sync/load_s": load_s, "sync/seconds": time.perf_counter() - start}
 
 
@@ -375,10 +340,9 @@ def sync_in_process(model: torch.nn.Module, engine: Any, bucket_bytes: int, lora
                     dtype: torch.dtype) -> dict[str, float]:
     """The fused workers' sync: every rank gathers each bucket's full tensors (in the engine's dtype, on its
     device) and loads them into its own engine, in the same process: no object store, no host round trip
-    where the weights live on the device. On CPU the ranks of one node gather through shared staging buffers
-    (:mod:`easytrain.workers.peer_memory`), into the engine's weights where it takes them in place (HF, no
-    LoRA); elsewhere the process group all-gathers. LoRA adapters are merged into their base weights (a module
-    never splits across buckets). At most one bucket of full tensors is alive beyond the engine's own weights."""
+    where the weights live on the device (the process group's all-gather: NCCL on GPU, gloo on CPU). LoRA
+    adapters are merged into their base weights (a module never splits across buckets). At most one bucket of
+    full tensors is alive beyond the engine's own weights."""
     start = time.perf_counter()
     device = getattr(engine, "device", None) or torch.device("cpu")
     state = weights_to_send(model, engine.holds_frozen)  # (every rank's engine sleeps and syncs alike)
@@ -389,30 +353,20 @@ def sync_in_process(model: torch.nn.Module, engine: Any, bucket_bytes: int, lora
         return _sync_unsplit(full, engine, lora_scale, dtype, start, partial)
     sizes = {name: t.numel() * torch.empty((), dtype=dtype).element_size() for name, t in state.items()}
     buckets = plan_buckets(sizes, bucket_bytes)
-    peers = node_staging(state, buckets, dtype) if device.type == "cpu" and _flat_shards(state) else None
     times = {"gather": 0.0, "load": 0.0}
     engine.begin_weight_update(partial)
-    loaded, in_place = 0, 0
+    loaded = 0
     for names in buckets:
         mark = time.perf_counter()
-        targets = {} if merged or peers is None else {
-            name: target for name, target in engine.in_place_targets(names).items()
-            if target.dtype == dtype and target.shape == state[name].shape}  # else through load_weights
-        if peers is not None:
-            bucket = peers.gather(state, names, dtype, targets)
-        else:
-            bucket = full_bucket(state, names, dtype, device)
+        bucket = full_bucket(state, names, dtype, device)
         times["gather"] += time.perf_counter() - mark
         mark = time.perf_counter()
-        rest = {name: tensor for name, tensor in bucket.items() if name not in targets}
-        loaded += engine.load_weights(to_hf_names(rest, lora_scale).items()) + len(targets)
-        in_place += len(targets)
+        loaded += engine.load_weights(to_hf_names(bucket, lora_scale).items())
         times["load"] += time.perf_counter() - mark
-        del bucket, rest
+        del bucket
     engine.finish_weight_update()
     return {"sync/buckets": float(len(buckets)), "sync/model_mb": sum(sizes.values()) / 2**20,
-            "sync/tensors": float(loaded), "sync/in_place": float(in_place),
-            "sync/shared_staging": float(peers is not None),
+            "sync/tensors": float(loaded), "sync/in_place": 0.0,
             **{f"sync/{k}_s": v for k, v in times.items()}, "sync/seconds": time.perf_counter() - start}
 
 

@@ -49,7 +49,6 @@ def assert_recovered(outcome: fh.Outcome, steps_lost: int = 1) -> None:
     assert outcome.recovered and not outcome.data_lost and outcome.steps_lost <= steps_lost, outcome
 
 
-@pytest.mark.serial  # Ray's memory monitor and the watchdog's levels here are the whole machine's RAM
 def test_memory_rising_inside_a_step_is_stopped_before_rays_monitor_kills(work: Path) -> None:
     """Item 6: with Ray's memory monitor armed at a line the growing reward worker crosses, the run without a
     watchdog is killed by Ray; with it, the step is stopped in its reward phase, the step before is saved (0
