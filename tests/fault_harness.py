@@ -241,27 +241,47 @@ def kill_in_save(work: Path, step: int, name: str, *extra: str) -> Outcome:
 
 @contextmanager
 def ray_head() -> Iterator[dict[str, Any]]:
-    """A head node started the way a user starts one (``ray start --head``, Ray 2.60's token authentication on),
-    on loopback; stopped (``ray stop --force``: every Ray on this machine) on leaving."""
+    """A head node started the way a user starts one (``ray start --head``) with Ray's token authentication on,
+    on loopback; stopped (``ray stop --force``: every Ray on this machine) on leaving.
+
+    ``ray start`` turns authentication on only with ``RAY_AUTH_MODE=token`` or when a token already exists
+    (``~/.ray/auth_token``, which any earlier local ``ray.init()`` writes), so the head gets its own token file
+    and mode explicitly, and this process reads the same file (``RAY_AUTH_TOKEN_PATH``) while the head lives."""
+    import secrets
     import sys
+    import tempfile
 
     from easytrain.distributed.group import free_port
 
     ray = str(Path(sys.executable).with_name("ray"))
     ports = {"gcs": free_port(), "dashboard": free_port(), "metrics": free_port()}
-    env = {**os.environ, "RAY_metrics_report_interval_ms": "1000",  # export every second, not every 10 s
+    token_dir = tempfile.TemporaryDirectory(prefix="easytrain-head-")
+    token_path = Path(token_dir.name) / "auth_token"
+    token_path.write_text(secrets.token_hex(32))
+    token_path.chmod(0o600)
+    auth = {"RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN_PATH": str(token_path)}
+    env = {**os.environ, **auth, "RAY_metrics_report_interval_ms": "1000",  # export every second, not every 10 s
            "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}"}  # the job's `python`
     env.pop("RAY_ADDRESS", None)
+    env.pop("RAY_AUTH_TOKEN", None)
+    saved = {name: os.environ.get(name) for name in auth}
+    os.environ.update(auth)
     start = [ray, "start", "--head", "--node-ip-address=127.0.0.1", f"--port={ports['gcs']}",
              "--dashboard-host=127.0.0.1", f"--dashboard-port={ports['dashboard']}",
              f"--metrics-export-port={ports['metrics']}", "--num-cpus=8", "--disable-usage-stats"]
-    done = subprocess.run(start, env=env, capture_output=True, text=True, timeout=180)
-    assert done.returncode == 0, done.stdout + done.stderr
     try:
+        done = subprocess.run(start, env=env, capture_output=True, text=True, timeout=180)
+        assert done.returncode == 0, done.stdout + done.stderr
         yield {"address": f"http://127.0.0.1:{ports['dashboard']}",
                "metrics": f"http://127.0.0.1:{ports['metrics']}/metrics", "env": env}
     finally:
         subprocess.run([ray, "stop", "--force"], env=env, capture_output=True, timeout=120)
+        for name, value in saved.items():
+            if value is None:
+                os.environ.pop(name, None)
+            else:
+                os.environ[name] = value
+        token_dir.cleanup()
 
 
 def stop_mid_step(work: Path, step: int, delay: float, name: str, address: str) -> Outcome:

@@ -8,6 +8,7 @@ the address, where it came from and what to do, unless the user says the network
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -64,6 +65,29 @@ def test_the_token_is_not_sent_in_the_clear_to_another_host(token: str, address:
 def test_loopback_and_https_get_the_token(token: str, address: str) -> None:
     jobs.client(address)
     assert FakeClient.made == [(address, {"Authorization": f"Bearer {token}"})]
+
+
+@pytest.mark.parametrize("name", ["RAY_ADDRESS", "RAY_API_SERVER_ADDRESS"])
+def test_the_address_given_is_the_one_rays_sdk_uses(token: str, monkeypatch: pytest.MonkeyPatch, name: str) -> None:
+    """Ray's SDK prefers RAY_API_SERVER_ADDRESS, then RAY_ADDRESS, to the address it is given (its
+    get_address_for_submission_client); ``--address`` must win over a stray variable (the fresh-clone CI's
+    failure: RAY_ADDRESS=local sent the submit to a GCS that does not exist)."""
+    from ray.dashboard.utils import get_address_for_submission_client
+
+    resolved: list[str] = []
+
+    class ResolvingClient(FakeClient):
+        def __init__(self, address: str, headers: Any = None) -> None:
+            resolved.append(get_address_for_submission_client(address))  # what Ray's own constructor does first
+            super().__init__(address, headers)
+
+    import ray.job_submission
+
+    monkeypatch.setattr(ray.job_submission, "JobSubmissionClient", ResolvingClient)
+    monkeypatch.setenv(name, "http://127.0.0.1:1")
+    jobs.client("http://127.0.0.1:8265")
+    assert resolved == ["http://127.0.0.1:8265"]
+    assert os.environ[name] == "http://127.0.0.1:1"  # put back for whatever runs next
 
 
 def test_a_stray_ray_address_is_named(token: str, monkeypatch: pytest.MonkeyPatch) -> None:

@@ -36,13 +36,15 @@ import os
 import shlex
 import sys
 import time
-from typing import Any, Optional, Sequence, TextIO
+from contextlib import contextmanager
+from typing import Any, Iterator, Optional, Sequence, TextIO
 
 from easytrain.distributed.token import auth_token, check_token_transport
 
 logger = logging.getLogger(__name__)
 
 DEFAULT_ADDRESS = "http://127.0.0.1:8265"
+SDK_ADDRESS_VARS = ("RAY_API_SERVER_ADDRESS", "RAY_ADDRESS")
 EXCLUDES = [
     # local state, run outputs and caches (Ray caps a working_dir at a few hundred MB)
     ".venv", "venv", ".git", ".gitignore", ".ci", "outputs", "multirun", "runs", "checkpoints", "**/__pycache__",
@@ -73,6 +75,17 @@ def address_source(address: Optional[str]) -> str:
     return "RAY_ADDRESS" if os.environ.get("RAY_ADDRESS") else "the default"
 
 
+@contextmanager
+def ray_address_env_hidden() -> Iterator[None]:
+    """Hide the address variables from Ray's SDK while it resolves an address: it prefers them to the address
+    it is given, so a stray ``RAY_ADDRESS`` would send ``--address``'s job elsewhere."""
+    saved = {name: os.environ.pop(name) for name in SDK_ADDRESS_VARS if name in os.environ}
+    try:
+        yield
+    finally:
+        os.environ.update(saved)
+
+
 def client(address: Optional[str], *, insecure_http: bool = False) -> Any:
     """A Job Submission client for ``address`` (see the module docstring for the order of sources); an
     :class:`~easytrain.distributed.token.InsecureAddress` before any request when the token would go unencrypted
@@ -84,7 +97,8 @@ def client(address: Optional[str], *, insecure_http: bool = False) -> Any:
     token = auth_token()
     headers = {"Authorization": f"Bearer {token}"} if token else None
     try:
-        return JobSubmissionClient(where, headers=headers)
+        with ray_address_env_hidden():  # Ray's SDK lets RAY_ADDRESS / RAY_API_SERVER_ADDRESS override its argument
+            return JobSubmissionClient(where, headers=headers)
     except Exception as err:  # noqa: BLE001 - the SDK raises ConnectionError, RuntimeError or its own
         raise SystemExit(f"easytrain: cannot reach the Ray dashboard at {where}: {err}. Start a head with "
                          "`ray start --head` (or see launcher/README.md), or pass --address http://HEAD:8265 / "
