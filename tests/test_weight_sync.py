@@ -209,3 +209,46 @@ def test_validation_uses_val_override_and_tensor_parallel_ranks_share_seeds() ->
     ranks = [RolloutWorker(tp, role="rollout", rank=r, world_size=2) for r in (0, 1)]
     assert ranks[0].member == ranks[1].member == 0  # one engine spans both ranks...
     assert ranks[0].sampling(False, 5).seed == ranks[1].sampling(False, 5).seed  # ...and samples identically
+
+
+SHAPES = {"embed": (7, 4), "bias": (5,), "one_row": (1, 3), "norm": (2,), "proj": (9, 2, 3), "even": (8, 2)}
+"""Row counts over 4 ranks: short last chunks (7 -> 2, 2, 2, 1), empty trailing ranks (1 -> 1, 0, 0, 0;
+9 -> 3, 3, 3, 0) and an even split (8 -> 2 each); over the 2-D mesh's 2 shard ranks, 7 -> 4, 3."""
+
+
+def gather_ranks(rank: int, port: int, world: int, out: str) -> None:
+    """One gloo rank: FSDP-style row shards of :data:`SHAPES` (and a replicated tensor) on a 1-D mesh of every
+    rank, then on the shard dimension of a 2-D (replicate, shard) mesh; each bucket gathered by
+    :func:`full_bucket` equals DTensor's own ``full_tensor`` and the original."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Replicate, Shard, distribute_tensor
+
+    from easytrain.workers.weight_sync import full_bucket
+
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+    torch.manual_seed(0)  # every rank the same originals
+    originals = {name: torch.randn(shape) for name, shape in SHAPES.items()}
+    meshes = {"fsdp": (init_device_mesh("cpu", (world,)), [Shard(0)]),
+              "hsdp": (init_device_mesh("cpu", (2, world // 2), mesh_dim_names=("rep", "shard")),
+                       [Replicate(), Shard(0)])}
+    ok = []
+    for layout, (mesh, placements) in meshes.items():
+        state = {name: distribute_tensor(t, mesh, placements) for name, t in originals.items()}
+        state["replicated"] = distribute_tensor(torch.arange(6.0), mesh, [Replicate()] * mesh.ndim)
+        expected = {name: t.full_tensor().to(torch.bfloat16) for name, t in state.items()}
+        full = full_bucket(state, list(state), torch.bfloat16, torch.device("cpu"))
+        ok.append(list(full) == list(state) and all(
+            full[n].dtype == torch.bfloat16 and full[n].shape == expected[n].shape and torch.equal(full[n], expected[n])
+            for n in state) and all(torch.equal(full[n], originals[n].to(torch.bfloat16)) for n in originals))
+    Path(out, f"rank{rank}").write_text(" ".join(map(str, ok)))
+    dist.destroy_process_group()
+
+
+def test_a_bucket_of_row_shards_is_gathered_in_one_collective_exactly(tmp_path: Path) -> None:
+    import torch.multiprocessing as mp
+
+    from easytrain.distributed.group import free_port
+
+    mp.spawn(gather_ranks, args=(free_port(), 4, str(tmp_path)), nprocs=4, join=True)
+    assert [(tmp_path / f"rank{r}").read_text() for r in range(4)] == ["True True"] * 4

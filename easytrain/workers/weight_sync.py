@@ -266,20 +266,69 @@ def push_weights(model: torch.nn.Module, rank: int, targets: list[Any], bucket_b
 
 def full_bucket(state: Mapping[str, torch.Tensor], names: list[str], dtype: torch.dtype,
                 device: torch.device) -> dict[str, torch.Tensor]:
-    """The full tensors of one bucket on ``device`` in ``dtype``: FSDP shards are cast first (half the traffic
-    for bf16 engines) and all-gathered, one collective per tensor, every rank in the same order."""
+    """The full tensors of one bucket on ``device`` in ``dtype``, every rank calling in the same order. FSDP's
+    shards (row chunks on one mesh dimension) are cast first (half the traffic for bf16 engines) and travel in
+    one all-gather per bucket and mesh (:func:`gather_row_shards`); a tensor placed any other way is gathered
+    alone (DTensor's ``full_tensor``)."""
     from torch.distributed.tensor import DTensor
 
-    out = {}
+    out: dict[str, torch.Tensor] = {}
+    by_mesh: dict[tuple[Any, int], dict[str, tuple[torch.Tensor, torch.Size]]] = {}
     for name in names:
         tensor = state[name].detach()
-        if isinstance(tensor, DTensor):
-            local = tensor.to_local()
-            if local.device != device:  # CPU-offloaded shards gather where the engine computes
-                tensor = DTensor.from_local(local.to(device, non_blocking=True), tensor.device_mesh,
-                                            tensor.placements, shape=tensor.shape, stride=tensor.stride())
-            tensor = tensor.to(dtype).full_tensor()
-        out[name] = tensor.to(device, dtype) if tensor.is_floating_point() else tensor.to(device)
+        if not isinstance(tensor, DTensor):
+            out[name] = tensor.to(device, dtype) if tensor.is_floating_point() else tensor.to(device)
+            continue
+        local = tensor.to_local()
+        if local.device != device:  # CPU-offloaded shards gather where the engine computes
+            local = local.to(device, non_blocking=True)
+        if local.is_floating_point():
+            local = local.to(dtype)
+        mesh_dim = row_shard_dim(tensor)
+        if mesh_dim is None:
+            out[name] = DTensor.from_local(local, tensor.device_mesh, tensor.placements, shape=tensor.shape,
+                                           stride=tensor.stride()).full_tensor()
+        else:
+            by_mesh.setdefault((tensor.device_mesh, mesh_dim), {})[name] = (local, tensor.shape)
+    for (mesh, mesh_dim), shards in by_mesh.items():
+        out.update(gather_row_shards(shards, mesh.get_group(mesh_dim), mesh.size(mesh_dim)))
+    return {name: out[name] for name in names}
+
+
+def row_shard_dim(tensor: Any) -> Optional[int]:
+    """The mesh dimension a DTensor is split over by rows (``Shard(0)``, replicated on every other dimension:
+    FSDP's and HSDP's layout), or None for any other placement."""
+    from torch.distributed.tensor import Replicate, Shard
+
+    sharded = [i for i, p in enumerate(tensor.placements) if isinstance(p, Shard) and p.dim == 0]
+    rest_replicated = all(isinstance(p, Replicate) for i, p in enumerate(tensor.placements) if i not in sharded)
+    return sharded[0] if len(sharded) == 1 and rest_replicated else None
+
+
+def gather_row_shards(shards: Mapping[str, tuple[torch.Tensor, torch.Size]], group: Any,
+                      ranks: int) -> dict[str, torch.Tensor]:
+    """Full tensors from every rank's row chunks (``torch.chunk`` over ``ranks``: ceil(rows / ranks) rows each,
+    trailing ranks short or empty), in one ``all_gather_into_tensor``: each rank sends its chunks padded to the
+    full chunk size, back to back, and each tensor is read from the gathered block as its ranks' chunks in
+    order."""
+    import torch.distributed as dist
+
+    slots, pieces = [], []
+    for local, shape in shards.values():
+        chunk_rows = -(-shape[0] // ranks)
+        slot = chunk_rows * (shape[1:].numel() if len(shape) > 1 else 1)
+        flat = local.reshape(-1)
+        pieces.append(torch.nn.functional.pad(flat, (0, slot - flat.numel())) if flat.numel() < slot else flat)
+        slots.append((chunk_rows, slot))
+    send = torch.cat(pieces)
+    gathered = send.new_empty(ranks * send.numel())
+    dist.all_gather_into_tensor(gathered, send, group=group)
+    blocks = gathered.view(ranks, send.numel())
+    out, offset = {}, 0
+    for (name, (_, shape)), (chunk_rows, slot) in zip(shards.items(), slots):
+        rows = blocks[:, offset:offset + slot].reshape(ranks * chunk_rows, *shape[1:])
+        out[name] = rows[:shape[0]]
+        offset += slot
     return out
 
 
