@@ -4,6 +4,7 @@ bucketed sync puts on gathered memory, measured on the small model."""
 from __future__ import annotations
 
 import gc
+import itertools
 from pathlib import Path
 from typing import Any
 
@@ -218,13 +219,14 @@ SHAPES = {"embed": (7, 4), "bias": (5,), "one_row": (1, 3), "norm": (2,), "proj"
 
 def gather_ranks(rank: int, port: int, world: int, out: str) -> None:
     """One gloo rank: FSDP-style row shards of :data:`SHAPES` (and a replicated tensor) on a 1-D mesh of every
-    rank, then on the shard dimension of a 2-D (replicate, shard) mesh; each bucket gathered by
+    rank, then on the shard dimension of a 2-D (replicate, shard) mesh, gathered in one collective and in
+    collectives of 16 bytes (uneven local sizes, the same groups on every rank); each bucket gathered by
     :func:`full_bucket` equals DTensor's own ``full_tensor`` and the original."""
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor import Replicate, Shard, distribute_tensor
 
-    from easytrain.workers.weight_sync import full_bucket
+    from easytrain.workers import weight_sync
 
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
     torch.manual_seed(0)  # every rank the same originals
@@ -233,11 +235,12 @@ def gather_ranks(rank: int, port: int, world: int, out: str) -> None:
               "hsdp": (init_device_mesh("cpu", (2, world // 2), mesh_dim_names=("rep", "shard")),
                        [Replicate(), Shard(0)])}
     ok = []
-    for layout, (mesh, placements) in meshes.items():
+    for (mesh, placements), group_bytes in itertools.product(meshes.values(), (2**20, 16)):
+        weight_sync.GATHER_GROUP_BYTES = group_bytes  # all in one collective; then in groups of 16 bytes or alone
         state = {name: distribute_tensor(t, mesh, placements) for name, t in originals.items()}
         state["replicated"] = distribute_tensor(torch.arange(6.0), mesh, [Replicate()] * mesh.ndim)
         expected = {name: t.full_tensor().to(torch.bfloat16) for name, t in state.items()}
-        full = full_bucket(state, list(state), torch.bfloat16, torch.device("cpu"))
+        full = weight_sync.full_bucket(state, list(state), torch.bfloat16, torch.device("cpu"))
         ok.append(list(full) == list(state) and all(
             full[n].dtype == torch.bfloat16 and full[n].shape == expected[n].shape and torch.equal(full[n], expected[n])
             for n in state) and all(torch.equal(full[n], originals[n].to(torch.bfloat16)) for n in originals))
@@ -245,10 +248,10 @@ def gather_ranks(rank: int, port: int, world: int, out: str) -> None:
     dist.destroy_process_group()
 
 
-def test_a_bucket_of_row_shards_is_gathered_in_one_collective_exactly(tmp_path: Path) -> None:
+def test_row_shards_gathered_in_grouped_collectives_equal_the_full_tensors(tmp_path: Path) -> None:
     import torch.multiprocessing as mp
 
     from easytrain.distributed.group import free_port
 
     mp.spawn(gather_ranks, args=(free_port(), 4, str(tmp_path)), nprocs=4, join=True)
-    assert [(tmp_path / f"rank{r}").read_text() for r in range(4)] == ["True True"] * 4
+    assert [(tmp_path / f"rank{r}").read_text() for r in range(4)] == ["True True True True"] * 4

@@ -268,8 +268,8 @@ def full_bucket(state: Mapping[str, torch.Tensor], names: list[str], dtype: torc
                 device: torch.device) -> dict[str, torch.Tensor]:
     """The full tensors of one bucket on ``device`` in ``dtype``, every rank calling in the same order. FSDP's
     shards (row chunks on one mesh dimension) are cast first (half the traffic for bf16 engines) and travel in
-    one all-gather per bucket and mesh (:func:`gather_row_shards`); a tensor placed any other way is gathered
-    alone (DTensor's ``full_tensor``)."""
+    one all-gather per group of small ones (:data:`GATHER_GROUP_BYTES`) or per large one
+    (:func:`gather_row_shards`); a tensor placed any other way is gathered alone (DTensor's ``full_tensor``)."""
     from torch.distributed.tensor import DTensor
 
     out: dict[str, torch.Tensor] = {}
@@ -291,8 +291,36 @@ def full_bucket(state: Mapping[str, torch.Tensor], names: list[str], dtype: torc
         else:
             by_mesh.setdefault((tensor.device_mesh, mesh_dim), {})[name] = (local, tensor.shape)
     for (mesh, mesh_dim), shards in by_mesh.items():
-        out.update(gather_row_shards(shards, mesh.get_group(mesh_dim), mesh.size(mesh_dim)))
+        for group in coalesced(shards, mesh.size(mesh_dim), GATHER_GROUP_BYTES):
+            out.update(gather_row_shards(group, mesh.get_group(mesh_dim), mesh.size(mesh_dim)))
     return {name: out[name] for name in names}
+
+
+GATHER_GROUP_BYTES = 4 * 2**20
+"""Row shards travel together up to this many bytes per rank: a collective's fixed cost dominates small tensors
+(a tiny model's 57 tensors: 74 -> 8 ms on two gloo ranks), while a large tensor gathered alone needs no packing
+copy (its gathered block is already the full tensor)."""
+
+
+def coalesced(shards: Mapping[str, tuple[torch.Tensor, torch.Size]], ranks: int,
+              limit: int) -> list[dict[str, tuple[torch.Tensor, torch.Size]]]:
+    """``shards`` in order, in groups of at most ``limit`` bytes of padded chunk (a larger one alone): sized by
+    the full chunk, not the local one, so that every rank forms the same groups."""
+    groups: list[dict[str, tuple[torch.Tensor, torch.Size]]] = []
+    filled = limit
+    for name, (local, shape) in shards.items():
+        size = chunk_numel(shape, ranks) * local.element_size()
+        if filled + size > limit:
+            groups.append({})
+            filled = 0
+        groups[-1][name] = (local, shape)
+        filled += size
+    return groups
+
+
+def chunk_numel(shape: torch.Size, ranks: int) -> int:
+    """Elements of one rank's full row chunk of a tensor of ``shape`` (``torch.chunk``: ceil(rows / ranks) rows)."""
+    return -(-shape[0] // ranks) * (shape[1:].numel() if len(shape) > 1 else 1)
 
 
 def row_shard_dim(tensor: Any) -> Optional[int]:
@@ -315,12 +343,11 @@ def gather_row_shards(shards: Mapping[str, tuple[torch.Tensor, torch.Size]], gro
 
     slots, pieces = [], []
     for local, shape in shards.values():
-        chunk_rows = -(-shape[0] // ranks)
-        slot = chunk_rows * (shape[1:].numel() if len(shape) > 1 else 1)
+        chunk_rows, slot = -(-shape[0] // ranks), chunk_numel(shape, ranks)
         flat = local.reshape(-1)
         pieces.append(torch.nn.functional.pad(flat, (0, slot - flat.numel())) if flat.numel() < slot else flat)
         slots.append((chunk_rows, slot))
-    send = torch.cat(pieces)
+    send = torch.cat(pieces) if len(pieces) > 1 else pieces[0]
     gathered = send.new_empty(ranks * send.numel())
     dist.all_gather_into_tensor(gathered, send, group=group)
     blocks = gathered.view(ranks, send.numel())
