@@ -318,7 +318,7 @@ def run_phases(config: Config, *, kept: dict[str, int], resumed: dict[str, int],
                saver_pages: int = 0, driver_pages: int = 0) -> list[Row]:
     """The checkpoint save, resume load and export rows. ``kept`` is what one worker process keeps in host RAM
     between steps (on CPU: every tensor), ``resumed`` what it holds when it resumes (before any step or sync:
-    on CPU without an engine's weights, sync staging or object store pages), ``state`` the bytes of its share
+    on CPU without an engine's weights or object store pages), ``state`` the bytes of its share
     of the checkpoint (fp32 parameters and optimizer moments), ``trainable`` those of its trainable parameter
     shards (fp32), ``largest_shard`` the bytes of its largest shard, ``device`` what its GPU holds between
     steps. A resume runs right after the load, before any weight sync (an engine's weights are still the

@@ -110,26 +110,13 @@ def sync_bucket(config: Config, largest_module: int, total_params: int, dtype_by
     return min(bucket, total_params * dtype_bytes)
 
 
-def shared_staging(config: Config, bucket: int, world: int, on_gpu: bool) -> dict[str, int]:
-    """What the fused CPU sync keeps mapped in every worker process from its first sync on: the ranks of one
-    node gather through shared staging buffers (:mod:`easytrain.workers.peer_memory`), each rank's share of the
-    largest bucket, kept across syncs, every rank mapping and touching all of them, so each process's RSS counts
-    one whole bucket (the node's memory holds it once; the plan sums RSS, the safe side)."""
-    if on_gpu or not fused(config) or world < 2 or config.trainer.nnodes > 1:
-        return {}
-    return {"sync staging (shared memory)": bucket}
-
-
-def sync_parts(config: Config, bucket: int, per_node: int, staged: bool = False) -> tuple[dict[str, int],
-                                                                                          dict[str, int]]:
+def sync_parts(config: Config, bucket: int, per_node: int) -> tuple[dict[str, int], dict[str, int]]:
     """(device, host per node) of the sync's transport: fused, the gathered bucket on the device and nothing on
-    the host (through the shared staging, ``staged``, the HF engine takes the gathered tensors in place unless
-    LoRA merges them on the way); across processes, each actor rank's share of a bucket on its way out and, in
-    host RAM one being assembled per rollout process (the object store's pages are each process's own line from
-    the first sync on: :func:`easytrain.memory.planner.object_store_pages`)."""
+    the host; across processes, each actor rank's share of a bucket on its way out and, in host RAM one being
+    assembled per rollout process (the object store's pages are each process's own line from the first sync
+    on: :func:`easytrain.memory.planner.object_store_pages`)."""
     if fused(config):
-        in_place = staged and config.worker.rollout.engine == "hf" and config.model.lora.rank == 0
-        return ({} if in_place else {"gathered bucket (engine dtype)": bucket}), {}
+        return {"gathered bucket (engine dtype)": bucket}, {}
     return {"sync bucket": bucket}, {"sync bucket (assembly)": per_node * bucket}
 
 

@@ -61,7 +61,7 @@ from easytrain.memory.host import (batch_pages, batches_in_flight, heap_keeps_fr
                                    node_host, pass_activations, received_batch, run_phases, store_pages,
                                    worker_process)
 from easytrain.memory.layout import (engine_held, engine_weights, fused, layout_note, processes_per_device,
-                                     role_names, shared_staging, step_phases, sync_bucket, sync_parts)
+                                     role_names, step_phases, sync_bucket, sync_parts)
 from easytrain.memory.sft import plan_sft, sft_worker_parts, validation_prompts
 from easytrain.memory.states import FP32, role_states, shard_degree
 from easytrain.memory.phases import Phase
@@ -174,8 +174,6 @@ class _Step:
     """The engine while generating (the training step's sampling)."""
     resident: dict[str, int]
     engine_weights: int
-    staging: dict[str, int]
-    """What the sync leaves mapped in every fused CPU worker from its first sync on (:func:`shared_staging`)."""
     mapped: dict[str, dict[str, int]]
     """Split pools: what the sync through Ray's object store leaves mapped in every actor and rollout process
     from its first sync on, by role (:func:`object_store_pages`)."""
@@ -195,13 +193,12 @@ def plan(config: Config, hf_config: Optional[dict[str, Any]] = None, capacity: O
     upd_micro, accumulates = update_micro(config, s)
     awake = rollout_phase(config, s, hf_config, capacity, validate=False)
     bucket = sync_bucket(config, s.largest_module, s.total_params, s.dtype_bytes)
-    staging = shared_staging(config, bucket, s.world, s.on_gpu)
     step = _Step(config, s, actor, ref,
                  idle={"actor": {"actor params": actor.params if not actor.offloaded else 0,
                                  "actor optimizer": actor.optimizer if not actor.offloaded else 0},
                        "ref": ({"ref params": ref.device} if s.with_ref else {})},
                  awake=awake, resident=engine_resident(config, s, awake),
-                 engine_weights=engine_weights(config, s.total_params, s.dtype_bytes), staging=staging,
+                 engine_weights=engine_weights(config, s.total_params, s.dtype_bytes),
                  mapped={role: object_store_pages(config, s, role) for role in ("actor", "rollout")})
     work: dict[str, tuple[str, dict[str, int]]] = {
         "generation": ("rollout", awake),
@@ -222,7 +219,7 @@ def plan(config: Config, hf_config: Optional[dict[str, Any]] = None, capacity: O
     kept = heap_keeps_freed(config, s.on_gpu) and fused(config) and s.world > 1
     gathered = max(bucket, s.total_params * s.dtype_bytes) if kept else bucket
     work["weight_sync"] = ("actor", _unsplit_sync(config, s) if _unsplit(config, s) else
-                           sync_parts(config, gathered, s.per_node, staged=bool(staging))[0])
+                           sync_parts(config, gathered, s.per_node)[0])
     phases = list(step_phases(set(work)))
     rows = [_row(step, p, *work[p.planned]) for p in phases]
     notes = [layout_note(config, s.with_ref, s.ref_by_actor, s.on_gpu, set(work)),
@@ -276,7 +273,6 @@ def _row(st: _Step, phase: Phase, role: str, active: dict[str, int]) -> Row:
         if role != "rollout":
             parts.update({**st.idle[role], **active})
         parts.update(engine)
-        parts.update(st.staging)
     else:
         parts = dict(active) if role == "rollout" else {**st.idle[role], **active}
     if s.on_gpu:
@@ -423,7 +419,7 @@ def _run_rows(st: _Step, capacity: Capacity) -> list[Row]:
     others: dict[str, list[tuple[int, dict[str, int]]]] = {}
     if fused(st.config):
         resumed = {**st.idle["actor"], **st.idle["ref"]}
-        kept = {**resumed, **st.resident, **st.staging}
+        kept = {**resumed, **st.resident}
     else:  # the actor processes save and resume; the reference and the engine wait in their own processes
         resumed = dict(st.idle["actor"])
         kept = {**resumed, **st.mapped["actor"]}
