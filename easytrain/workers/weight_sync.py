@@ -336,7 +336,7 @@ def row_shard_dim(tensor: Any) -> Optional[int]:
 def gather_row_shards(shards: Mapping[str, tuple[torch.Tensor, torch.Size]], group: Any,
                       ranks: int) -> dict[str, torch.Tensor]:
     """Full tensors from every rank's row chunks (``torch.chunk`` over ``ranks``: ceil(rows / ranks) rows each,
-    trailing ranks short or empty), in one ``all_gather_into_tensor``: each rank sends its chunks padded to the
+    trailing ranks short or empty), in one collective (``all_gather_single``): each rank sends its chunks padded to the
     full chunk size, back to back, and each tensor is read from the gathered block as its ranks' chunks in
     order."""
     import torch.distributed as dist
@@ -349,7 +349,8 @@ def gather_row_shards(shards: Mapping[str, tuple[torch.Tensor, torch.Size]], gro
         slots.append((chunk_rows, slot))
     send = torch.cat(pieces) if len(pieces) > 1 else pieces[0]
     gathered = send.new_empty(ranks * send.numel())
-    dist.all_gather_into_tensor(gathered, send, group=group)
+    # torch 2.13 renamed all_gather_into_tensor (deprecated there, with a warning per call); 2.11 has only it
+    getattr(dist, "all_gather_single", dist.all_gather_into_tensor)(gathered, send, group=group)
     blocks = gathered.view(ranks, send.numel())
     out, offset = {}, 0
     for (name, (_, shape)), (chunk_rows, slot) in zip(shards.items(), slots):
