@@ -58,7 +58,8 @@ def skewed_lengths(count: int, longest: int, generator: torch.Generator) -> list
 
 
 def rollout_batch(config, seed: int) -> Batch:  # type: ignore[no-untyped-def]
-    prompts = next(RLData(config).train_batches())
+    data = RLData(config)
+    prompts = next(data.train_batches())
     n, width = config.worker.rollout.n, config.data.max_response_length
     generator = torch.Generator().manual_seed(seed)
     rows = len(prompts) * n

@@ -257,3 +257,21 @@ def test_an_asleep_engine_refuses_to_generate_until_woken_and_synced(tmp_path: P
     engine.load_weights(weights.items())
     engine.finish_weight_update()  # every dropped weight refilled: no longer stale
     assert torch.equal(engine.generate(prompts, params)["responses"], before["responses"])
+
+
+@pytest.mark.parametrize("asleep, stale, message", [({"weights", "kv_cache"}, False, "its weights sleep"),
+                                                    (set(), True, "dropped by a level-2 sleep")])
+def test_an_asleep_vllm_engine_refuses_with_the_same_words(asleep: set[str], stale: bool, message: str) -> None:
+    """vLLM's engine says what it lacks as the HF engine does (the vLLM build here sleeps only on a GPU, so its
+    state is set as a sleep leaves it); it never reaches vLLM."""
+    from easytrain.workers.rollout.engine import EngineSpec
+    from easytrain.workers.rollout.vllm_engine import VLLMEngine
+
+    engine = VLLMEngine(None, EngineSpec(Path("unused"), [0], 0, CPU), [], 8, sleep_level=2)
+    engine.asleep, engine.stale = asleep, stale
+    params = SamplingParams(n=1, temperature=0.0, top_p=1.0, top_k=0, max_new_tokens=1, seed=0)
+    with pytest.raises(RuntimeError, match=message):
+        engine.generate({}, params)  # type: ignore[arg-type]
+    if asleep:
+        with pytest.raises(RuntimeError, match=message):
+            engine.begin_weight_update()

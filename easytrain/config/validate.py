@@ -326,7 +326,7 @@ def _check_rollout(cfg: Config) -> None:
 
 
 def _check_multi_turn(cfg: Config) -> None:
-    m, r = cfg.worker.rollout.multi_turn, cfg.worker.rollout
+    m = cfg.worker.rollout.multi_turn
     if not m.enable:
         return
     if not m.tools:

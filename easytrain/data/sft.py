@@ -20,7 +20,6 @@ it (the prompt with its generation header, then the response).
 
 from __future__ import annotations
 
-import logging
 from dataclasses import dataclass, field
 from typing import Any, Optional, Sequence
 
@@ -34,7 +33,6 @@ from easytrain.data.sources import DataError, RowSource, require_columns
 from easytrain.data.video import Clip, video_tokens
 from easytrain.data.vision import Layout
 
-logger = logging.getLogger(__name__)
 
 IGNORE = -100
 """Label of tokens that are not trained (and of padding)."""

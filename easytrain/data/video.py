@@ -27,7 +27,6 @@ import stat
 from dataclasses import dataclass
 from typing import IO, Any, Optional, Sequence
 
-import numpy as np
 from PIL import Image
 
 from easytrain.data.images import (MAX_DECODED_PIXELS, MIN_SIDE, BadSample, ImageFiles, _kind, decode_image,

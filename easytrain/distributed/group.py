@@ -33,7 +33,6 @@ from __future__ import annotations
 import copy
 import enum
 import functools
-import logging
 import socket
 import time
 from typing import Any, Callable, Optional, TypeVar
@@ -46,7 +45,6 @@ from easytrain.distributed.resources import ResourcePool
 from easytrain.memory import peaks
 from easytrain.memory.flag import MemoryStop
 
-logger = logging.getLogger(__name__)
 
 F = TypeVar("F", bound=Callable[..., Any])
 DISPATCH_ATTR = "__easytrain_dispatch__"

@@ -23,7 +23,6 @@ process takes the whole bundle; separate pools give each role its own devices
 
 from __future__ import annotations
 
-import logging
 import time
 from dataclasses import dataclass
 from typing import Any, Optional
@@ -32,7 +31,6 @@ import ray
 from ray.util.placement_group import PlacementGroup, placement_group, placement_group_table, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
-logger = logging.getLogger(__name__)
 
 READY_TIMEOUT_S = 120
 NODE_ID_LABEL = "ray.io/node-id"  # a default label Ray 2.60 gives every node

@@ -31,7 +31,6 @@ own packer leaves out).
 from __future__ import annotations
 
 import asyncio
-import logging
 import os
 import shlex
 import sys
@@ -41,7 +40,6 @@ from typing import Any, Iterator, Optional, Sequence, TextIO
 
 from easytrain.distributed.token import auth_token, check_token_transport
 
-logger = logging.getLogger(__name__)
 
 DEFAULT_ADDRESS = "http://127.0.0.1:8265"
 SDK_ADDRESS_VARS = ("RAY_API_SERVER_ADDRESS", "RAY_ADDRESS")

@@ -10,7 +10,6 @@ same shape.
 
 from __future__ import annotations
 
-import logging
 import os
 import sys
 from pathlib import Path
@@ -18,7 +17,6 @@ from typing import Any, Optional
 
 import psutil
 
-logger = logging.getLogger(__name__)
 
 CGROUP = Path("/sys/fs/cgroup")
 UNLIMITED = 1 << 60

@@ -9,8 +9,6 @@ place instead (models/random_init.py).
 
 from __future__ import annotations
 
-import json
-import logging
 from contextlib import contextmanager
 from typing import Any, Iterator, Optional
 
@@ -20,7 +18,6 @@ from easytrain.config.schema import ModelConfig
 from easytrain.models.families import Family, family_of_folder
 from easytrain.models.tiny import build_tiny
 
-logger = logging.getLogger(__name__)
 
 DTYPES = {"float32": "float32", "bfloat16": "bfloat16", "float16": "float16"}
 

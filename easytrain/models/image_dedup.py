@@ -17,14 +17,11 @@ is left as the tower returned it, for the distinct images only.
 
 from __future__ import annotations
 
-import logging
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
 import torch
 from torch import nn
-
-logger = logging.getLogger(__name__)
 
 
 @dataclass

@@ -3,7 +3,6 @@ loaders, and decoding responses."""
 
 from __future__ import annotations
 
-import logging
 from typing import Any, Iterator, Optional
 
 from easytrain.config.schema import Config
@@ -18,7 +17,6 @@ from easytrain.distributed.batch import Batch
 from easytrain.models.families.base import Bound
 from easytrain.models.hf import family, load_image_processor, load_tokenizer, model_folder
 
-logger = logging.getLogger(__name__)
 
 PROMPT_TENSORS = ("input_ids", "attention_mask", *VISUAL_KEYS, "mm_token_type_ids")
 

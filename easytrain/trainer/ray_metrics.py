@@ -12,11 +12,9 @@ torch allocator's figures on GPU) tagged with role, rank and node; a counter
 
 from __future__ import annotations
 
-import logging
 import re
 from typing import Any
 
-logger = logging.getLogger(__name__)
 
 WORKER_KEYS = ("rss_bytes", "gpu_allocated_bytes", "gpu_reserved_bytes", "gpu_peak_bytes")
 

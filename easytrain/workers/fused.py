@@ -16,7 +16,6 @@ raises. Every phase and transition is recorded in order
 
 from __future__ import annotations
 
-import logging
 import os
 import time
 from collections import deque
@@ -37,7 +36,6 @@ from easytrain.workers.reference import ReferenceWorker
 from easytrain.workers.rollout.worker import RolloutWorker
 from easytrain.workers.weight_sync import sync_in_process
 
-logger = logging.getLogger(__name__)
 
 T = TypeVar("T")
 EVENTS_KEPT = 1024

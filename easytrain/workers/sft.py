@@ -16,7 +16,6 @@ not materialise a vocabulary-wide row per prompt token.
 
 from __future__ import annotations
 
-import logging
 import time
 from typing import Callable, Optional
 
@@ -24,7 +23,6 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from easytrain.data.sft import IGNORE
 from easytrain.distributed.batch import Batch, MicroBatch
 from easytrain.distributed.fsdp import gathered
 from easytrain.data.vision import VISUAL_KEYS
@@ -34,8 +32,6 @@ from easytrain.distributed.ulysses import SequenceParallel
 from easytrain.workers.forward import MODEL_INPUTS, model_inputs, suppressed_tokens, takes_video_seconds
 from easytrain.models.families import Family, family_of
 from easytrain.workers.packed import flatten, pad_sequence, token_loss_sum
-
-logger = logging.getLogger(__name__)
 
 
 def padded(batch: Batch, family: Family) -> dict[str, torch.Tensor]:

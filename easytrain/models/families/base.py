@@ -32,7 +32,6 @@ placeholder expansion and bidirectional image attention.
 
 from __future__ import annotations
 
-import logging
 import math
 from dataclasses import dataclass
 from typing import Any, ClassVar, Mapping, Optional, Sequence
@@ -43,7 +42,6 @@ from torch import nn
 from easytrain.data.collate import text_positions
 from easytrain.data.vision import Layout
 
-logger = logging.getLogger(__name__)
 
 FEATURES = ("video", "image_dedup", "shared_prompt", "padding_free", "ulysses", "vllm", "multi_turn_images",
             "kv_reuse")
@@ -313,8 +311,14 @@ class Family:
         return r".*language_model\." if self.vision else r".*layers\."
 
     def dedupe_images(self, model: nn.Module) -> Any:
-        """Install hooks that run each distinct image through the tower once; None where the family has none."""
-        return None
+        """Install hooks that run each distinct image through the tower once (a tower that takes a batch of
+        whole images: each distinct one once); None where the family has no ``image_dedup`` or no tower."""
+        if "image_dedup" not in self.features:
+            return None
+        from easytrain.models.image_dedup import dedupe_batched
+
+        tower = self.vision_tower(model)
+        return dedupe_batched(tower) if tower is not None else None
 
     def time_scale(self) -> Optional[float]:
         """Rope positions per second of video (None: temporal positions count patches, or no video)."""

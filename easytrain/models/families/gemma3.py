@@ -21,7 +21,6 @@ from __future__ import annotations
 from typing import Any, ClassVar, Mapping
 
 import torch
-from torch import nn
 
 from easytrain.data.vision import MM_IMAGE, Layout
 from easytrain.models.families.base import Family, TinySpec
@@ -90,8 +89,3 @@ class Gemma3(Family):
             out["token_type_ids"] = (tensors["mm_token_type_ids"] == MM_IMAGE).long()
         return out
 
-    def dedupe_images(self, model: nn.Module) -> Any:
-        from easytrain.models.image_dedup import dedupe_batched
-
-        tower = self.vision_tower(model)
-        return dedupe_batched(tower) if tower is not None else None

@@ -20,7 +20,6 @@ from __future__ import annotations
 from typing import Any, ClassVar, Mapping, Sequence
 
 import torch
-from torch import nn
 
 from easytrain.data.vision import Layout
 from easytrain.models.families.base import Family, TinySpec, side
@@ -143,8 +142,3 @@ class InternVL(Family):
         patch = super().patch_geometry()[0]
         return patch, round(1 / float(self.hf_config["downsample_ratio"])), 1
 
-    def dedupe_images(self, model: nn.Module) -> Any:
-        from easytrain.models.image_dedup import dedupe_batched
-
-        tower = self.vision_tower(model)
-        return dedupe_batched(tower) if tower is not None else None

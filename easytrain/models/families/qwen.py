@@ -13,7 +13,7 @@ visual takes offsets from where it starts.
 from __future__ import annotations
 
 import itertools
-from typing import Any, ClassVar, Mapping, Optional, Sequence
+from typing import TYPE_CHECKING, Any, ClassVar, Mapping, Optional, Sequence
 
 import numpy as np
 import torch
@@ -23,6 +23,9 @@ from easytrain.data.images import BadSample, to_rgb
 from easytrain.data.vision import MM_TEXT, MM_VIDEO, Layout
 from easytrain.models.families.base import FEATURES, Family, TinySpec
 from easytrain.models.families.templates import CHATML_TOKENS, chatml_template
+
+if TYPE_CHECKING:
+    from PIL import Image
 
 VISION_TOKENS = ("<|vision_start|>", "<|vision_end|>", "<|vision_pad|>", "<|image_pad|>", "<|video_pad|>")
 

@@ -47,7 +47,7 @@ from easytrain.distributed.batch import Batch
 from easytrain.models.families import Family, family_of
 from easytrain.models.random_init import is_random_folder
 from easytrain.workers.forward import suppressed_tokens
-from easytrain.workers.rollout.engine import EngineSpec, RolloutEngine, SamplingParams, pad_responses
+from easytrain.workers.rollout.engine import EngineSpec, RolloutEngine, SamplingParams, describe_sleep, pad_responses
 
 logger = logging.getLogger(__name__)
 

@@ -7,7 +7,6 @@ Weights arrive in buckets, each in parts pushed by the actor ranks (see
 
 from __future__ import annotations
 
-import logging
 from typing import Any, Optional, Sequence
 
 import torch
@@ -24,8 +23,6 @@ from easytrain.workers.rollout.engine import EngineSpec, RolloutEngine, Sampling
 from easytrain.workers.sequences import assemble
 from easytrain.workers.debug import RolloutDebug, debug_bases
 from easytrain.workers.weight_sync import AliveBytes, Wire, from_wire, join_parts, to_hf_names
-
-logger = logging.getLogger(__name__)
 
 
 def stable_seed(*parts: Any) -> int:
