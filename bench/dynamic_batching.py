@@ -38,7 +38,8 @@ sys.path.insert(0, str(ROOT))
 
 from bench.provenance import write_result  # noqa: E402
 from easytrain.config import load  # noqa: E402
-from easytrain.data.packing import fixed_micro_batches, plan_micro_batches, plan_stats  # noqa: E402
+from easytrain.data.packing import plan_micro_batches, plan_stats  # noqa: E402
+from easytrain.trainer.micro_batches import padded_indices  # noqa: E402
 from easytrain.distributed.batch import Batch  # noqa: E402
 from easytrain.models.tiny import SPECIAL_TOKENS, VOCAB_SIZE  # noqa: E402
 from easytrain.trainer.data import RLData  # noqa: E402
@@ -121,10 +122,10 @@ def main() -> None:
 
     real = sum(lengths)
     fixed_processed = rows * width  # every fixed micro batch holds the batch's full padded width
-    fixed_plan = fixed_micro_batches(rows, 1, args.micro)
+    fixed_plan = padded_indices(rows, 1, args.micro)
     # 8 data-parallel ranks, from the plans alone: the padded layout priced at its best (each micro batch padded
     # to its own longest sample), the dynamic one with a quarter of the budget (a quarter of the sequences each)
-    ranks8 = {"fixed": plan_stats(lengths, fixed_micro_batches(rows, 8, args.micro), padded=True),
+    ranks8 = {"fixed": plan_stats(lengths, padded_indices(rows, 8, args.micro), padded=True),
               "dynamic": plan_stats(lengths, plan_micro_batches(lengths, 8, max(args.budget) // 4), padded=False)}
     layouts = {
         "fixed": {"micro_batch": args.micro, "micro_batches": len(fixed_plan[0]),

@@ -118,10 +118,10 @@ def _make_worker_class() -> type:
 
         @dispatch(Dispatch.BROADCAST)
         def measure(self, way: str) -> dict[str, Any]:
-            from easytrain.models.hf import model_family
+            from easytrain.models.hf import family
             from easytrain.models.tiny import model_class_for
 
-            model_class_for(model_family(self.folder))  # imports before measuring
+            model_class_for(family(self.folder).model_type)  # imports before measuring
             gc.collect()
             before = _rss()
             source = _reset_peak()

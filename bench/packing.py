@@ -7,7 +7,7 @@
 Each of ``--batches`` global batches (``--batch`` samples, seeded) is laid out
 over ``--ranks`` data-parallel ranks twice over:
 
-- padded (``worker.actor.padding_free=false``): ``fixed_micro_batches``,
+- padded (``worker.actor.padding_free=false``): ``padded_indices``,
   contiguous equal shares per rank, micro batches of ``--micro`` samples,
   each padded to its longest sample (the best case for padding: a micro
   batch cut from a global batch padded to the batch's longest sample, as
@@ -49,7 +49,8 @@ sys.path.insert(0, str(ROOT))
 
 from bench.provenance import write_result  # noqa: E402
 from easytrain.data.images import smart_resize, vision_tokens  # noqa: E402
-from easytrain.data.packing import PlanStats, fixed_micro_batches, plan_micro_batches, plan_stats  # noqa: E402
+from easytrain.data.packing import PlanStats, plan_micro_batches, plan_stats  # noqa: E402
+from easytrain.trainer.micro_batches import padded_indices  # noqa: E402
 
 MIN_PIXELS, MAX_PIXELS = 3136, 1003520
 IMAGES_PER_SAMPLE = {0: 0.30, 1: 0.40, 2: 0.15, 3: 0.10, 4: 0.05}
@@ -107,7 +108,7 @@ def summarise(stats: list[PlanStats], refused: int) -> dict[str, Any]:
 def measure(batches: list[list[int]], args: argparse.Namespace) -> dict[str, dict[str, Any]]:
     results: dict[str, dict[str, Any]] = {}
     for micro in args.micro:
-        stats = [plan_stats(b, fixed_micro_batches(len(b), args.ranks, micro), padded=True) for b in batches]
+        stats = [plan_stats(b, padded_indices(len(b), args.ranks, micro), padded=True) for b in batches]
         results[f"padded, {micro} per device"] = summarise(stats, 0)
     longest = max(max(b) for b in batches)
     for budget in args.budgets:

@@ -40,10 +40,10 @@ class LoadProbe(ActorWorker):
     def measured_setup(self, total_optimizer_steps: int) -> dict[str, Any]:
         import psutil
 
-        from easytrain.models.hf import model_family
+        from easytrain.models.hf import family
         from easytrain.models.tiny import model_class_for
 
-        model_class_for(model_family(self.folder))  # imports done before measuring: their RSS is not the load's
+        model_class_for(family(self.folder).model_type)  # imports done before measuring: their RSS is not the load's
         if self.config.model.lora.rank:
             import peft  # noqa: F401
         gc.collect()

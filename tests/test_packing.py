@@ -7,7 +7,8 @@ import random
 
 import pytest
 
-from easytrain.data.packing import fixed_micro_batches, plan_micro_batches, plan_stats
+from easytrain.data.packing import plan_micro_batches, plan_stats
+from easytrain.trainer.micro_batches import padded_indices
 
 
 def multimodal_mix(rng: random.Random, count: int, cap: int = 4096) -> list[int]:
@@ -177,16 +178,14 @@ def test_too_few_samples_are_refused() -> None:
 
 
 def test_fixed_layout_is_contiguous_shares_in_micro_batches() -> None:
-    assert fixed_micro_batches(8, 2, 2) == [[[0, 1], [2, 3]], [[4, 5], [6, 7]]]
-    assert fixed_micro_batches(10, 2, 2) == [[[0, 1], [2, 3], [4]], [[5, 6], [7, 8], [9]]]
-    assert fixed_micro_batches(6, 3, 4) == [[[0, 1]], [[2, 3]], [[4, 5]]]
-    plan = fixed_micro_batches(64, 8, 4)
+    assert padded_indices(8, 2, 2) == [[[0, 1], [2, 3]], [[4, 5], [6, 7]]]
+    assert padded_indices(10, 2, 2) == [[[0, 1], [2, 3], [4]], [[5, 6], [7, 8], [9]]]
+    assert padded_indices(6, 3, 4) == [[[0, 1]], [[2, 3]], [[4, 5]]]
+    plan = padded_indices(64, 8, 4)
     check_plan(list(range(64)), 8, 10**9, plan)
     assert [len(rank) for rank in plan] == [2] * 8
-    with pytest.raises(ValueError, match="10 samples do not split evenly over 4"):
-        fixed_micro_batches(10, 4, 2)
-    with pytest.raises(ValueError, match="micro_size must be at least 1"):
-        fixed_micro_batches(8, 2, 0)
+    # 10 over 4 members: padded to 12 by indices past the batch (repeats, their results dropped), 3 each
+    assert padded_indices(10, 4, 2) == [[[0, 1], [2]], [[3, 4], [5]], [[6, 7], [8]], [[9, 10], [11]]]
 
 
 def test_stats_on_a_hand_computed_plan() -> None:

@@ -65,21 +65,6 @@ def plan_micro_batches(lengths: Sequence[int], ranks: int, budget: int) -> Micro
             for rank in bins]
 
 
-def fixed_micro_batches(count: int, ranks: int, micro_size: int) -> MicroPlan:
-    """The padded layout: contiguous equal shares per rank, cut into micro batches of ``micro_size`` samples.
-
-    The last micro batch of a share is smaller when ``micro_size`` does not
-    divide it; every rank still gets the same number.
-    """
-    _check_positive(count=count, ranks=ranks, micro_size=micro_size)
-    if count % ranks:
-        raise ValueError(f"{count} samples do not split evenly over {ranks} data-parallel ranks; "
-                         f"use a worker.actor.global_batch_size that is a multiple of {ranks}")
-    share = count // ranks
-    return [[list(range(start, min(start + micro_size, end))) for start in range(begin, end, micro_size)]
-            for begin, end in ((r * share, (r + 1) * share) for r in range(ranks))]
-
-
 @dataclass
 class PlanStats:
     """What a plan costs. "Processed" tokens are the positions the model runs forward and backward over:

@@ -283,11 +283,6 @@ class DeepSpeedStrategy(TrainStrategy):
                 return tensor.data.to("cpu", copy=True)
         return tensor.data
 
-    def optimizer_state_devices(self) -> list[str]:
-        states = [v for state in self.optimizer.state.values() for v in state.values()
-                  if torch.is_tensor(v) and v.dim() > 0]
-        return sorted({t.device.type for t in states})
-
 
 def is_deepspeed_checkpoint(folder: Path) -> bool:
     return (folder / META_FILE).is_file()

@@ -58,6 +58,7 @@ class TrainStrategy:
 
     model: nn.Module
     """Call forward on this (every rank of the role, the same number of times)."""
+    optimizer: torch.optim.Optimizer
 
     def backward(self, loss: torch.Tensor) -> None:
         """Accumulate the gradients of ``loss`` (already scaled by the caller)."""
@@ -91,6 +92,12 @@ class TrainStrategy:
 
     def trainable(self) -> list[nn.Parameter]:
         return [p for p in self.model.parameters() if p.requires_grad]
+
+    def optimizer_state_devices(self) -> list[str]:
+        """The device types the optimizer's tensor states live on (debug: where offload put them)."""
+        states = [v for state in self.optimizer.state.values() for v in state.values()
+                  if torch.is_tensor(v) and v.dim() > 0]
+        return sorted({t.device.type for t in states})
 
 
 class FSDPStrategy(TrainStrategy):
@@ -146,8 +153,3 @@ class FSDPStrategy(TrainStrategy):
 
     def full_state_dict(self) -> dict[str, torch.Tensor]:
         return get_model_state_dict(self.model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
-
-    def optimizer_state_devices(self) -> list[str]:
-        states = [v for state in self.optimizer.state.values() for v in state.values()
-                  if torch.is_tensor(v) and v.dim() > 0]
-        return sorted({t.device.type for t in states})

@@ -48,11 +48,6 @@ def loading(key: str, path: str, what: str) -> Iterator[None]:
                           "machine can download") from err
 
 
-def model_family(folder: str, key: str = "model.path") -> str:
-    """The HF ``model_type`` of a folder (or hub id, via AutoConfig)."""
-    return family(folder, key).model_type
-
-
 def family(folder: str, key: str = "model.path") -> Family:
     """The family adapter of a model folder or hub id (:mod:`easytrain.models.families`)."""
     with loading(key, folder, "model config"):

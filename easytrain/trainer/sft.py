@@ -23,7 +23,7 @@ import torch
 
 from easytrain.config.schema import Config
 from easytrain.config.derived import world_size
-from easytrain.data.packing import fixed_micro_batches, plan_micro_batches
+from easytrain.data.packing import plan_micro_batches
 from easytrain.data.sft import IGNORE
 from easytrain.distributed.batch import Batch, MicroBatch
 from easytrain.rewards.registry import Reward, load_function
@@ -31,7 +31,7 @@ from easytrain.trainer.base import StepResult, Trainer
 from easytrain.trainer.checkpoint import check_resume
 from easytrain.trainer.data import SFTData
 from easytrain.trainer.metrics import PhaseTimer
-from easytrain.trainer.micro_batches import Forward
+from easytrain.trainer.micro_batches import Forward, padded_indices
 from easytrain.trainer.roles import Roles, build_sft_roles
 from easytrain.trainer.stats import reward_metrics
 from easytrain.workers.rollout.worker import stop_token_ids
@@ -91,7 +91,7 @@ class SFTTrainer(Trainer):
             lengths = batch["attention_mask"].sum(-1).tolist()
             layout = plan_micro_batches(lengths, ranks, forward.budget)
         else:
-            layout = fixed_micro_batches(len(batch), ranks, forward.update_size)
+            layout = padded_indices(len(batch), ranks, forward.update_size)  # len(batch) splits evenly here
         shares = [[batch.select(micro) for micro in rank] for rank in layout]
         if self.data.blank is not None and "pixel_values" in batch:
             shares = [[m if int(m.image_counts.sum()) else Batch.concat([m, self.data.blank])  # type: ignore[union-attr]
