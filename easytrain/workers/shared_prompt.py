@@ -171,22 +171,29 @@ def shared_inputs(batch: Batch, groups: list[list[int]], family: Family, dtype: 
         segment = _append(parts, segment, g, True, batch["input_ids"][lead, :prompt_width][keep],
                           positions[:, lead, :prompt_width][:, keep],
                           batch["mm_token_type_ids"][lead, :prompt_width][keep] if has_types else None)
-        end = start + prompt_len  # the next free column of this row
-        row_index = len(rows) - 1
-        for row in members:
-            present = mask[row, prompt_width:]
-            count = int(present.sum())
-            segment = _append(parts, segment, g, False, batch["input_ids"][row, prompt_width:][present],
-                              positions[:, row, prompt_width:][:, present],
-                              batch["mm_token_type_ids"][row, prompt_width:][present] if has_types else None)
-            # the j-th present response token sits at column end + j; its logits come from the column before,
-            # which for j = 0 is the prompt's last token
-            rank = torch.arange(count)
-            kept = valid[row, present]
-            prev = torch.where(rank == 0, torch.full_like(rank, start + prompt_len - 1), end + rank - 1)
-            sources.append(torch.stack([torch.full_like(rank, row_index), prev], -1)[kept])
-            targets.append(torch.stack([torch.full_like(rank, row), torch.arange(length)[present]], -1)[kept])
-            end += count
+        # the members' responses back to back after the prompt, each its own segment (all members at once: a
+        # boolean index flattens row by row, so member i's present tokens follow member i-1's)
+        index = torch.tensor(members)
+        present = mask[index, prompt_width:]
+        counts = present.sum(1)
+        member_start = torch.repeat_interleave(counts.cumsum(0) - counts, counts)  # token offset of its member
+        parts["ids"].append(batch["input_ids"][index, prompt_width:][present])
+        parts["pos"].append(positions[:, index, prompt_width:][:, present])
+        parts["seg"].append(torch.repeat_interleave(torch.arange(segment, segment + len(members)), counts))
+        parts["unit"].append(torch.full((int(counts.sum()),), g, dtype=torch.long))
+        parts["prompt"].append(torch.zeros(int(counts.sum()), dtype=torch.long))
+        if has_types:
+            parts["types"].append(batch["mm_token_type_ids"][index, prompt_width:][present])
+        segment += len(members)
+        # a member's j-th present response token sits at column end + j (end: where the member's tokens start);
+        # its logits come from the column before, which for j = 0 is the prompt's last token
+        rank = torch.arange(member_start.shape[0]) - member_start
+        column = start + prompt_len + member_start + rank
+        prev = torch.where(rank == 0, torch.full_like(rank, start + prompt_len - 1), column - 1)
+        kept = valid[index][present]
+        sources.append(torch.stack([torch.full_like(rank, len(rows) - 1), prev], -1)[kept])
+        targets.append(torch.stack([torch.repeat_interleave(index, counts),
+                                    torch.arange(length).expand(len(members), length)[present]], -1)[kept])
     flat = [{key: torch.cat(value, dim=-1) for key, value in parts.items() if value} for parts in rows]
     width = max(r["ids"].shape[0] for r in flat)
 
