@@ -186,6 +186,24 @@ def test_equal_pixels_in_different_blocks_compare_equal(prompts: PerSample) -> N
     assert not Batch.concat([one, changed]).same_pixels(0, 2)
 
 
+def test_pixel_keys_differ_exactly_where_the_pixels_do(prompts: PerSample) -> None:
+    """Prompt grouping compares pixels only between samples whose keys agree: equal rows (shared or stored apart,
+    -0.0 beside 0.0) must give equal keys, and here every pair of unequal rows gives unequal ones."""
+    one = prompts.batch([0, 2, 3])
+    negative = prompts.batch([2])
+    negative.pixels.blocks[0, 0] = -0.0  # type: ignore[union-attr]
+    positive = prompts.batch([2])
+    positive.pixels.blocks[0, 0] = 0.0  # type: ignore[union-attr]
+    changed = prompts.batch([0])
+    changed.pixels.blocks[0, 0] += 1e-3  # type: ignore[union-attr]
+    joined = Batch.concat([one, one.repeat_interleave(2), prompts.batch([1]), negative, positive, changed])
+    keys = joined.pixel_keys()
+    assert len(keys) == len(joined)
+    for a in range(len(joined)):
+        for b in range(len(joined)):
+            assert (keys[a] == keys[b]) == joined.same_pixels(a, b), (a, b)
+
+
 def test_a_batch_built_from_anothers_tensors_without_its_pixels_is_refused(prompts: PerSample) -> None:
     batch = prompts.batch([0, 3])
     assert "pixel_values" in batch and "pixel_values" not in batch.tensors

@@ -153,6 +153,27 @@ class Batch:
         return (torch.equal(self.pixels.index[first], self.pixels.index[second])
                 or torch.equal(self.pixels.rows(first), self.pixels.rows(second)))
 
+    def shown_blocks(self) -> list[tuple[int, ...]]:
+        """Per sample, the stored blocks its visuals show (samples showing the same ones have equal pixels)."""
+        if self.pixels is None or self.image_counts is None:
+            return [()] * len(self)
+        shown, counts = self.pixels.index.tolist(), _offsets(self.image_counts).tolist()
+        return [tuple(shown[a:b]) for a, b in zip(counts, counts[1:])]
+
+    def pixel_keys(self) -> list[tuple[tuple[int, int], ...]]:
+        """Per sample, each visual's patch-row count and the integer sum of its values' bit patterns: samples with
+        equal pixels have equal keys (an integer sum does not depend on the order it is taken in), so only those
+        need :meth:`same_pixels`' comparison. () for every sample without images."""
+        if self.pixels is None:
+            return [()] * len(self)
+        pixels, bits = self.pixels, {2: torch.int16, 4: torch.int32, 8: torch.int64}
+        rows = pixels.blocks.flatten(1) + 0.0  # a row per patch row (or tile); + 0.0: -0.0 counts as 0.0
+        row_sums = rows.view(bits[rows.element_size()]).sum(-1, dtype=torch.int64)
+        owner = torch.repeat_interleave(torch.arange(len(pixels.sizes)), pixels.sizes, output_size=len(rows))
+        sums = torch.zeros(len(pixels.sizes), dtype=torch.int64).index_add_(0, owner, row_sums).tolist()
+        fingerprint = list(zip(pixels.sizes.tolist(), sums))
+        return [tuple(fingerprint[b] for b in blocks) for blocks in self.shown_blocks()]
+
     def select(self, indices: Sequence[int]) -> "Batch":
         """The samples at ``indices`` (in that order), with their visuals; repeated samples share stored rows, and
         only the rows the selected samples show are kept."""

@@ -69,19 +69,21 @@ def prompt_groups(batch: Batch) -> list[list[int]]:
     ids = batch["input_ids"][:, :prompt_width]
     alone = (batch["mm_token_type_ids"][:, prompt_width:] != 0).any(-1) if "mm_token_type_ids" in batch else None
     groups: list[list[int]] = []
-    by_tokens: dict[tuple[int, ...], list[int]] = {}  # prompt tokens -> indices into groups
+    pixel_keys = batch.pixel_keys()  # prompts with equal text and different images differ here without comparing
+    shown = batch.shown_blocks()  # samples showing the same stored blocks need no comparison either
+    by_prompt: dict[tuple[Any, ...], list[int]] = {}  # prompt tokens and pixel keys -> indices into groups
     for row in range(len(batch)):
         if alone is not None and bool(alone[row]):
             groups.append([row])
             continue
-        key = tuple(ids[row][mask[row, :prompt_width]].tolist())
-        for g in by_tokens.setdefault(key, []):
+        key = (tuple(ids[row][mask[row, :prompt_width]].tolist()), pixel_keys[row])
+        for g in by_prompt.setdefault(key, []):
             lead = groups[g][0]
-            if batch.image_counts is None or batch.same_pixels(lead, row):
+            if shown[lead] == shown[row] or batch.same_pixels(lead, row):
                 groups[g].append(row)
                 break
         else:
-            by_tokens[key].append(len(groups))
+            by_prompt[key].append(len(groups))
             groups.append([row])
     return groups
 
