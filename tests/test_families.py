@@ -69,6 +69,28 @@ def test_qwen_positions_equal_the_models_rope_index(family: str, tmp_path: Path)
     assert torch.equal(prompts["position_ids"][:, mask], want[:, mask])
 
 
+@pytest.mark.parametrize("family", ["qwen2_5_vl", "qwen3_vl", "qwen3_5"])
+def test_assembled_positions_equal_the_whole_rows(family: str, tmp_path: Path) -> None:
+    """assemble places each prompt's rotary rows once and continues its text responses from there: the positions
+    the adapter gives every whole row (prompt and response), the responses continued after the prompt."""
+    from easytrain.distributed.batch import Batch
+    from easytrain.workers.sequences import assemble, continue_after_prompt
+
+    data = RLData(rl_config(tmp_path, f"model.path=tiny:{family}"))
+    prompts = next(data.train_batches())
+    n, width = 3, 5
+    generator = torch.Generator().manual_seed(0)
+    lengths = torch.randint(0, width + 1, (len(prompts) * n,), generator=generator)
+    mask = (torch.arange(width)[None] < lengths[:, None]).long()
+    responses = torch.randint(10, 100, (len(prompts) * n, width), generator=generator) * mask
+    batch = assemble(prompts, Batch({"responses": responses, "response_mask": mask}), n, data.family)
+    rows = prompts.repeat_interleave(n)
+    want = data.family.positions(batch["input_ids"], batch["mm_token_type_ids"], rows.tensors,
+                                 batch["attention_mask"])
+    continue_after_prompt(want, batch["attention_mask"], rows["input_ids"].shape[1])
+    assert want.shape[0] == 3 and torch.equal(batch["position_ids"], want)
+
+
 @pytest.mark.parametrize("size", [(56, 56), (112, 112), (168, 56), (56, 168), (100, 120), (30, 200), (224, 112)])
 def test_internvl_tiles_follow_the_layout_and_equal_the_processors_own(size: tuple[int, int],
                                                                       tiny_model: Any) -> None:

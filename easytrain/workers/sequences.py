@@ -50,8 +50,14 @@ def assemble(prompts: Batch, generated: Batch, n: int, family: Optional[Family] 
         tensors["mm_token_type_ids"] = types
         if family is None:
             raise ValueError("a batch with vision tokens needs its model family to place positions")
-        positions = family.positions(input_ids, types, images.tensors, attention_mask)
-        if positions.dim() == 3 and not response_types.any():
+        text_responses = not response_types.any()
+        if family.rope_rows and text_responses and generated.image_counts is None:  # each prompt's rows once
+            once = family.positions(prompts["input_ids"], prompts["mm_token_type_ids"], prompts.tensors,
+                                    prompts["attention_mask"]).repeat_interleave(n, dim=1)
+            positions = torch.cat([once, once.new_zeros(*once.shape[:2], responses.shape[1])], dim=2)
+        else:
+            positions = family.positions(input_ids, types, images.tensors, attention_mask)
+        if positions.dim() == 3 and text_responses:
             continue_after_prompt(positions, attention_mask, prompt_ids.shape[1])
         tensors["position_ids"] = positions
     else:
