@@ -71,6 +71,7 @@ def prompt_groups(batch: Batch) -> list[list[int]]:
     groups: list[list[int]] = []
     pixel_keys = batch.pixel_keys()  # prompts with equal text and different images differ here without comparing
     shown = batch.shown_blocks()  # samples showing the same stored blocks need no comparison either
+    equal: dict[tuple[tuple[int, ...], tuple[int, ...]], bool] = {}  # stored blocks compared, value by value
     by_prompt: dict[tuple[Any, ...], list[int]] = {}  # prompt tokens and pixel keys -> indices into groups
     for row in range(len(batch)):
         if alone is not None and bool(alone[row]):
@@ -79,7 +80,10 @@ def prompt_groups(batch: Batch) -> list[list[int]]:
         key = (tuple(ids[row][mask[row, :prompt_width]].tolist()), pixel_keys[row])
         for g in by_prompt.setdefault(key, []):
             lead = groups[g][0]
-            if shown[lead] == shown[row] or batch.same_pixels(lead, row):
+            pair = (shown[lead], shown[row])
+            if pair not in equal:
+                equal[pair] = pair[0] == pair[1] or batch.same_pixels(lead, row)
+            if equal[pair]:
                 groups[g].append(row)
                 break
         else:
