@@ -204,6 +204,24 @@ def test_pixel_keys_differ_exactly_where_the_pixels_do(prompts: PerSample) -> No
             assert (keys[a] == keys[b]) == joined.same_pixels(a, b), (a, b)
 
 
+def test_equal_rows_on_a_transposed_grid_are_not_one_prompt() -> None:
+    """Two images of one colour, 28x56 and 56x28 px: the same tokens and patch rows, other rotary positions, so
+    they are two prompts (a shared row would give the second the first's grid); on equal grids, one."""
+    from easytrain.workers.shared_prompt import prompt_groups
+
+    def batch(grids: list[list[int]]) -> Batch:
+        rows = torch.ones(8, 12)
+        return Batch({"input_ids": torch.tensor([[5, 6, 7, 9]] * 2),
+                      "attention_mask": torch.ones(2, 4, dtype=torch.long),
+                      "responses": torch.tensor([[9], [9]]), "pixel_values": torch.cat([rows, rows]),
+                      "image_grid_thw": torch.tensor(grids)}, image_counts=torch.tensor([1, 1]))
+
+    transposed = batch([[1, 2, 4], [1, 4, 2]])
+    assert transposed.same_pixels(0, 1)  # the rows alone cannot tell them apart
+    assert prompt_groups(transposed) == [[0], [1]]
+    assert prompt_groups(batch([[1, 2, 4], [1, 2, 4]])) == [[0, 1]]
+
+
 def test_a_batch_built_from_anothers_tensors_without_its_pixels_is_refused(prompts: PerSample) -> None:
     batch = prompts.batch([0, 3])
     assert "pixel_values" in batch and "pixel_values" not in batch.tensors

@@ -160,11 +160,12 @@ class Batch:
         shown, counts = self.pixels.index.tolist(), _offsets(self.image_counts).tolist()
         return [tuple(shown[a:b]) for a, b in zip(counts, counts[1:])]
 
-    def pixel_keys(self) -> list[tuple[tuple[int, int], ...]]:
-        """Per sample, each visual's patch-row count and the integer sum of its values' bit patterns: samples with
-        equal pixels have equal keys (an integer sum does not depend on the order it is taken in), so only those
-        need :meth:`same_pixels`' comparison. () for every sample without images."""
-        if self.pixels is None:
+    def pixel_keys(self) -> list[tuple[tuple[Any, ...], ...]]:
+        """Per sample, each visual's grid, patch-row count and the integer sum of its values' bit patterns: samples
+        whose visuals have equal grids and equal pixels have equal keys (an integer sum does not depend on the order
+        it is taken in), so only those need :meth:`same_pixels`' comparison; equal rows on another grid (a
+        transposed image of one colour) take other positions and differ here. () for every sample without images."""
+        if self.pixels is None or self.image_counts is None:
             return [()] * len(self)
         pixels, bits = self.pixels, {2: torch.int16, 4: torch.int32, 8: torch.int64}
         rows = pixels.blocks.flatten(1) + 0.0  # a row per patch row (or tile); + 0.0: -0.0 counts as 0.0
@@ -172,7 +173,9 @@ class Batch:
         owner = torch.repeat_interleave(torch.arange(len(pixels.sizes)), pixels.sizes, output_size=len(rows))
         sums = torch.zeros(len(pixels.sizes), dtype=torch.int64).index_add_(0, owner, row_sums).tolist()
         fingerprint = list(zip(pixels.sizes.tolist(), sums))
-        return [tuple(fingerprint[b] for b in blocks) for blocks in self.shown_blocks()]
+        grids = [tuple(g) for g in self.tensors["image_grid_thw"].tolist()]
+        shown, counts = pixels.index.tolist(), _offsets(self.image_counts).tolist()
+        return [tuple((grids[v], *fingerprint[shown[v]]) for v in range(a, b)) for a, b in zip(counts, counts[1:])]
 
     def select(self, indices: Sequence[int]) -> "Batch":
         """The samples at ``indices`` (in that order), with their visuals; repeated samples share stored rows, and
