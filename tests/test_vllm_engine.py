@@ -4,6 +4,7 @@ and seeds behave; log-probs follow the actor's convention."""
 
 from __future__ import annotations
 
+import importlib.util
 import dataclasses
 from collections import Counter
 from typing import Any, Iterator
@@ -25,7 +26,8 @@ from easytrain.workers.weight_sync import BucketedTransport, InProcessTransport
 import turn_helpers
 from grpo_helpers import log_probs, update
 
-pytest.importorskip("vllm")
+if importlib.util.find_spec("vllm") is None:  # imported where used: collecting without it is ~3 s faster
+    pytest.skip("vllm is not installed", allow_module_level=True)
 pytestmark = pytest.mark.slow
 ray.cloudpickle.register_pickle_by_value(turn_helpers)  # the engine's actor cannot import the tests folder
 
