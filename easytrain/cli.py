@@ -55,9 +55,11 @@ def _run(overrides: Sequence[str]) -> int:
 def _plan(args: argparse.Namespace) -> int:
     from easytrain.config import to_config
     from easytrain.memory.report import plan_command
+    from easytrain.trainer.data import try_profile
 
     config = to_config(compose(with_default_preset(args.overrides)))  # the plan itself reports what does not fit
-    sys.stdout.write(plan_command(config, args.format, args.fit) + "\n")
+    profiles, note = try_profile(config)
+    sys.stdout.write(plan_command(config, args.format, args.fit, profiles, note) + "\n")
     return 0
 
 

@@ -140,6 +140,10 @@ class DataConfig(Section):
     blank_images: bool = False
     """Replace every image (and video frame) by a blank (white) one of the same size: shows how much a model reads
     its images."""
+    profile_rows: int = bounded(2000, low=0)
+    """Rows per split the data profile reads before launch (`easytrain plan`, the check before a run): what the
+    rows cost in pixels and tokens, the costliest rows, what other limits would keep; drawn at random (seeded)
+    from larger data, all rows of smaller. 0: no profile."""
 
 
 # ----------------------------------------------------------------------------- workers

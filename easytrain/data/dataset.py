@@ -48,6 +48,10 @@ class Prompt:
     """Images were shrunk below data.max_pixels to fit data.max_prompt_length."""
     videos: list[Clip] = field(default_factory=list)
     """Videos (data.video_key): frames sized onto the token grid, and their rate."""
+    sizes: list[tuple[int, int]] = field(default_factory=list)
+    """Each image's (height, width) as decoded, before the resize rules."""
+    video_tokens: int = 0
+    """The videos' tokens in ``input_ids``."""
 
 
 @dataclass
@@ -91,7 +95,9 @@ class PromptDataset:
 
     def __init__(self, files: Sequence[str], cfg: DataConfig, tokenizer: Any, split: str = "train",
                  seed: int = 0, vision: bool = True, cache_dir: Optional[str] = None, progress: bool = True,
-                 tools: Sequence[dict[str, Any]] = (), layout: Layout = DEFAULT_LAYOUT) -> None:
+                 tools: Sequence[dict[str, Any]] = (), layout: Layout = DEFAULT_LAYOUT, scan: bool = True) -> None:
+        """``scan=False``: open the sources and check their columns only (a data profile reads a sample of the
+        rows itself, through :meth:`build`); such a dataset serves no rows."""
         self.cfg, self.tokenizer, self.split = cfg, tokenizer, split
         self.layout = layout
         """How the model's family sizes images and writes their placeholders (its adapter's)."""
@@ -112,7 +118,8 @@ class PromptDataset:
         self.skips = SkipReport(split)
         self._index: list[tuple[int, int]] = []
         self.prompt_lengths: list[int] = []
-        self._scan(progress)
+        if scan:
+            self._scan(progress)
 
     def _check_columns(self, source: RowSource) -> None:
         require_columns(source, [("data.prompt_key", self.cfg.prompt_key), ("data.answer_key", self.cfg.answer_key),
@@ -132,7 +139,7 @@ class PromptDataset:
             for r in range(len(source)):
                 self.skips.rows += 1
                 try:
-                    prompt = self._build(s, r)
+                    prompt = self.build(s, r)
                 except BadSample as bad:
                     self.skips.reasons[bad.reason] += 1
                     logger.warning("data: skipped %s row %d: %s", source.name, r, bad)
@@ -155,7 +162,7 @@ class PromptDataset:
 
     def __getitem__(self, index: int) -> Prompt:
         s, r = self._index[index]
-        return self._build(s, r)
+        return self.build(s, r)
 
     def _row(self, s: int, r: int) -> tuple[dict[str, Any], str]:
         """Row ``r`` of source ``s`` and where it is (``<file>#<row>``); an unreadable row raises its BadSample."""
@@ -165,7 +172,9 @@ class PromptDataset:
             raise row
         return row, f"{source.name}#{r}"
 
-    def _build(self, s: int, r: int) -> Prompt:
+    def build(self, s: int, r: int) -> Prompt:
+        """Row ``r`` of source ``s`` as a prompt, by the training rules; a row that cannot be used raises its
+        :class:`BadSample`."""
         cfg = self.cfg
         row, where = self._row(s, r)
         problem = _text(row.get(cfg.prompt_key), "prompt")
@@ -183,11 +192,12 @@ class PromptDataset:
             if not (cfg.downscale_images_to_fit and images):
                 raise BadSample("prompt_too_long", f"{len(rendered.input_ids)} tokens > "
                                 f"data.max_prompt_length={cfg.max_prompt_length}"
-                                + (f" ({sum(frames)} of them video)" if videos else ""))
+                                + (f" ({sum(frames)} of them video)" if videos else ""), len(rendered.input_ids))
             images, rendered = self._downscale(decoded, messages, rendered, frames)
         return Prompt(uid=where, input_ids=rendered.input_ids, vllm_text=rendered.vllm_text, images=images,
                       image_tokens=rendered.image_tokens, answer=answer,
-                      downscaled=downscaled, videos=videos)
+                      downscaled=downscaled, videos=videos, sizes=[(im.height, im.width) for im in decoded],
+                      video_tokens=sum(frames))
 
     def _videos(self, s: int, row: dict[str, Any], where: str) -> list[Clip]:
         """The row's videos (data.video_key): decoded, sampled, sized; blanked when data.blank_images."""
@@ -197,7 +207,8 @@ class PromptDataset:
             return []
         values = list(value) if isinstance(value, (list, tuple)) else [value]  # a list of videos, or one file
         if len(values) > cfg.limit_videos:
-            raise BadSample("too_many_videos", f"{len(values)} videos > data.limit_videos={cfg.limit_videos}")
+            raise BadSample("too_many_videos", f"{len(values)} videos > data.limit_videos={cfg.limit_videos}",
+                            len(values))
         clips = []
         for i, v in enumerate(values):
             frames, fps = decode_video(v, self.image_files[s], f"{where} video {i}", cfg.video_fps, cfg.max_frames)
@@ -233,7 +244,8 @@ class PromptDataset:
             return []
         values = list(value) if isinstance(value, (list, tuple)) else [value]
         if len(values) > self.cfg.limit_images:
-            raise BadSample("too_many_images", f"{len(values)} images > data.limit_images={self.cfg.limit_images}")
+            raise BadSample("too_many_images", f"{len(values)} images > data.limit_images={self.cfg.limit_images}",
+                            len(values))
         return values
 
     def _downscale(self, decoded: list[Image.Image], messages: list[dict[str, Any]], rendered: Any,

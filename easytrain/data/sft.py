@@ -157,7 +157,7 @@ class SFTDataset(PromptDataset):
         else:
             super()._check_columns(source)
 
-    def _build(self, s: int, r: int) -> SFTSample:
+    def build(self, s: int, r: int) -> SFTSample:
         cfg = self.cfg
         row, where = self._row(s, r)
         images = self.fit(self._decoded_images(s, row, where), cfg.min_pixels, cfg.max_pixels)

@@ -3,9 +3,10 @@
 from __future__ import annotations
 
 import logging
-from typing import Any, Optional
+from typing import Any, Optional, Sequence
 
 from easytrain.config.schema import Config
+from easytrain.data.profile import DataProfile, describe, describe_choices
 from easytrain.memory.params import count_parameters
 from easytrain.memory.planner import GB, Plan, Row, plan
 from easytrain.config import with_overrides
@@ -132,7 +133,10 @@ def check_before_launch(config: Config) -> None:
     raise PlanDoesNotFit(table)
 
 
-def plan_command(config: Config, output: str, search: bool) -> str:
+def plan_command(config: Config, output: str, search: bool, profiles: Sequence[DataProfile] = (),
+                 profile_note: str = "") -> str:
+    """``easytrain plan``: the plan as a table or JSON, with the data's profile (``profiles``; ``profile_note``
+    says why there is none)."""
     import json
 
     from easytrain.models.shapes import hf_config_for
@@ -147,5 +151,8 @@ def plan_command(config: Config, output: str, search: bool) -> str:
     advice = suggestions(config, p, hf_config)
     fitted = fit(config, hf_config, p.capacity) if search else None
     if output == "json":
-        return json.dumps(as_json(config, p, advice, fitted, search), indent=2)
-    return render(config, p, hf_config, advice, fitted, search)
+        out = as_json(config, p, advice, fitted, search)
+        out["data"] = {"profiles": [d.as_dict() for d in profiles], "note": profile_note}
+        return json.dumps(out, indent=2)
+    data = [part for d in profiles for part in (describe(d), describe_choices(d))] or [profile_note]
+    return "\n\n".join([render(config, p, hf_config, advice, fitted, search), *filter(None, data)])

@@ -5,14 +5,16 @@ from __future__ import annotations
 
 from typing import Any, Iterator, Optional
 
+from easytrain.config.errors import ConfigError
 from easytrain.config.schema import Config
 from easytrain.config.data_spec import split_files
 from easytrain.data.collate import PromptCollator
 from easytrain.data.dataset import PromptDataset
 from easytrain.data.loader import PromptLoader
+from easytrain.data.profile import DataProfile, Rules, profile_rows
 from easytrain.data.sft import SFTCollator, SFTDataset
 from easytrain.data.sources import DataError
-from easytrain.data.vision import VISUAL_KEYS
+from easytrain.data.vision import VISUAL_KEYS, Layout
 from easytrain.distributed.batch import Batch
 from easytrain.models.families.base import Bound
 from easytrain.models.hf import family, load_image_processor, load_tokenizer, model_folder
@@ -24,23 +26,21 @@ PROMPT_TENSORS = ("input_ids", "attention_mask", *VISUAL_KEYS, "mm_token_type_id
 class RLData:
     dataset_class: type = PromptDataset
 
-    def __init__(self, config: Config) -> None:
+    def __init__(self, config: Config, read: bool = True) -> None:
+        """``read=False``: the rules only (tokenizer, family, layout), no dataset opened (a data profile)."""
         self.config = config
         d, m = config.data, config.model
         folder = model_folder(m)
         self.tokenizer = load_tokenizer(m, folder)
         self.family = family(folder)
         self.processor = load_image_processor(m, folder)
-        self.vision = vision = self.processor is not None and d.image_key is not None
+        self.vision = self.processor is not None and d.image_key is not None
         self.family.bound_processor(self.processor, d.min_pixels, d.max_pixels)
-        self.layout = self.family.layout(self.processor, self.tokenizer) if vision else None
-        cache, make, options = m.cache_dir, self.dataset_class, self.dataset_options()
-        if self.layout is not None:
-            options["layout"] = self.layout
-        self.train = make(split_files(d.train_files), d, self.tokenizer, "train", config.trainer.seed, vision, cache,
-                          **options)
-        self.val = make(split_files(d.val_files), d, self.tokenizer, "val", config.trainer.seed, vision,
-                        cache, **options) if d.val_files else None
+        self.layout = self.family.layout(self.processor, self.tokenizer) if self.vision else None
+        if not read:
+            return
+        self.train = self.dataset("train")
+        self.val = self.dataset("val") if d.val_files else None
         for dataset in (self.train, self.val):
             if dataset is not None:
                 dataset.write_skip_report(config.trainer.output_dir)
@@ -48,6 +48,16 @@ class RLData:
         self.collator = PromptCollator(self.tokenizer.pad_token_id, self.visuals())
         self.loader = PromptLoader(self.train, self.batch_size(), self.train_collator(), d.shuffle,
                                    config.trainer.seed, d.num_workers)
+
+    def dataset(self, split: str, scan: bool = True) -> Any:
+        """The ``split``'s dataset by this run's rules (``scan=False``: its sources opened, no row read)."""
+        d = self.config.data
+        options = self.dataset_options()
+        if self.layout is not None:
+            options["layout"] = self.layout
+        files = split_files(d.train_files if split == "train" else d.val_files)
+        return self.dataset_class(files, d, self.tokenizer, split, self.config.trainer.seed, self.vision,
+                                  self.config.model.cache_dir, scan=scan, **options)
 
     def visuals(self) -> Optional[Bound]:
         """The collators' vision inputs: the family's adapter with the image processor and placeholder ids."""
@@ -189,3 +199,25 @@ def sft_batch(raw: dict[str, Any]) -> Batch:
     tensors = {k: raw[k] for k in (*PROMPT_TENSORS, "targets", "position_ids") if k in raw}
     counts = torch.tensor(raw["visual_counts"]) if "pixel_values" in raw else None
     return Batch(tensors, {"uids": raw["uids"]}, counts)
+
+
+def profile_data(config: Config, progress: bool = True) -> list[DataProfile]:
+    """The data profile of the run's RL prompts, train and validation (``data.profile_rows`` rows each; none at 0):
+    read by the rules the run will read them by."""
+    d = config.data
+    if d.profile_rows == 0 or config.trainer.task != "rl":
+        return []
+    data = RLData(config, read=False)
+    layout = data.layout or Layout()
+    rules = Rules(d.min_pixels, d.max_pixels, d.max_prompt_length, d.limit_images, layout)
+    splits = ["train"] + (["val"] if d.val_files else [])
+    return [profile_rows(data.dataset(split, scan=False), split, rules, d.profile_rows, config.trainer.seed,
+                         progress) for split in splits]
+
+
+def try_profile(config: Config, progress: bool = True) -> tuple[list[DataProfile], str]:
+    """:func:`profile_data`, or none and why not (the model's tokenizer or the data not on this machine)."""
+    try:
+        return profile_data(config, progress), ""
+    except (ConfigError, DataError) as err:
+        return [], f"no data profile ({err})"

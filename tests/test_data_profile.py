@@ -1,0 +1,147 @@
+"""The data profile (issue 50): what the rows will cost, read before launch by the training rules."""
+
+from __future__ import annotations
+
+import io
+import math
+from pathlib import Path
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+from PIL import Image
+
+from easytrain.config import load
+from easytrain.data.profile import percentiles, sample_positions
+from easytrain.models.hf import load_image_processor, model_folder
+from easytrain.trainer.data import RLData, profile_data
+
+IMAGE = pa.struct([("bytes", pa.binary()), ("path", pa.string())])
+SMALL = [(56, 56), (84, 56), (112, 84), (140, 112), (168, 140)]
+"""(width, height) of the ordinary images, taken in turn."""
+HUGE = {7: (1400, 1050), 23: (2000, 1500), 41: (252, 196)}
+"""Rows with a large image: the outliers (the last one within data.max_pixels: 63 tokens, over the prompt limit)."""
+TWO_IMAGES = (13, 31)
+"""Rows with two images (data.limit_images=1 skips them)."""
+ROWS = 60
+MAX_PIXELS = 112 * 112 * 4  # 64 vision tokens on Qwen2.5-VL's 28-px grid
+MAX_PROMPT = 90
+
+
+def png(size: tuple[int, int]) -> bytes:
+    buffer = io.BytesIO()
+    Image.new("RGB", size, (200, 10, 10)).save(buffer, format="PNG")
+    return buffer.getvalue()
+
+
+def sizes_of(row: int) -> list[tuple[int, int]]:
+    first = HUGE.get(row, SMALL[row % len(SMALL)])
+    return [first, SMALL[0]] if row in TWO_IMAGES else [first]
+
+
+@pytest.fixture(scope="module")
+def data(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    path = tmp_path_factory.mktemp("profile") / "train.parquet"
+    rows = [{"images": [{"bytes": png(size), "path": None} for size in sizes_of(i)],
+             "problem": "<image>" * len(sizes_of(i)) + "What colour is it?", "answer": "red"} for i in range(ROWS)]
+    schema = pa.schema([("images", pa.list_(IMAGE)), ("problem", pa.string()), ("answer", pa.string())])
+    pq.write_table(pa.Table.from_pylist(rows, schema=schema), path, row_group_size=16)
+    return path
+
+
+def config(data: Path, tmp_path: Path, *extra: str):
+    return load([f"data.train_files={data}", "data.val_files=null", f"data.max_pixels={MAX_PIXELS}",
+                 f"data.max_prompt_length={MAX_PROMPT}", f"trainer.output_dir={tmp_path}", *extra])
+
+
+def processor_tokens(cfg, width: int, height: int, max_pixels: int) -> int:
+    """Vision tokens of one image by transformers' own Qwen2.5-VL image processor (not easytrain's resize)."""
+    processor = image_processor(model_folder(cfg.model), cfg)
+    out = processor(images=[Image.new("RGB", (width, height))], return_tensors="pt",
+                    size={"shortest_edge": cfg.data.min_pixels, "longest_edge": max_pixels})
+    return int(out["image_grid_thw"].prod()) // processor.merge_size ** 2
+
+
+_processors: dict = {}
+
+
+def image_processor(folder: str, cfg):
+    if folder not in _processors:
+        _processors[folder] = load_image_processor(cfg.model, folder)
+    return _processors[folder]
+
+
+def test_the_profile_matches_an_independent_count(data: Path, tmp_path: Path) -> None:
+    cfg = config(data, tmp_path)
+    [profile] = profile_data(cfg, progress=False)
+    assert profile.rows == profile.sampled == ROWS
+    tokens = {size: processor_tokens(cfg, *size, MAX_PIXELS) for size in {*SMALL, *HUGE.values()}}
+    kept = [i for i in range(ROWS) if i not in TWO_IMAGES]
+
+    # every kept row's text costs the same tokens: the prompt is the text plus the image's tokens
+    text = {c.text_tokens for c in profile.costs}
+    assert len(text) == 1
+    [text_tokens] = text
+    over = [i for i in kept if text_tokens + tokens[sizes_of(i)[0]] > MAX_PROMPT]
+    assert over and len(over) < len(HUGE)  # some oversized rows are too long at this limit, not all
+    assert dict(profile.skipped) == {"too_many_images": 2, **({"prompt_too_long": len(over)} if over else {})}
+    assert sorted(profile.over["too_many_images"]) == [2, 2]
+    fitting = [i for i in kept if i not in over]
+    assert sorted(c.where.rsplit("#", 1)[1] for c in profile.costs) == sorted(str(i) for i in fitting)
+
+    vision = [tokens[sizes_of(i)[0]] for i in fitting]
+    stats = profile.stats()
+    for q in (50, 90, 99):
+        assert stats["vision_tokens"][f"p{q}"] == np.percentile(vision, q, method="inverted_cdf")
+        assert stats["prompt_tokens"][f"p{q}"] == text_tokens + np.percentile(vision, q, method="inverted_cdf")
+    assert stats["vision_tokens"]["max"] == max(vision) and stats["images"]["max"] == 1
+
+    # the costliest rows: the oversized images first, named by file and row
+    named = [c.where for c in profile.costliest()]
+    huge = sorted((i for i in HUGE if i in fitting), key=lambda i: -tokens[HUGE[i]])
+    assert named[:len(huge)] == [f"{data}#{i}" for i in huge]
+    assert all(c.sizes[0] == (HUGE[i][1], HUGE[i][0]) for c, i in zip(profile.costliest(), huge))
+
+
+def test_candidate_limits_against_the_image_processor(data: Path, tmp_path: Path) -> None:
+    cfg = config(data, tmp_path, "data.max_prompt_length=4096")  # every one-image row kept
+    [profile] = profile_data(cfg, progress=False)
+    kept = [i for i in range(ROWS) if i not in TWO_IMAGES]
+    table = profile.pixel_candidates([MAX_PIXELS // 4, MAX_PIXELS, 4 * MAX_PIXELS])
+    for row in table:
+        m = row["max_pixels"]
+        vision = [processor_tokens(cfg, *sizes_of(i)[0], m) for i in kept]
+        whole = [(round(h / 28) * 28) * (round(w / 28) * 28) <= m for w, h in (sizes_of(i)[0] for i in kept)]
+        assert row["unscaled_share"] == pytest.approx(sum(whole) / len(kept))
+        assert row["vision_tokens_p99"] == np.percentile(vision, 99, method="inverted_cdf")
+        assert row["vision_tokens_max"] == max(vision)
+    assert [r["unscaled_share"] for r in table] == sorted(r["unscaled_share"] for r in table)
+
+    lengths = profile.length_candidates([50, 100, 4096])
+    prompt = sorted(c.prompt_tokens for c in profile.costs)
+    assert [r["kept_share"] for r in lengths] == [sum(p <= v for p in prompt) / len(prompt) for v in (50, 100, 4096)]
+    images = profile.image_count_candidates([1, 2])
+    assert [r["kept_share"] for r in images] == [(ROWS - len(TWO_IMAGES)) / ROWS, 1.0]
+
+
+def test_a_sample_is_seeded_uniform_and_in_file_order() -> None:
+    positions = sample_positions([5, 0, 7], 4, seed=3)
+    assert positions == sorted(positions) and len(set(positions)) == 4
+    assert all((s, r) in {(0, i) for i in range(5)} | {(2, i) for i in range(7)} for s, r in positions)
+    assert positions == sample_positions([5, 0, 7], 4, seed=3) != sample_positions([5, 0, 7], 4, seed=4)
+    assert sample_positions([2, 1], 10, seed=0) == [(0, 0), (0, 1), (1, 0)]
+    assert percentiles([]) == {"p50": 0, "p90": 0, "p99": 0, "max": 0}
+    values = list(range(1, 201))
+    assert percentiles(values) == {"p50": 100, "p90": 180, "p99": 198, "max": 200}
+
+
+def test_a_whole_split_gives_the_data_reports_counts(data: Path, tmp_path: Path) -> None:
+    cfg = config(data, tmp_path, "data.val_files=null")
+    [profile] = profile_data(cfg, progress=False)
+    run = RLData(cfg)
+    report = run.train.skips
+    assert (profile.sampled, len(profile.costs), dict(profile.skipped)) == (report.rows, report.kept,
+                                                                            dict(report.reasons))
+    sampled = profile_data(config(data, tmp_path, "data.profile_rows=20"), progress=False)[0]
+    assert sampled.rows == ROWS and sampled.sampled == 20 and math.isclose(len(sampled.costs) / 20, 1, abs_tol=0.5)
