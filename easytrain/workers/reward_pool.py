@@ -31,6 +31,9 @@ class RewardWorker:
     def score(self, responses: Sequence[str], truths: Sequence[str]) -> tuple[list[dict[str, float]], int]:
         return self.reward(responses, truths)
 
+    def ready(self) -> bool:
+        return True
+
     def process_info(self, index: int) -> dict[str, Any]:
         return process_info("reward", index)
 
@@ -50,7 +53,17 @@ class RewardPool:
     def __init__(self, cfg: RewardConfig) -> None:
         load_function(cfg.function)  # fail here, in the driver, with a clear message
         self.cfg = cfg
-        self.workers = [RewardWorker.remote(cfg.function, cfg.format_weight) for _ in range(cfg.num_workers)]
+        self.workers = self._started(cfg.num_workers)
+
+    def _started(self, count: int) -> list[Any]:
+        """``count`` new workers, once each has loaded the function: reward.timeout_s then times the scoring,
+        not a process starting (seconds on a loaded node, which would time out the worker that replaced one)."""
+        workers = [RewardWorker.remote(self.cfg.function, self.cfg.format_weight) for _ in range(count)]
+        try:
+            ray.get([w.ready.remote() for w in workers])
+        except ray.exceptions.RayActorError as err:
+            raise WorkerDied("reward", -1, "?", f"a reward worker did not start: {str(err).splitlines()[0]}") from err
+        return workers
 
     def submit(self, responses: Sequence[str], truths: Sequence[str]) -> PendingScores:
         n = len(responses)
@@ -102,7 +115,8 @@ class RewardPool:
         """Kill the workers at ``indices`` now and start new ones in their places."""
         for i in indices:
             ray.kill(self.workers[i])
-            self.workers[i] = RewardWorker.remote(self.cfg.function, self.cfg.format_weight)
+        for i, worker in zip(indices, self._started(len(indices))):
+            self.workers[i] = worker
         logger.warning("killed %d reward worker(s) while they scored; new ones took their places", len(indices))
 
     def process_info(self) -> list[dict[str, Any]]:
