@@ -12,9 +12,12 @@ import pyarrow.parquet as pq
 import pytest
 from PIL import Image
 
-from easytrain.config import load
+from easytrain.config import load, with_overrides
 from easytrain.data.profile import percentiles, sample_positions
+from easytrain.memory.data_shape import DataCosts
+from easytrain.memory.planner import plan
 from easytrain.models.hf import load_image_processor, model_folder
+from easytrain.models.shapes import hf_config_for
 from easytrain.trainer.data import RLData, profile_data
 
 IMAGE = pa.struct([("bytes", pa.binary()), ("path", pa.string())])
@@ -145,3 +148,25 @@ def test_a_whole_split_gives_the_data_reports_counts(data: Path, tmp_path: Path)
                                                                             dict(report.reasons))
     sampled = profile_data(config(data, tmp_path, "data.profile_rows=20"), progress=False)[0]
     assert sampled.rows == ROWS and sampled.sampled == 20 and math.isclose(len(sampled.costs) / 20, 1, abs_tol=0.5)
+
+
+def test_the_plan_is_priced_on_the_longest_row_and_re_priced_under_other_limits(data: Path, tmp_path: Path) -> None:
+    cfg = config(data, tmp_path, "data.max_prompt_length=4096", "data.max_pixels=1003520")  # 1280 tokens a side
+    hf = hf_config_for(cfg.model)
+    costs = DataCosts.of(profile_data(cfg, progress=False))
+    kept = [i for i in range(ROWS) if i not in TWO_IMAGES]
+    [text] = {c.text_tokens for c in costs.profiles[0].costs}
+    for max_pixels in (1003520, MAX_PIXELS, MAX_PIXELS // 4):
+        under = with_overrides(cfg, {"data.max_pixels": max_pixels})
+        vision = max(processor_tokens(cfg, *sizes_of(i)[0], max_pixels) for i in kept)
+        shape = costs.shape(under, hf)
+        assert (shape.prompt, shape.images, shape.image_tokens) == (text + vision, 1, vision)
+        assert shape.response == cfg.data.max_response_length
+    data_plan, bound = plan(cfg, hf, data=costs), plan(cfg, hf)
+    for phase in ("update", "generation"):
+        assert data_plan.row(phase).process_host < bound.row(phase).process_host  # the limits overstate it
+    shorter = with_overrides(cfg, {"data.max_prompt_length": text + 40})  # drops the rows over it
+    fitting = [processor_tokens(cfg, *sizes_of(i)[0], 1003520) for i in kept]
+    assert costs.shape(shorter, hf).prompt == text + max(v for v in fitting if text + v <= text + 40)
+    more_images = with_overrides(cfg, {"data.limit_images": 2})
+    assert costs.shape(more_images, hf) is None and "data.limit_images=2" in costs.why_not(more_images)

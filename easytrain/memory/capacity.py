@@ -10,7 +10,7 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Optional
+from typing import Any, Optional
 
 from easytrain.config.derived import ray_kill_threshold
 from easytrain.config.schema import Config
@@ -167,6 +167,9 @@ class Plan:
     """Phases outside the step: the model load before the first step, a checkpoint save, a resume, the HF
     export (:mod:`easytrain.memory.host`). They must fit too, but are not the step's running peaks (which
     the watchdog compares with)."""
+    data: Any = None
+    """The rows' costs it was priced on (:class:`easytrain.memory.data_shape.DataCosts`; its re-plans take them
+    too); None: every row at the data limits."""
 
     @property
     def device_peak(self) -> int:

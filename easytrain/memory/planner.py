@@ -67,6 +67,7 @@ from easytrain.memory.states import FP32, role_states, shard_degree
 from easytrain.memory.phases import Phase
 from easytrain.config.presets import RANDOM_PREFIX
 from easytrain.models.families import family_of
+from easytrain.memory.data_shape import DataCosts
 from easytrain.memory.rl_shape import Shape, experience_micro, gathered_units, packed_group, per_rank, shape_of, update_micro
 
 __all__ = ["CUDA_CONTEXT_BYTES", "GB", "Capacity", "Plan", "Row", "capacity_of", "plan", "worker_bytes",
@@ -179,16 +180,18 @@ class _Step:
     from its first sync on, by role (:func:`object_store_pages`)."""
 
 
-def plan(config: Config, hf_config: Optional[dict[str, Any]] = None, capacity: Optional[Capacity] = None) -> Plan:
+def plan(config: Config, hf_config: Optional[dict[str, Any]] = None, capacity: Optional[Capacity] = None,
+         data: Optional[DataCosts] = None) -> Plan:
     """The memory plan of ``config`` (its model's HF config is resolved when not given): the RL phases in the
-    order they run, or with ``trainer.task=sft`` the SFT ones (:mod:`easytrain.memory.sft`)."""
+    order they run, or with ``trainer.task=sft`` the SFT ones (:mod:`easytrain.memory.sft`). ``data``: the
+    sequences priced from the data's rows (:mod:`easytrain.memory.data_shape`), not at the limits."""
     from easytrain.models.shapes import hf_config_for
 
     hf_config = hf_config if hf_config is not None else hf_config_for(config.model)
     capacity = capacity or capacity_of(config)
     if config.trainer.task == "sft":
         return plan_sft(config, hf_config, capacity)
-    s = shape_of(config, hf_config)
+    s = shape_of(config, hf_config, data)
     actor, ref = actor_states(config, s), ref_states(config, s)
     upd_micro, accumulates = update_micro(config, s)
     awake = rollout_phase(config, s, hf_config, capacity, validate=False)
@@ -225,7 +228,7 @@ def plan(config: Config, hf_config: Optional[dict[str, Any]] = None, capacity: O
     notes = [layout_note(config, s.with_ref, s.ref_by_actor, s.on_gpu, set(work)),
              micro_note(config, s, upd_micro), *_notes(config, s, hf_config, capacity)]
     once = [_load_row(step), *_run_rows(step, capacity)]
-    return Plan(rows, capacity, s.on_gpu, notes, once=once)
+    return Plan(rows, capacity, s.on_gpu, notes, once=once, data=data)
 
 
 def object_store_pages(config: Config, s: Shape, role: str) -> dict[str, int]:

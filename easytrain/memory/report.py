@@ -7,6 +7,7 @@ from typing import Any, Optional, Sequence
 
 from easytrain.config.schema import Config
 from easytrain.data.profile import DataProfile, describe, describe_choices
+from easytrain.memory.data_shape import DataCosts
 from easytrain.memory.params import count_parameters
 from easytrain.memory.planner import GB, Plan, Row, plan
 from easytrain.config import with_overrides
@@ -65,7 +66,7 @@ def render(config: Config, p: Plan, hf_config: dict[str, Any], advice: list[Sugg
         elif not fitted:
             lines.append("--fit: fits as configured")
         else:
-            q = plan(with_overrides(config, fitted), hf_config, p.capacity)
+            q = plan(with_overrides(config, fitted), hf_config, p.capacity, p.data)
             lines.append(f"--fit (device peak {_gb(q.device_peak)} GB, host {_gb(q.host_peak)} GB per node): "
                          + " ".join(f"{k}={override_value(v)}" for k, v in fitted.items()))
     return "\n".join(lines)
@@ -147,12 +148,30 @@ def plan_command(config: Config, output: str, search: bool, profiles: Sequence[D
     if hf_config is None:
         raise ConfigError("model.path", config.model.path, "the planner needs the model's config.json",
                           "use a local model folder, a tiny: model or a preset of conf/model/")
-    p = plan(config, hf_config)
+    data = DataCosts.of(profiles)
+    p = plan(config, hf_config, data=data)
+    bound = plan(config, hf_config, p.capacity)
     advice = suggestions(config, p, hf_config)
-    fitted = fit(config, hf_config, p.capacity) if search else None
+    fitted = fit(config, hf_config, p.capacity, data) if search else None
+    pricing = priced_on(config, hf_config, data, bound, profile_note)
     if output == "json":
         out = as_json(config, p, advice, fitted, search)
-        out["data"] = {"profiles": [d.as_dict() for d in profiles], "note": profile_note}
+        out["data"] = {"priced_on": pricing, "profiles": [d.as_dict() for d in profiles],
+                       "bound_device_peak_bytes": bound.device_peak, "bound_host_peak_bytes": bound.host_peak,
+                       "bound_phases": [_row_json(r) for r in bound.rows]}
         return json.dumps(out, indent=2)
-    data = [part for d in profiles for part in (describe(d), describe_choices(d))] or [profile_note]
-    return "\n\n".join([render(config, p, hf_config, advice, fitted, search), *filter(None, data)])
+    parts = [part for d in profiles for part in (describe(d), describe_choices(d))]
+    return "\n\n".join([render(config, p, hf_config, advice, fitted, search), pricing, *parts])
+
+
+def priced_on(config: Config, hf_config: dict[str, Any], data: Optional[DataCosts], bound: Plan,
+              note: str = "") -> str:
+    """One line: what the plan's sequences were priced on, and the plan with every row at the limits beside it."""
+    limits = (f"every row at the limits: device peak {_gb(bound.device_peak)} GB, host peak {_gb(bound.host_peak)} "
+              "GB per node")
+    why = data.why_not(config) if data is not None else (note or "no data profile (data.profile_rows=0)")
+    shape = data.shape(config, hf_config) if data is not None and not why else None
+    if shape is None:
+        return f"priced on the limits ({why or 'no row kept'})"
+    return (f"priced on the data: its longest prompt {shape.prompt} tokens, {shape.images} image(s) of up to "
+            f"{shape.image_tokens} vision tokens, responses {shape.response}; {limits}")

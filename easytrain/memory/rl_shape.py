@@ -10,6 +10,7 @@ from typing import Any, Optional
 from easytrain.config.schema import MASKED_ATTENTION, Config
 from easytrain.memory.activations import MicroShape, model_dims, packed_micro, shard_units
 from easytrain.memory.budget import sequence_shape
+from easytrain.memory.data_shape import DataCosts
 from easytrain.memory.host import heap_keeps_freed
 from easytrain.memory.params import count_parameters, largest_module, largest_trainable, trainable_by_component
 from easytrain.memory.states import DTYPE_BYTES, FP32, gathered_bytes, shard_degree
@@ -46,9 +47,11 @@ class Shape:
     """fp32 ``pixel_values`` values behind one image token (:attr:`ModelDims.values_per_token`)."""
 
 
-def shape_of(config: Config, hf_config: dict[str, Any]) -> Shape:
+def shape_of(config: Config, hf_config: dict[str, Any], data: Optional[DataCosts] = None) -> Shape:
+    """``data``: sequences as long as the data's longest rows under the config's limits (where the profile can
+    tell; else, and without it, as long as the limits allow)."""
     t, a, d = config.trainer, config.worker.actor, config.data
-    seq = sequence_shape(config, hf_config)
+    seq = (data and data.shape(config, hf_config)) or sequence_shape(config, hf_config)
     on_policy = a.ppo_epochs == 1 and d.rollout_batch_size == a.global_batch_size
     kl = config.algorithm.kl_coef > 0
     dims = model_dims(hf_config)

@@ -40,6 +40,7 @@ from typing import Any, Iterator, Optional
 
 from easytrain.config import with_overrides
 from easytrain.config.schema import Config
+from easytrain.memory.data_shape import DataCosts
 from easytrain.memory.planner import GB, Capacity, Plan, plan
 
 TIGHT = 0.10
@@ -225,7 +226,7 @@ def suggestions(config: Config, p: Plan, hf_config: dict[str, Any]) -> list[Sugg
         if overrides in seen:
             continue
         seen.append(overrides)
-        q = plan(with_overrides(config, overrides), hf_config, p.capacity)
+        q = plan(with_overrides(config, overrides), hf_config, p.capacity, p.data)
         moved = {phase: q.row(phase).device - p.row(phase).device for phase in crowded
                  if q.has(phase) and q.row(phase).device != p.row(phase).device}
         s = Suggestion(overrides, q.device_peak - p.device_peak, q.host_peak - p.host_peak, q.fits, why, moved)
@@ -285,9 +286,10 @@ def _valid(overrides: dict[str, Any], config: Config) -> bool:
     return not (config.worker.actor.strategy == "deepspeed" and params and stage != 3)
 
 
-def fit(config: Config, hf_config: dict[str, Any], capacity: Optional[Capacity] = None) -> Optional[dict[str, Any]]:
-    """The overrides of the first setting, in the documented cost order, whose plan fits with 10% headroom
-    (empty if the config does as it is); None when no setting of these knobs fits."""
+def fit(config: Config, hf_config: dict[str, Any], capacity: Optional[Capacity] = None,
+        data: Optional[DataCosts] = None) -> Optional[dict[str, Any]]:
+    """The overrides of the first setting, in the documented cost order, whose plan (priced on ``data`` where
+    given) fits with 10% headroom (empty if the config does as it is); None when no setting of these knobs fits."""
     if config.trainer.task == "sft":
         return _search(config, hf_config, capacity, _sft_knobs(config))
     a, r = config.worker.actor, config.worker.rollout
@@ -304,15 +306,15 @@ def fit(config: Config, hf_config: dict[str, Any], capacity: Optional[Capacity] 
              *experience,
              ("worker.ref.offload.params", sorted({config.worker.ref.offload.params, *offload})),
              ("worker.rollout.gpu_memory_utilization", utils)]
-    return _search(config, hf_config, capacity, knobs)
+    return _search(config, hf_config, capacity, knobs, data)
 
 
 def _search(config: Config, hf_config: dict[str, Any], capacity: Optional[Capacity],
-            knobs: list[tuple[str, list[Any]]]) -> Optional[dict[str, Any]]:
+            knobs: list[tuple[str, list[Any]]], data: Optional[DataCosts] = None) -> Optional[dict[str, Any]]:
     """The first combination of ``knobs`` (the first knob varies slowest) whose plan is roomy."""
     names = [k for k, _ in knobs]
     for values in itertools.product(*(v for _, v in knobs)):
         overrides = {k: v for k, v in zip(names, values) if v != get(config, k)}
-        if _valid(overrides, config) and _roomy(plan(with_overrides(config, overrides), hf_config, capacity)):
+        if _valid(overrides, config) and _roomy(plan(with_overrides(config, overrides), hf_config, capacity, data)):
             return overrides
     return None
