@@ -66,10 +66,11 @@ def run(config: Config) -> dict[str, float]:
     from easytrain.distributed.cluster import check_cluster_fits, check_local_gpus, init_ray
     from easytrain.memory.report import check_before_launch
     from easytrain.trainer.checkpoint import check_resume
+    from easytrain.trainer.data import launch_profile
 
     logger.info("run folder: %s", config.trainer.output_dir)
     check_local_gpus(config)
-    check_before_launch(config)
+    check_before_launch(config, launch_profile(config))
     check_resume(config)
     init_ray(config.ray)
     check_cluster_fits(config)

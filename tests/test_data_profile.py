@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
+import functools
 import io
-import math
 from pathlib import Path
 
 import numpy as np
@@ -13,7 +13,7 @@ import pytest
 from PIL import Image
 
 from easytrain.config import load, with_overrides
-from easytrain.data.profile import percentiles, sample_positions
+from easytrain.data.profile import Longest, percentiles, sample_positions
 from easytrain.memory.data_shape import DataCosts
 from easytrain.memory.planner import plan
 from easytrain.models.hf import load_image_processor, model_folder
@@ -146,8 +146,17 @@ def test_a_whole_split_gives_the_data_reports_counts(data: Path, tmp_path: Path)
     report = run.train.skips
     assert (profile.sampled, len(profile.costs), dict(profile.skipped)) == (report.rows, report.kept,
                                                                             dict(report.reasons))
-    sampled = profile_data(config(data, tmp_path, "data.profile_rows=20"), progress=False)[0]
-    assert sampled.rows == ROWS and sampled.sampled == 20 and math.isclose(len(sampled.costs) / 20, 1, abs_tol=0.5)
+    # what the run's own read keeps (the in-run plan check's prices): the longest of every kept row
+    read = DataCosts.read([run.train])
+    assert read.longest(cfg) == functools.reduce(Longest.add, profile.costs, Longest()) != Longest()
+    assert read.why_not(cfg) == "" and not run.sampled_at_launch()
+    assert read.why_not(with_overrides(cfg, {"data.max_pixels": MAX_PIXELS // 4})) != ""
+    small = config(data, tmp_path, "data.profile_rows=20")
+    sampled = profile_data(small, progress=False)[0]
+    picked = [r for _, r in sample_positions([ROWS], 20, small.trainer.seed)]
+    assert sampled.rows == ROWS and sampled.sampled == 20
+    assert sorted(int(c.where.rsplit("#", 1)[1]) for c in sampled.costs) == [
+        r for r in picked if f"{data}#{r}" in {c.where for c in profile.costs}]
 
 
 def test_the_plan_is_priced_on_the_longest_row_and_re_priced_under_other_limits(data: Path, tmp_path: Path) -> None:
@@ -170,3 +179,43 @@ def test_the_plan_is_priced_on_the_longest_row_and_re_priced_under_other_limits(
     assert costs.shape(shorter, hf).prompt == text + max(v for v in fitting if text + v <= text + 40)
     more_images = with_overrides(cfg, {"data.limit_images": 2})
     assert costs.shape(more_images, hf) is None and "data.limit_images=2" in costs.why_not(more_images)
+
+
+@pytest.fixture(scope="module")
+def mixed(data: Path) -> Path:
+    """``data`` plus a row of long text and a large image: over data.max_prompt_length at MAX_PIXELS, and the
+    longest prompt once its image is smaller."""
+    table = pq.read_table(data).to_pylist()
+    table.append({"images": [{"bytes": png((700, 700)), "path": None}], "answer": "red",
+                  "problem": "<image>" + "Look at the picture and say what colour it is. " * 3})
+    path = data.with_name("mixed.parquet")
+    schema = pa.schema([("images", pa.list_(IMAGE)), ("problem", pa.string()), ("answer", pa.string())])
+    pq.write_table(pa.Table.from_pylist(table, schema=schema), path, row_group_size=16)
+    return path
+
+
+@pytest.mark.parametrize("family", ["qwen2_5_vl", "internvl", "gemma3"])
+def test_a_profile_priced_under_other_limits_equals_the_data_read_under_them(family: str, mixed: Path,
+                                                                           tmp_path: Path) -> None:
+    """The plan re-prices a profile for a suggestion's limits without reading the data again: what it finds must
+    be what the dataset reads under those limits (a smaller data.max_pixels brings back rows that were too long,
+    downscale_images_to_fit shrinks them, a shorter max_prompt_length drops some)."""
+    base = config(mixed, tmp_path, f"model.path=tiny:{family}")
+    costs = DataCosts.of(profile_data(base, progress=False))
+    text = min(c.text_tokens for c in costs.profiles[0].costs)
+    changes = [{}, {"data.max_pixels": MAX_PIXELS // 4}, {"data.max_pixels": 4 * MAX_PIXELS},
+               {"data.downscale_images_to_fit": True}, {"data.max_prompt_length": text + 20},
+               {"data.max_prompt_length": text + 20, "data.downscale_images_to_fit": True}]
+    found = []
+    for change in changes:
+        other = with_overrides(base, change)
+        [read] = profile_data(other, progress=False)
+        expected = functools.reduce(Longest.add, read.costs, Longest()) if read.costs else None
+        assert costs.longest(other) == expected, change
+        found.append(expected)
+    assert len(set(found)) > 1  # the limits changed what is kept
+    if family == "qwen2_5_vl":  # the long row is over the limit, and back (the longest) at a quarter of the pixels
+        long_row = f"{mixed}#{ROWS}"
+        assert long_row not in {c.where for c in costs.profiles[0].costs}
+        quarter = profile_data(with_overrides(base, changes[1]), progress=False)[0]
+        assert quarter.costliest(1)[0].where == long_row

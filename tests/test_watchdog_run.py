@@ -43,3 +43,27 @@ def test_default_run_writes_a_memory_timeline_covering_every_worker(default_run:
 
     events = [r for r in records if r["kind"] == "event"]
     assert events == [], events  # a healthy run: no pressure, no imbalance, no leak
+
+
+def test_the_run_folder_holds_the_data_profile_and_each_steps_largest_micro_batches(default_run: Path) -> None:
+    """Issue 50: the profile read before launch (the same counts as data_report.json: the default data is read
+    whole), and per step the update's and the log-prob passes' largest micro batch with its longest row."""
+    profile = json.loads((default_run / "data_profile.json").read_text())
+    report = json.loads((default_run / "data_report.json").read_text())
+    by_split = {p["split"]: p for p in profile["profiles"]}
+    assert set(by_split) == {"train", "val"} and profile["note"] == ""
+    for split, p in by_split.items():
+        assert (p["sampled"], p["kept"], p["skipped"]) == (report[split]["rows"], report[split]["kept"],
+                                                           report[split]["skipped"])
+    longest_prompt = max(p["stats"]["prompt_tokens"]["max"] for p in by_split.values())
+    records = [json.loads(line) for line in (default_run / "memory.jsonl").read_text().splitlines()]
+    micro = [r for r in records if r["kind"] == "micro_batches"]
+    assert [r["step"] for r in micro] == list(range(1, STEPS + 1))
+    train_file = {c["row"].rsplit("#", 1)[0] for c in by_split["train"]["costliest"]}
+    for record in micro:
+        for phase in ("log_probs", "update"):
+            m = record[phase]
+            assert m["longest_row"].rsplit("#", 1)[0] in train_file
+            assert longest_prompt < m["longest_tokens"] <= longest_prompt + 1  # max_response_length: 1
+            assert m["samples"] * longest_prompt < m["tokens"] <= m["samples"] * m["longest_tokens"]
+            assert m["images"] == m["samples"]  # one image a sample

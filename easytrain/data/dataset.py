@@ -24,6 +24,7 @@ from tqdm import tqdm
 
 from easytrain.config.schema import DataConfig
 from easytrain.data.images import BadSample, ImageFiles, decode_image, fit_image
+from easytrain.data.profile import Longest, RowCost, Rules, downscale_share, row_cost
 from easytrain.data.prompts import DEFAULT_LAYOUT, build_messages, load_format_template, render_prompt
 from easytrain.data.sources import DataError, RowSource, open_source, require_columns
 from easytrain.data.video import Clip, decode_video, fit_video, video_tokens
@@ -118,6 +119,8 @@ class PromptDataset:
         self.skips = SkipReport(split)
         self._index: list[tuple[int, int]] = []
         self.prompt_lengths: list[int] = []
+        self.longest = Longest()
+        """The largest prompt, image count and vision tokens of the kept rows (the in-run plan check prices them)."""
         if scan:
             self._scan(progress)
 
@@ -146,6 +149,7 @@ class PromptDataset:
                 else:
                     self._index.append((s, r))
                     self.prompt_lengths.append(len(prompt.input_ids))
+                    self.longest = self.longest.add(row_cost(prompt))
                     self.skips.downscaled += prompt.downscaled
                 bar.update(1)
         bar.close()
@@ -159,6 +163,10 @@ class PromptDataset:
 
     def __len__(self) -> int:
         return len(self._index)
+
+    def rules(self) -> Rules:
+        """The limits and the grid this dataset reads its rows by."""
+        return Rules.of(self.cfg, self.layout)
 
     def __getitem__(self, index: int) -> Prompt:
         s, r = self._index[index]
@@ -189,11 +197,13 @@ class PromptDataset:
         rendered = render_prompt(self.tokenizer, messages, self.image_tokens(images), self.tools, frames, self.layout)
         downscaled = len(rendered.input_ids) > cfg.max_prompt_length
         if downscaled:
+            full = RowCost(where, tuple((im.height, im.width) for im in decoded), tuple(rendered.image_tokens),
+                           sum(frames), len(rendered.input_ids), 0)
             if not (cfg.downscale_images_to_fit and images):
                 raise BadSample("prompt_too_long", f"{len(rendered.input_ids)} tokens > "
                                 f"data.max_prompt_length={cfg.max_prompt_length}"
-                                + (f" ({sum(frames)} of them video)" if videos else ""), len(rendered.input_ids))
-            images, rendered = self._downscale(decoded, messages, rendered, frames)
+                                + (f" ({sum(frames)} of them video)" if videos else ""), len(rendered.input_ids), full)
+            images, rendered = self._downscale(decoded, messages, rendered, frames, full)
         return Prompt(uid=where, input_ids=rendered.input_ids, vllm_text=rendered.vllm_text, images=images,
                       image_tokens=rendered.image_tokens, answer=answer,
                       downscaled=downscaled, videos=videos, sizes=[(im.height, im.width) for im in decoded],
@@ -249,13 +259,14 @@ class PromptDataset:
         return values
 
     def _downscale(self, decoded: list[Image.Image], messages: list[dict[str, Any]], rendered: Any,
-                   frames: Sequence[int] = ()) -> tuple:
-        """Shrink every image to an equal share of the tokens the text (and the videos) leave free."""
+                   frames: Sequence[int], full: RowCost) -> tuple:
+        """Shrink every image to an equal share of the tokens the text (and the videos) leave free (``full``: the
+        row at full size)."""
         text_tokens = len(rendered.input_ids) - sum(rendered.image_tokens)
-        share = (self.cfg.max_prompt_length - text_tokens) // len(decoded)
+        share = downscale_share(self.cfg.max_prompt_length, text_tokens, len(decoded))
         if share < 1:
             raise BadSample("prompt_too_long", f"the text alone takes {text_tokens} tokens "
-                            f"of data.max_prompt_length={self.cfg.max_prompt_length}")
+                            f"of data.max_prompt_length={self.cfg.max_prompt_length}", len(rendered.input_ids), full)
         max_pixels = self.layout.pixels_for(share)
         min_pixels = min(self.cfg.min_pixels, max_pixels)
         images = self.fit(decoded, min_pixels, max_pixels)

@@ -53,11 +53,14 @@ wrong path (a disk image, a log, a growing file) costs a loader process."""
 class BadSample(Exception):
     """A row that cannot be used; ``reason`` is a short code counted in the skip summary."""
 
-    def __init__(self, reason: str, detail: str = "", measured: Optional[int] = None) -> None:
+    def __init__(self, reason: str, detail: str = "", measured: Optional[int] = None, cost: Any = None) -> None:
         super().__init__(f"{reason}: {detail}" if detail else reason)
         self.reason, self.detail = reason, detail
         self.measured = measured
         """The count that broke a limit (a prompt's tokens, a row's images or videos), where one was measured."""
+        self.cost = cost
+        """A row over ``data.max_prompt_length``: what it costs (:class:`easytrain.data.profile.RowCost`), so a
+        data profile can price it under other limits."""
 
 
 def smart_resize(height: int, width: int, min_pixels: int, max_pixels: int,

@@ -10,11 +10,11 @@ the reason the run's ``data_report.json`` gives it; the whole split read gives t
 
 from __future__ import annotations
 
-import math
+import dataclasses
 import random
 from collections import Counter
 from dataclasses import dataclass, field
-from typing import Any, Callable, Iterator, Sequence
+from typing import Any, Callable, NamedTuple, Optional, Sequence
 
 from tqdm import tqdm
 
@@ -90,19 +90,83 @@ def percentiles(values: Sequence[float]) -> dict[str, float]:
     ordered = sorted(values)
     if not ordered:
         return {**{f"p{q}": 0 for q in PERCENTILES}, "max": 0}
-    rank = {f"p{q}": ordered[max(0, math.ceil(q / 100 * len(ordered)) - 1)] for q in PERCENTILES}
+    rank = {f"p{q}": ordered[max(0, -(-q * len(ordered) // 100) - 1)] for q in PERCENTILES}  # ceil(q n / 100)
     return {**rank, "max": ordered[-1]}
 
 
 @dataclass(frozen=True)
+class Longest:
+    """The largest of each count over a split's kept rows (not necessarily one row's)."""
+
+    prompt: int = 0
+    images: int = 0
+    vision: int = 0
+    """Vision tokens of a row's images."""
+    video: bool = False
+    """A row has a video."""
+
+    def add(self, cost: RowCost) -> "Longest":
+        return Longest(max(self.prompt, cost.prompt_tokens), max(self.images, len(cost.sizes)),
+                       max(self.vision, sum(cost.image_tokens)), self.video or cost.video_tokens > 0)
+
+    def join(self, other: "Longest") -> "Longest":
+        return Longest(max(self.prompt, other.prompt), max(self.images, other.images),
+                       max(self.vision, other.vision), self.video or other.video)
+
+
+@dataclass(frozen=True)
 class Rules:
-    """The limits a profile was read under, and the family's grid (to re-price images under other limits)."""
+    """The data limits rows are read under, and the family's grid (to re-price images under other limits)."""
 
     min_pixels: int
     max_pixels: int
     max_prompt_length: int
     limit_images: int
     layout: Layout
+    downscale: bool = False
+    """``data.downscale_images_to_fit``."""
+
+    @classmethod
+    def of(cls, data: Any, layout: Layout) -> "Rules":
+        """The rules of a config's ``data`` section."""
+        return cls(data.min_pixels, data.max_pixels, data.max_prompt_length, data.limit_images, layout,
+                   data.downscale_images_to_fit)
+
+
+class Priced(NamedTuple):
+    """A row as the run would read it under some :class:`Rules`."""
+
+    prompt: int
+    images: int
+    image_tokens: int
+    whole: bool
+    """Every image keeps its full size (``data.max_pixels`` does not shrink it)."""
+
+
+def downscale_share(max_prompt_length: int, other_tokens: int, images: int) -> int:
+    """Vision tokens each image may take when a prompt's images are shrunk to fit (``data.downscale_images_to_fit``):
+    an equal share of what the text (and videos), ``other_tokens``, leave free; below 1 the row is skipped."""
+    return (max_prompt_length - other_tokens) // images
+
+
+def reprice(cost: RowCost, rules: Rules) -> Optional[Priced]:
+    """``cost``'s row read under ``rules`` as the dataset reads it (its images sized from their decoded sizes,
+    shrunk to fit where the rules say so); None when the run would skip it."""
+    layout, other = rules.layout, cost.text_tokens + cost.video_tokens
+    if len(cost.sizes) > rules.limit_images:
+        return None
+    sized = [_sized(h, w, rules.min_pixels, rules.max_pixels, layout) for h, w in cost.sizes]
+    whole = all(s == _sized(h, w, rules.min_pixels, UNBOUNDED, layout) for s, (h, w) in zip(sized, cost.sizes))
+    tokens = sum(layout.image_tokens(*s) for s in sized)
+    if other + tokens > rules.max_prompt_length:
+        share = downscale_share(rules.max_prompt_length, other, len(cost.sizes)) if cost.sizes else 0
+        if not rules.downscale or share < 1:
+            return None
+        most = layout.pixels_for(share)
+        tokens = sum(layout.image_tokens(*_sized(h, w, min(rules.min_pixels, most), most, layout))
+                     for h, w in cost.sizes)  # may stay over the limit (one fixed size, a tile's thumbnail): kept so
+        whole = False
+    return Priced(other + tokens, len(cost.sizes), tokens, whole)
 
 
 @dataclass
@@ -114,6 +178,9 @@ class DataProfile:
     """Rows in the split."""
     rules: Rules
     costs: list[RowCost] = field(default_factory=list)
+    """The rows the run keeps."""
+    too_long: list[RowCost] = field(default_factory=list)
+    """Rows skipped over ``data.max_prompt_length`` (at full size): other limits may keep them."""
     skipped: Counter = field(default_factory=Counter)
     """Sampled rows the run would skip, by reason (``data_report.json``'s)."""
     over: dict[str, list[int]] = field(default_factory=dict)
@@ -134,42 +201,32 @@ class DataProfile:
         """The rows with the most prompt tokens (then pixels)."""
         return sorted(self.costs, key=lambda c: (c.prompt_tokens, c.pixels), reverse=True)[:count]
 
-    def image_tokens_under(self, max_pixels: int) -> Iterator[tuple[RowCost, int, bool]]:
-        """Each kept row's vision tokens of its images with ``data.max_pixels=max_pixels``, and whether every
-        image of it keeps its full size (the limit does not shrink it)."""
-        r = self.rules
-        for cost in self.costs:
-            tokens, whole = 0, True
-            for height, width in cost.sizes:
-                sized = _sized(height, width, r, max_pixels)
-                tokens += r.layout.image_tokens(*sized)
-                whole = whole and sized == _sized(height, width, r, UNBOUNDED)
-            yield cost, tokens, whole
+    def priced(self, rules: Rules) -> list[Optional[Priced]]:
+        """Every row that got as far as its prompt (kept, or skipped for length) read under ``rules``."""
+        return [reprice(c, rules) for c in self.costs + self.too_long]
 
     def pixel_candidates(self, values: Sequence[int]) -> list[dict[str, Any]]:
-        """For each ``data.max_pixels`` value: the share of rows whose images keep their full size, the rows' vision
-        tokens (p99, max), their prompt tokens (max) and the rows that would pass ``data.max_prompt_length``. Rows
-        downscaled to fit today are priced at their full images' tokens (an upper bound)."""
+        """For each ``data.max_pixels`` value: of the rows that got as far as their prompt, the share the run keeps
+        and the share whose images keep their full size; the kept rows' vision tokens (p99, max) and their prompt
+        tokens (max). Empty for a family that sizes every image to one fixed size."""
+        if self.rules.layout.fixed_size:
+            return []
         out = []
-        kept = max(1, len(self.costs))
         for value in sorted(set(values)):
-            vision, prompts, whole_rows, fitting = [], [], 0, 0
-            for cost, tokens, whole in self.image_tokens_under(value):
-                total = cost.prompt_tokens - sum(cost.image_tokens) + tokens
-                vision.append(tokens + cost.video_tokens)
-                prompts.append(total)
-                whole_rows += whole
-                fitting += total <= self.rules.max_prompt_length
-            spread = percentiles(vision)
-            out.append({"max_pixels": value, "unscaled_share": whole_rows / kept, "vision_tokens_p99": spread["p99"],
-                        "vision_tokens_max": spread["max"], "prompt_tokens_max": max(prompts, default=0),
-                        "within_max_prompt_length_share": fitting / kept})
+            priced = self.priced(dataclasses.replace(self.rules, max_pixels=value))
+            kept = [p for p in priced if p is not None]
+            spread = percentiles([p.image_tokens for p in kept])
+            total = max(1, len(priced))
+            out.append({"max_pixels": value, "kept_share": len(kept) / total,
+                        "unscaled_share": sum(p.whole for p in kept) / total, "vision_tokens_p99": spread["p99"],
+                        "vision_tokens_max": spread["max"], "prompt_tokens_max": max((p.prompt for p in kept),
+                                                                                     default=0)})
         return out
 
     def length_candidates(self, values: Sequence[int]) -> list[dict[str, Any]]:
         """For each ``data.max_prompt_length`` value: the share of the sampled rows (kept or skipped for length)
         whose prompt fits."""
-        lengths = [c.prompt_tokens for c in self.costs] + self.over.get("prompt_too_long", [])
+        lengths = [c.prompt_tokens for c in self.costs + self.too_long]
         total = max(1, len(lengths))
         return [{"max_prompt_length": v, "kept_share": sum(n <= v for n in lengths) / total}
                 for v in sorted(set(values))]
@@ -191,16 +248,19 @@ class DataProfile:
                 "limit_images": self.image_count_candidates(range(1, max(2, r.limit_images + 2)))}
 
 
-def _sized(height: int, width: int, rules: Rules, max_pixels: int) -> tuple[int, int]:
-    if rules.layout.fixed_size:
-        return rules.layout.factor, rules.layout.factor
-    return smart_resize(height, width, min(rules.min_pixels, max_pixels), max_pixels, rules.layout.factor)
+def _sized(height: int, width: int, min_pixels: int, max_pixels: int, layout: Layout) -> tuple[int, int]:
+    """An image's size on the grid as the dataset sizes it (:meth:`easytrain.data.dataset.PromptDataset.fit`)."""
+    if layout.fixed_size:
+        return layout.factor, layout.factor
+    return smart_resize(height, width, min(min_pixels, max_pixels), max_pixels, layout.factor)
 
 
 def pixel_values(profile: DataProfile) -> list[int]:
     """``data.max_pixels`` values worth comparing: the configured one, a quarter, half, twice and four times it,
     and the grid-rounded pixels of the data's images at p50, p90, p99 and max."""
     r = profile.rules
+    if r.layout.fixed_size:
+        return []
     cell = r.layout.factor * r.layout.factor
     sizes = [h * w for c in profile.costs for h, w in c.sizes]
     spread = percentiles(sizes) if sizes else {}
@@ -211,20 +271,18 @@ def pixel_values(profile: DataProfile) -> list[int]:
 
 def length_values(profile: DataProfile) -> list[int]:
     """``data.max_prompt_length`` values worth comparing: the configured one and the data's p90, p99 and max."""
-    lengths = [c.prompt_tokens for c in profile.costs] + profile.over.get("prompt_too_long", [])
-    spread = percentiles(lengths)
+    spread = percentiles([c.prompt_tokens for c in profile.costs + profile.too_long])
     return [profile.rules.max_prompt_length, *(int(spread[k]) for k in ("p90", "p99", "max") if spread[k] > 0)]
 
 
-def profile_rows(dataset: Any, split: str, rules: Rules, rows: int, seed: int,
-                 progress: bool = True) -> DataProfile:
+def profile_rows(dataset: Any, split: str, rows: int, seed: int, progress: bool = True) -> DataProfile:
     """Profile ``dataset`` (a :class:`easytrain.data.dataset.PromptDataset` opened with ``scan=False``): at most
     ``rows`` of its rows, each built by the training rules."""
     lengths = [len(source) for source in dataset.sources]
     for source in dataset.sources:  # read in file order: one row group at a time is enough
         if hasattr(source, "cache_row_groups"):
             source.cache_row_groups = 1
-    profile = DataProfile(split, sum(lengths), rules)
+    profile = DataProfile(split, sum(lengths), dataset.rules())
     positions = sample_positions(lengths, rows, seed)
     for s, r in tqdm(positions, desc=f"profiling {split} data", unit="row", disable=not progress):
         try:
@@ -233,6 +291,8 @@ def profile_rows(dataset: Any, split: str, rules: Rules, rows: int, seed: int,
             profile.skipped[bad.reason] += 1
             if bad.measured is not None:
                 profile.over.setdefault(bad.reason, []).append(bad.measured)
+            if bad.cost is not None:
+                profile.too_long.append(bad.cost)
     return profile
 
 
@@ -250,18 +310,24 @@ def describe(profile: DataProfile) -> str:
 
 
 
-def describe_choices(profile: DataProfile) -> str:
-    """The costliest rows and what other image and prompt limits would keep, for the terminal."""
+def describe_choices(profile: DataProfile, peaks: Optional[dict[int, str]] = None) -> str:
+    """The costliest rows and what other image and prompt limits would keep, for the terminal; ``peaks``: the plan's
+    peaks at each ``data.max_pixels`` value, as text."""
+    peaks = peaks or {}
     lines = [f"  costliest rows ({profile.split}):"]
     lines += [f"    {c.where}: {c.prompt_tokens} prompt tokens, {c.vision_tokens} vision, {len(c.sizes)} image(s) "
               + " ".join(f"{w}x{h}" for h, w in c.sizes) for c in profile.costliest()]
-    lines.append(f"  data.max_pixels ({profile.split}): rows unscaled, vision tokens p99 / max, rows within "
-                 f"data.max_prompt_length={profile.rules.max_prompt_length}")
-    for row in profile.pixel_candidates(pixel_values(profile)):
+    table = profile.pixel_candidates(pixel_values(profile))
+    if table:
+        lines.append(f"  data.max_pixels ({profile.split}): rows kept, rows at full size, vision tokens p99 / max"
+                     + ("; the plan's peaks" if peaks else ""))
+    else:
+        lines.append("  data.max_pixels: this family sizes every image to one fixed size")
+    for row in table:
         mark = "  (now)" if row["max_pixels"] == profile.rules.max_pixels else ""
-        lines.append(f"    {row['max_pixels']:>10}: {100 * row['unscaled_share']:5.1f}%  "
-                     f"{row['vision_tokens_p99']:>6} / {row['vision_tokens_max']:<6} "
-                     f"{100 * row['within_max_prompt_length_share']:5.1f}%{mark}")
+        lines.append(f"    {row['max_pixels']:>10}: {100 * row['kept_share']:5.1f}%  "
+                     f"{100 * row['unscaled_share']:5.1f}%  {row['vision_tokens_p99']:>6} / "
+                     f"{row['vision_tokens_max']:<6} {peaks.get(row['max_pixels'], '')}{mark}")
     lengths = ", ".join(f"{r['max_prompt_length']}: {100 * r['kept_share']:.1f}%"
                         for r in profile.length_candidates(length_values(profile)))
     lines.append(f"  data.max_prompt_length, rows kept: {lengths}")

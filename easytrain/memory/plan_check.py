@@ -18,6 +18,7 @@ from dataclasses import dataclass
 from typing import Any, Callable, Optional
 
 from easytrain.config.schema import Config
+from easytrain.memory.data_shape import DataCosts
 from easytrain.memory.capacity import CUDA_CONTEXT_BYTES, Plan
 
 logger = logging.getLogger(__name__)
@@ -68,6 +69,8 @@ class PlanCheck:
 
     def __init__(self, plan: Plan, write: Optional[Callable[[dict[str, Any]], None]] = None) -> None:
         self.planned = planned_phases(plan)
+        self.data = plan.data
+        """The rows' costs the plan was priced on (its re-plans take them too)."""
         self.on_gpu = plan.on_gpu
         self.write = write
         self.misses: list[dict[str, Any]] = []
@@ -84,16 +87,18 @@ class PlanCheck:
         now = self.sizes or {key: operator.attrgetter(key)(config) for key in sizes}
         if sizes == now:
             return False
-        self.planned, self.sizes = planned_phases(plan(with_overrides(config, sizes))), dict(sizes)
+        self.planned, self.sizes = planned_phases(plan(with_overrides(config, sizes), data=self.data)), dict(sizes)
         return True
 
     @classmethod
-    def of(cls, config: Config, write: Optional[Callable[[dict[str, Any]], None]] = None) -> Optional["PlanCheck"]:
-        """The check of ``config``'s plan; None (said in the log) when the model's shape is unknown offline."""
+    def of(cls, config: Config, write: Optional[Callable[[dict[str, Any]], None]] = None,
+           data: Optional[DataCosts] = None) -> Optional["PlanCheck"]:
+        """The check of ``config``'s plan (priced on the rows the run read, ``data``, where given); None (said in
+        the log) when the model's shape is unknown offline."""
         from easytrain.memory.planner import plan
 
         try:
-            return cls(plan(config), write)
+            return cls(plan(config, data=data), write)
         except Exception as error:  # noqa: BLE001 - without a plan the run goes on unchecked
             logger.warning("no plan to check the run against (%s: %s)", type(error).__name__, error)
             return None

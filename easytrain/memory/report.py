@@ -6,7 +6,7 @@ import logging
 from typing import Any, Optional, Sequence
 
 from easytrain.config.schema import Config
-from easytrain.data.profile import DataProfile, describe, describe_choices
+from easytrain.data.profile import DataProfile, describe, describe_choices, pixel_values
 from easytrain.memory.data_shape import DataCosts
 from easytrain.memory.params import count_parameters
 from easytrain.memory.planner import GB, Plan, Row, plan
@@ -108,8 +108,9 @@ class PlanDoesNotFit(RuntimeError):
                          "--fit [overrides]` for a setting that fits, or set trainer.memory_check=warn to run anyway")
 
 
-def check_before_launch(config: Config) -> None:
-    """``trainer.memory_check``: stop (error) or warn when the plan does not fit, before any worker starts."""
+def check_before_launch(config: Config, data: Optional[DataCosts] = None) -> None:
+    """``trainer.memory_check``: stop (error) or warn when the plan (priced on ``data``, the data profile's rows,
+    where given) does not fit, before any worker starts."""
     from easytrain.models.shapes import hf_config_for
 
     mode = config.trainer.memory_check
@@ -121,11 +122,11 @@ def check_before_launch(config: Config) -> None:
     if hf_config is None:
         logger.warning("memory check skipped: no config.json for model.path=%s yet", config.model.path)
         return
-    p = plan(config, hf_config)
+    p = plan(config, hf_config, data=data)
     advice = suggestions(config, p, hf_config)
     if p.fits and not advice:
-        logger.info("memory plan: %s (device peak %s GB, host peak %s GB per node)", p.verdict,
-                    _gb(p.device_peak), _gb(p.host_peak))
+        logger.info("memory plan: %s (device peak %s GB, host peak %s GB per node; %s)", p.verdict,
+                    _gb(p.device_peak), _gb(p.host_peak), priced_on(config, hf_config, data, plan(config, hf_config)))
         return
     table = render(config, p, hf_config, advice)
     if p.fits or mode == "warn":
@@ -154,14 +155,32 @@ def plan_command(config: Config, output: str, search: bool, profiles: Sequence[D
     advice = suggestions(config, p, hf_config)
     fitted = fit(config, hf_config, p.capacity, data) if search else None
     pricing = priced_on(config, hf_config, data, bound, profile_note)
+    peaks = pixel_peaks(config, hf_config, p, profiles[0]) if profiles else {}
     if output == "json":
         out = as_json(config, p, advice, fitted, search)
-        out["data"] = {"priced_on": pricing, "profiles": [d.as_dict() for d in profiles],
+        tables = [d.as_dict() for d in profiles]
+        for row in tables[0]["max_pixels"] if tables else []:
+            q = peaks.get(row["max_pixels"])
+            row.update({"device_peak_bytes": q.device_peak, "host_peak_bytes": q.host_peak, "fits": q.fits} if q
+                       else {})
+        out["data"] = {"priced_on": pricing, "profiles": tables,
                        "bound_device_peak_bytes": bound.device_peak, "bound_host_peak_bytes": bound.host_peak,
                        "bound_phases": [_row_json(r) for r in bound.rows]}
         return json.dumps(out, indent=2)
-    parts = [part for d in profiles for part in (describe(d), describe_choices(d))]
+    unit = "GB/GPU" if p.on_gpu else "GB/worker"
+    text = {k: f"{_gb(q.device_peak)} {unit}, {_gb(q.host_peak)} GB/node{'' if q.fits else ', does not fit'}"
+            for k, q in peaks.items()}
+    parts = [part for i, d in enumerate(profiles)
+             for part in (describe(d), describe_choices(d, text if i == 0 else None))]
     return "\n\n".join([render(config, p, hf_config, advice, fitted, search), pricing, *parts])
+
+
+def pixel_peaks(config: Config, hf_config: dict[str, Any], p: Plan, profile: DataProfile) -> dict[int, Plan]:
+    """The plan at each ``data.max_pixels`` value the profile's table compares (priced on the same data)."""
+    if not config.data.image_key:
+        return {}
+    return {value: plan(with_overrides(config, {"data.max_pixels": value}), hf_config, p.capacity, p.data)
+            for value in pixel_values(profile)}
 
 
 def priced_on(config: Config, hf_config: dict[str, Any], data: Optional[DataCosts], bound: Plan,
@@ -169,7 +188,7 @@ def priced_on(config: Config, hf_config: dict[str, Any], data: Optional[DataCost
     """One line: what the plan's sequences were priced on, and the plan with every row at the limits beside it."""
     limits = (f"every row at the limits: device peak {_gb(bound.device_peak)} GB, host peak {_gb(bound.host_peak)} "
               "GB per node")
-    why = data.why_not(config) if data is not None else (note or "no data profile (data.profile_rows=0)")
+    why = data.why_not(config) if data is not None else (note or "no data profile")
     shape = data.shape(config, hf_config) if data is not None and not why else None
     if shape is None:
         return f"priced on the limits ({why or 'no row kept'})"

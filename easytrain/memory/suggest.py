@@ -40,6 +40,7 @@ from typing import Any, Iterator, Optional
 
 from easytrain.config import with_overrides
 from easytrain.config.schema import Config
+from easytrain.data.profile import pixel_values
 from easytrain.memory.data_shape import DataCosts
 from easytrain.memory.planner import GB, Capacity, Plan, plan
 
@@ -106,8 +107,7 @@ def candidates(config: Config, p: Plan) -> Iterator[tuple[dict[str, Any], str]]:
             yield {"worker.ref.offload.params": True}, "reference weights copied in for each pass"
         if on_gpu and not a.offload.params:
             yield {"worker.actor.offload.params": True}, "actor states stream over PCIe every step: slower update"
-        if d.image_key and d.max_pixels // 4 >= d.min_pixels:
-            yield {"data.max_pixels": d.max_pixels // 4}, "changes the data: images downscaled to 1/4 of the pixels"
+        yield from pixel_candidates(config, p)
         if not m.freeze_vision_tower:
             yield {"model.freeze_vision_tower": True}, "changes training: the vision tower stops learning"
     if host:
@@ -115,12 +115,30 @@ def candidates(config: Config, p: Plan) -> Iterator[tuple[dict[str, Any], str]]:
             yield {"worker.actor.offload.params": False}, "actor states move back to the GPUs"
         if on_gpu and config.worker.ref.offload.params:
             yield {"worker.ref.offload.params": False}, "reference weights move back to the GPUs"
-        if d.image_key and d.max_pixels // 4 >= d.min_pixels:
-            yield {"data.max_pixels": d.max_pixels // 4}, "changes the data: images downscaled to 1/4 of the pixels"
+        yield from pixel_candidates(config, p)
         if d.num_workers > 0:
             yield {"data.num_workers": d.num_workers // 2}, "fewer loader processes: slower image preparation"
         if r.sync_bucket_mb > 16:
             yield {"worker.rollout.sync_bucket_mb": r.sync_bucket_mb / 4}, "more, smaller weight-sync transfers"
+
+
+def pixel_candidates(config: Config, p: Plan) -> Iterator[tuple[dict[str, Any], str]]:
+    """Smaller ``data.max_pixels``: with a data profile, the values its table compares (the largest first), each
+    with the share of training rows it keeps at full size; without one, a quarter of the pixels."""
+    d = config.data
+    if not d.image_key:
+        return
+    profiles = p.data.profiles if p.data is not None else ()
+    if not profiles:
+        if d.max_pixels // 4 >= d.min_pixels:
+            yield {"data.max_pixels": d.max_pixels // 4}, "changes the data: images downscaled to 1/4 of the pixels"
+        return
+    train = profiles[0]
+    smaller = [row for row in train.pixel_candidates(pixel_values(train)) if row["max_pixels"] < d.max_pixels]
+    for row in sorted(smaller, key=lambda r: -r["max_pixels"]):
+        yield ({"data.max_pixels": row["max_pixels"]},
+               f"changes the data: {100 * row['unscaled_share']:.0f}% of the {train.split} rows keep their images' "
+               f"full size (vision tokens p99 {row['vision_tokens_p99']} per row)")
 
 
 def micro_batch_candidates(config: Config) -> Iterator[tuple[dict[str, Any], str]]:

@@ -23,6 +23,7 @@ from easytrain.config.schema import Config
 from easytrain.distributed.checkpoint import rng_state, set_rng_state
 from easytrain.distributed.group import WorkerError
 from easytrain.memory.flag import MemoryStop
+from easytrain.memory.data_shape import DataCosts
 from easytrain.memory.plan_check import PlanCheck
 from easytrain.trainer.checkpoint import (ACTOR, CONFIG_FILE, PREFIX, CheckpointError, CheckpointWriter,
                                           PendingCheckpoint, check_compatible, checkpoint_root, is_complete, latest,
@@ -100,7 +101,8 @@ class Trainer:
         """A checkpoint being written in the background (trainer.checkpoint_async), published once written."""
         self.stop_reason: Optional[str] = None
         self.guard = MemoryGuard(config, t.output_dir) if config.watchdog.enabled else None
-        self.plan_check = PlanCheck.of(config, self.guard.watchdog.write if self.guard is not None else None)
+        self.plan_check = PlanCheck.of(config, self.guard.watchdog.write if self.guard is not None else None,
+                                       self.data_costs())
 
     def start(self, resume: Optional[Path]) -> None:
         """Build the roles, register them with the watchdog, continue from ``resume`` (None: the start)."""
@@ -120,6 +122,16 @@ class Trainer:
 
     def build_roles(self) -> Roles:
         raise NotImplementedError
+
+    def note(self, record: dict[str, Any]) -> None:
+        """``record`` of this step into ``memory.jsonl`` (with the watchdog on), at once: a step that fails
+        after it still leaves it."""
+        if self.guard is not None:
+            self.guard.watchdog.write({**record, "step": self.step})
+
+    def data_costs(self) -> Optional[DataCosts]:
+        """The rows the run read, to price its plan check on (None: on the data limits)."""
+        return None
 
     def train_step(self) -> StepResult:
         raise NotImplementedError

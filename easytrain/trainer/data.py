@@ -3,6 +3,9 @@ loaders, and decoding responses."""
 
 from __future__ import annotations
 
+import json
+import logging
+from pathlib import Path
 from typing import Any, Iterator, Optional
 
 from easytrain.config.errors import ConfigError
@@ -11,15 +14,19 @@ from easytrain.config.data_spec import split_files
 from easytrain.data.collate import PromptCollator
 from easytrain.data.dataset import PromptDataset
 from easytrain.data.loader import PromptLoader
-from easytrain.data.profile import DataProfile, Rules, profile_rows
+from easytrain.data.profile import DataProfile, describe, profile_rows
 from easytrain.data.sft import SFTCollator, SFTDataset
 from easytrain.data.sources import DataError
-from easytrain.data.vision import VISUAL_KEYS, Layout
+from easytrain.data.vision import VISUAL_KEYS
 from easytrain.distributed.batch import Batch
+from easytrain.memory.data_shape import DataCosts
 from easytrain.models.families.base import Bound
 from easytrain.models.hf import family, load_image_processor, load_tokenizer, model_folder
 
 
+logger = logging.getLogger(__name__)
+PROFILE_FILE = "data_profile.json"
+"""The data profile a run read before it started (in its run folder)."""
 PROMPT_TENSORS = ("input_ids", "attention_mask", *VISUAL_KEYS, "mm_token_type_ids")
 
 
@@ -58,6 +65,11 @@ class RLData:
         files = split_files(d.train_files if split == "train" else d.val_files)
         return self.dataset_class(files, d, self.tokenizer, split, self.config.trainer.seed, self.vision,
                                   self.config.model.cache_dir, scan=scan, **options)
+
+    def sampled_at_launch(self) -> bool:
+        """The check before launch priced a sample of the rows (a split has more than ``data.profile_rows``)."""
+        rows = [d.skips.rows for d in (self.train, self.val) if d is not None]
+        return 0 < self.config.data.profile_rows < max(rows)
 
     def visuals(self) -> Optional[Bound]:
         """The collators' vision inputs: the family's adapter with the image processor and placeholder ids."""
@@ -208,16 +220,33 @@ def profile_data(config: Config, progress: bool = True) -> list[DataProfile]:
     if d.profile_rows == 0 or config.trainer.task != "rl":
         return []
     data = RLData(config, read=False)
-    layout = data.layout or Layout()
-    rules = Rules(d.min_pixels, d.max_pixels, d.max_prompt_length, d.limit_images, layout)
     splits = ["train"] + (["val"] if d.val_files else [])
-    return [profile_rows(data.dataset(split, scan=False), split, rules, d.profile_rows, config.trainer.seed,
-                         progress) for split in splits]
+    return [profile_rows(data.dataset(split, scan=False), split, d.profile_rows, config.trainer.seed, progress)
+            for split in splits]
 
 
 def try_profile(config: Config, progress: bool = True) -> tuple[list[DataProfile], str]:
-    """:func:`profile_data`, or none and why not (the model's tokenizer or the data not on this machine)."""
+    """:func:`profile_data`, or none and why not (SFT, ``data.profile_rows=0``, the model's tokenizer or the data
+    not on this machine)."""
+    if config.trainer.task != "rl":
+        return [], "no data profile (it reads RL prompts only)"
+    if config.data.profile_rows == 0:
+        return [], "no data profile (data.profile_rows=0)"
     try:
         return profile_data(config, progress), ""
     except (ConfigError, DataError) as err:
         return [], f"no data profile ({err})"
+
+
+def launch_profile(config: Config) -> Optional[DataCosts]:
+    """The data profile before a run starts: logged, written to ``data_profile.json`` in the run folder, and the
+    rows' costs the launch check prices the plan on (None without a profile)."""
+    profiles, note = try_profile(config)
+    path = Path(config.trainer.output_dir) / PROFILE_FILE
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps({"profiles": [p.as_dict() for p in profiles], "note": note}, indent=2) + "\n")
+    for profile in profiles:
+        logger.info("%s", describe(profile))
+    if note:
+        logger.info("%s", note)
+    return DataCosts.of(profiles)

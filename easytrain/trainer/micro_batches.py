@@ -203,3 +203,32 @@ def run_update(group: WorkerGroup, batch: Batch, config: Config, forward: Forwar
     per_step = config.worker.actor.global_batch_size * config.worker.rollout.n
     steps, _ = update_shares(batch, per_step, group.members, forward)
     return group.call("update", steps, kl_coef)
+
+
+def largest_micro_batches(batch: Batch, members: int, config: Config, forward: Forward) -> dict[str, Any]:
+    """The step's largest micro batch (most tokens) of the log-prob passes and of the update, as planned for
+    ``members`` data-parallel members: its samples, tokens, images and its longest row by uid (``memory.jsonl``
+    records it beside the phase peaks, to trace a plan miss to the rows that caused it)."""
+    lengths = token_lengths(batch)
+    uids = batch.meta.get("uids") or [str(i) for i in range(len(batch))]
+    images = batch.image_counts.tolist() if batch.image_counts is not None else None
+    light = Batch({k: batch[k] for k in ("attention_mask", "responses")}, {"uids": uids})  # no pixels copied
+
+    def largest(micros: list[list[int]]) -> dict[str, Any]:
+        top = max(micros, key=lambda m: sum(lengths[i] for i in m))
+        longest = max(top, key=lambda i: lengths[i])
+        out = {"samples": len(top), "tokens": sum(lengths[i] for i in top), "longest_row": uids[longest],
+               "longest_tokens": lengths[longest]}
+        return {**out, "images": sum(images[i] for i in top)} if images is not None else out
+
+    a, n = config.worker.actor, len(batch)
+    log_probs = plan_indices(light, members, a.micro_batch_size_per_device_for_experience, forward)
+    per_step = a.global_batch_size * config.worker.rollout.n
+    update = [[(start + i) % n for i in micro]
+              for start in range(0, n, per_step)
+              for member in plan_indices(light.select(range(start, min(n, start + per_step))), members,
+                                         forward.update_size, forward)
+              for micro in member]
+    return {"kind": "micro_batches", "log_probs": largest([[i % n for i in micro] for member in log_probs
+                                                           for micro in member]),
+            "update": largest(update)}

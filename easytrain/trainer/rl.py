@@ -32,11 +32,13 @@ from easytrain.distributed.batch import Batch
 from easytrain.distributed.group import WorkerGroup
 from easytrain.config.presets import RANDOM_PREFIX
 from easytrain.distributed.group import Pending
+from easytrain.memory.data_shape import DataCosts
+from easytrain.memory.report import check_before_launch
 from easytrain.trainer.ahead import Generated, importance_weights, load_generated, save_generated
 from easytrain.trainer.base import RunFailed, StepResult, Stopped, Trainer
 from easytrain.trainer.checkpoint import check_resume
 from easytrain.trainer.data import RLData
-from easytrain.trainer.micro_batches import Forward, run_log_probs, run_update
+from easytrain.trainer.micro_batches import Forward, largest_micro_batches, run_log_probs, run_update
 from easytrain.trainer.metrics import PhaseTimer
 from easytrain.trainer.roles import Roles, build_roles
 from easytrain.trainer.sampling import informative_count, keep_informative
@@ -55,6 +57,8 @@ class RLTrainer(Trainer):
     def __init__(self, config: Config, data: Optional[RLData] = None) -> None:
         resume = check_resume(config)  # an incompatible checkpoint is refused before any worker starts
         self.data = data or RLData(config)
+        if self.data.sampled_at_launch():  # every row read now: the plan on all of them, before any worker starts
+            check_before_launch(config, self.data_costs())
         super().__init__(config, self.data.loader)
         self.total_steps = self.data.total_steps()
         a = config.algorithm
@@ -68,6 +72,9 @@ class RLTrainer(Trainer):
         if self.data.val is None:
             logger.info("no validation data (data.val_files is unset): this run does not validate")
         self.start(resume)
+
+    def data_costs(self) -> Optional[DataCosts]:
+        return DataCosts.read([d for d in (self.data.train, self.data.val) if d is not None])
 
     def build_roles(self) -> Roles:
         roles = build_roles(self.config, self.optimizer_steps)
@@ -113,6 +120,7 @@ class RLTrainer(Trainer):
         with timer("advantages"):
             batch, shaping = self.add_advantages(batch, scores)
         self.check_pressure("old_log_probs")
+        self.note(largest_micro_batches(batch, self.roles.actor.members, self.config, self.forward))
         with timer("update"):
             update = self.update(batch)
         self.check_pressure("update", before_update=False)  # from here on the step finishes and saves
