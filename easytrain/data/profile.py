@@ -102,16 +102,12 @@ class Longest:
     images: int = 0
     vision: int = 0
     """Vision tokens of a row's images."""
-    video: bool = False
-    """A row has a video."""
 
     def add(self, cost: RowCost) -> "Longest":
-        return Longest(max(self.prompt, cost.prompt_tokens), max(self.images, len(cost.sizes)),
-                       max(self.vision, sum(cost.image_tokens)), self.video or cost.video_tokens > 0)
+        return self.join(Longest(cost.prompt_tokens, len(cost.sizes), sum(cost.image_tokens)))
 
     def join(self, other: "Longest") -> "Longest":
-        return Longest(max(self.prompt, other.prompt), max(self.images, other.images),
-                       max(self.vision, other.vision), self.video or other.video)
+        return Longest(max(self.prompt, other.prompt), max(self.images, other.images), max(self.vision, other.vision))
 
 
 @dataclass(frozen=True)
@@ -184,7 +180,7 @@ class DataProfile:
     skipped: Counter = field(default_factory=Counter)
     """Sampled rows the run would skip, by reason (``data_report.json``'s)."""
     over: dict[str, list[int]] = field(default_factory=dict)
-    """For rows skipped at a limit, what they measured (``prompt_too_long``: tokens; ``too_many_images``: images)."""
+    """For rows skipped at a count limit, what they measured (``too_many_images``: images; ``too_many_videos``)."""
 
     @property
     def sampled(self) -> int:
@@ -289,10 +285,10 @@ def profile_rows(dataset: Any, split: str, rows: int, seed: int, progress: bool 
             profile.costs.append(row_cost(dataset.build(s, r)))
         except BadSample as bad:
             profile.skipped[bad.reason] += 1
-            if bad.measured is not None:
-                profile.over.setdefault(bad.reason, []).append(bad.measured)
-            if bad.cost is not None:
+            if bad.cost is not None:  # over the prompt limit: its whole cost, priced again under other limits
                 profile.too_long.append(bad.cost)
+            elif bad.measured is not None:
+                profile.over.setdefault(bad.reason, []).append(bad.measured)
     return profile
 
 
