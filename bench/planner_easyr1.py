@@ -118,7 +118,10 @@ def explain(variants: dict[str, Any], bf16_gap: float) -> list[str]:
 
 
 def _batch(variant: dict[str, Any]) -> float:
-    return next(v for k, v in variant["update_host_parts_gb"].items() if k.startswith("step batch"))
+    """GB/node of the step batch in flight at the update: the driver's copy, the object store's pages, the
+    workers' deserialized copies (the host parts easytrain/memory/planner.py names so)."""
+    parts = variant["update_host_parts_gb"].items()
+    return round(sum(v for k, v in parts if k.startswith(("batch (", "object store pages"))), 1)
 
 
 def time_plan_command(repeats: int = 3) -> list[float]:
