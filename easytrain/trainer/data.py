@@ -9,6 +9,7 @@ from pathlib import Path
 from typing import Any, Iterator, Optional
 
 from easytrain.config.errors import ConfigError
+from easytrain.config.presets import RANDOM_PREFIX
 from easytrain.config.schema import Config
 from easytrain.config.data_spec import split_files
 from easytrain.data.collate import PromptCollator
@@ -232,6 +233,9 @@ def try_profile(config: Config, progress: bool = True) -> tuple[list[DataProfile
         return [], "no data profile (it reads RL prompts only)"
     if config.data.profile_rows == 0:
         return [], "no data profile (data.profile_rows=0)"
+    remote = not_on_this_machine(config)
+    if remote:  # a hub download here would wait on the network before the plan (~50 s offline)
+        return [], f"no data profile ({remote} is not on this machine)"
     try:
         return profile_data(config, progress), ""
     except (ConfigError, DataError) as err:
@@ -250,3 +254,15 @@ def launch_profile(config: Config) -> Optional[DataCosts]:
     if note:
         logger.info("%s", note)
     return DataCosts.of(profiles)
+
+
+def not_on_this_machine(config: Config) -> str:
+    """The setting whose model or data the profile would have to download ("" when all are local)."""
+    m, d = config.model, config.data
+    if not m.path.startswith(("tiny:", RANDOM_PREFIX)) and not Path(m.path).is_dir():
+        return f"model.path={m.path}"
+    for key, files in (("data.train_files", d.train_files), ("data.val_files", d.val_files)):
+        for spec in split_files(files) if files else []:
+            if not str(spec).startswith("synthetic:") and not Path(str(spec)).exists():
+                return f"{key}={spec}"
+    return ""
