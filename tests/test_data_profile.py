@@ -219,3 +219,15 @@ def test_a_profile_priced_under_other_limits_equals_the_data_read_under_them(fam
         assert long_row not in {c.where for c in costs.profiles[0].costs}
         quarter = profile_data(with_overrides(base, changes[1]), progress=False)[0]
         assert quarter.costliest(1)[0].where == long_row
+
+
+def test_what_is_not_on_this_machine_is_not_downloaded_for_a_profile(data: Path, tmp_path: Path) -> None:
+    from easytrain.trainer.data import try_profile
+
+    hub_model = config(data, tmp_path, "model.path=Qwen/Qwen2.5-VL-7B-Instruct")
+    assert try_profile(hub_model) == ([], "no data profile (model.path=Qwen/Qwen2.5-VL-7B-Instruct is not on this "
+                                          "machine)")
+    hub_data = config(data, tmp_path, "data.val_files=hiyouga/geometry3k@validation")
+    assert try_profile(hub_data)[1] == ("no data profile (data.val_files=hiyouga/geometry3k@validation is not on "
+                                        "this machine)")
+    assert len(try_profile(config(data, tmp_path), progress=False)[0]) == 1
