@@ -351,16 +351,20 @@ def measure_case(case: Case, folder: Path) -> dict[str, Any]:
 # ----------------------------------------------------------------------------- scoring
 
 
-def planned_rows(overrides: list[str]) -> dict[str, dict[str, int]]:
+def planned_rows(overrides: list[str], priced_on_data: bool = False) -> dict[str, dict[str, int]]:
     """The plan's figures per phase for a run's overrides: ``host`` (per node), ``process_host`` (the busiest
     worker process) and ``device`` (the busiest device; CPU: the working process). SFT's set-up is the
     ``load``, its ``validate`` the ``validation``, its one call per step (``sft_update``) the larger of its
-    forward-backward and optimizer phases: the names its workers' readings carry."""
+    forward-backward and optimizer phases: the names its workers' readings carry. ``priced_on_data``: the plan
+    on the data profile the launch check reads (bench/data_priced_plan.py), not at the limits."""
     from easytrain.config import compose, with_default_preset
     from easytrain.main import resolve
+    from easytrain.memory.data_shape import DataCosts
     from easytrain.memory.planner import plan
+    from easytrain.trainer.data import profile_data
 
-    p = plan(resolve(compose(with_default_preset(overrides))))
+    config = resolve(compose(with_default_preset(overrides)))
+    p = plan(config, data=DataCosts.of(profile_data(config, progress=False)) if priced_on_data else None)
     out = {r.phase: {"host": r.host, "process_host": r.process_host, "device": r.device} for r in p.once + p.rows}
     for alias, phase in (("load", "setup"), ("validation", "validate")):
         if phase in out:

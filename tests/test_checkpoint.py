@@ -119,7 +119,7 @@ from pathlib import Path
 from easytrain.distributed.checkpoint import save_training_state
 from easytrain.trainer.checkpoint import CheckpointWriter
 
-dist.init_process_group("gloo", init_method="tcp://127.0.0.1:" + sys.argv[2], rank=0, world_size=1)
+dist.init_process_group("gloo", init_method=sys.argv[2], rank=0, world_size=1)
 torch.manual_seed(0)
 model = torch.nn.Sequential(*[torch.nn.Linear(2048, 2048) for _ in range(12)])  # 50M parameters
 optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
@@ -140,12 +140,12 @@ for step in (1, 2):
 @pytest.mark.slow
 def test_killing_the_writer_mid_save_leaves_the_previous_checkpoint_loadable(tmp_path: Path) -> None:
     from easytrain.distributed.checkpoint import load_model_weights
-    from easytrain.distributed.group import free_port
+    from rendezvous import rendezvous
 
     root = tmp_path / "checkpoints"
     script = tmp_path / "saver.py"
     script.write_text(SAVER)
-    proc = subprocess.Popen([sys.executable, str(script), str(root), str(free_port())], stdout=subprocess.PIPE,
+    proc = subprocess.Popen([sys.executable, str(script), str(root), rendezvous(tmp_path)], stdout=subprocess.PIPE,
                             text=True)
     assert proc.stdout is not None
     lines = []

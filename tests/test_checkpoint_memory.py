@@ -83,8 +83,8 @@ def build(seed):
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: 1.0)
     return model, optimizer, scheduler
 
-out, port, runs = Path(sys.argv[1]), sys.argv[2], json.loads(sys.argv[3])
-dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1)
+out, init_method, runs = Path(sys.argv[1]), sys.argv[2], json.loads(sys.argv[3])
+dist.init_process_group("gloo", init_method=init_method, rank=0, world_size=1)
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import FileSystemWriter
 from torch.distributed.checkpoint.state_dict import get_state_dict
@@ -122,12 +122,12 @@ print(json.dumps({"exact": exact}), flush=True)
 
 
 def run_saver(tmp_path: Path, runs: list[dict[str, Any]]) -> tuple[list[dict[str, Any]], bool]:
-    from easytrain.distributed.group import free_port
+    from rendezvous import rendezvous
 
     script = tmp_path / "saver.py"
     script.write_text(SAVER)
     env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
-    proc = subprocess.run([sys.executable, str(script), str(tmp_path), str(free_port()), json.dumps(runs)],
+    proc = subprocess.run([sys.executable, str(script), str(tmp_path), rendezvous(tmp_path), json.dumps(runs)],
                           capture_output=True, text=True, env=env, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
     lines = [json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{")]
@@ -197,8 +197,8 @@ from torch.distributed.fsdp import fully_shard
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict
 from easytrain.distributed.checkpoint import load_training_state, save_training_state
 
-rank, world, port, out, mode = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3], Path(sys.argv[4]), sys.argv[5]
-dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+rank, world, init_method, out, mode = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3], Path(sys.argv[4]), sys.argv[5]
+dist.init_process_group("gloo", init_method=init_method, rank=rank, world_size=world)
 
 def build(seed):
     torch.manual_seed(seed)
@@ -257,11 +257,11 @@ os._exit(0)  # no interpreter teardown: its static destructors (the store's and 
 
 
 def run_ranks(script: Path, world: int, *args: str) -> None:
-    from easytrain.distributed.group import free_port
+    from rendezvous import rendezvous
 
-    port = str(free_port())
+    init_method = rendezvous(script.parent)
     env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
-    procs = [subprocess.Popen([sys.executable, str(script), str(rank), str(world), port, *args], env=env,
+    procs = [subprocess.Popen([sys.executable, str(script), str(rank), str(world), init_method, *args], env=env,
                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for rank in range(world)]
     outputs = [p.communicate(timeout=300) for p in procs]
     for rank, (p, (out, err)) in enumerate(zip(procs, outputs)):

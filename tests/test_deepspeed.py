@@ -14,7 +14,6 @@ from __future__ import annotations
 import logging
 import math
 import os
-import socket
 import sys
 import warnings
 from pathlib import Path
@@ -30,6 +29,7 @@ from easytrain.config.schema import ActorConfig, LoraConfig, ModelConfig
 from easytrain.distributed.checkpoint import IncompatibleCheckpoint
 from easytrain.distributed.strategy import TrainStrategy
 
+from rendezvous import rendezvous
 from tolerance import assert_updates_agree
 
 WORLD = 2
@@ -49,16 +49,10 @@ logger = logging.getLogger(__name__)
 # ----------------------------------------------------------------------------- process harness
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
-def _entry(rank: int, world: int, port: int, fn: Callable[..., None], args: tuple[Any, ...]) -> None:
+def _entry(rank: int, world: int, init_method: str, fn: Callable[..., None], args: tuple[Any, ...]) -> None:
     logging.basicConfig(level=logging.WARNING)
     warnings.filterwarnings("ignore", message=r".*torch\.distributed\.\w+ is deprecated", category=FutureWarning)
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+    dist.init_process_group("gloo", init_method=init_method, rank=rank, world_size=world)
     try:
         fn(rank, world, *args)
         dist.barrier()  # every rank done and rank 0's results written
@@ -75,7 +69,7 @@ def _entry(rank: int, world: int, port: int, fn: Callable[..., None], args: tupl
 
 def spawn(fn: Callable[..., None], *args: Any, world: int = WORLD) -> None:
     """Run ``fn(rank, world, *args)`` on ``world`` fresh processes in one gloo group."""
-    mp.spawn(_entry, args=(world, free_port(), fn, args), nprocs=world, join=True)
+    mp.spawn(_entry, args=(world, rendezvous(), fn, args), nprocs=world, join=True)
 
 
 # ----------------------------------------------------------------------------- model, data, loop

@@ -14,7 +14,6 @@ in this process; DeepSpeed's in one spawned gloo rank (``deepspeed.initialize`` 
 
 from __future__ import annotations
 
-import socket
 from pathlib import Path
 from typing import Any
 
@@ -29,6 +28,7 @@ from easytrain.distributed.strategy import TrainStrategy
 from easytrain.workers.base import build_strategy
 
 from reference import lr_at
+from rendezvous import rendezvous
 
 PEAK_LR = 3e-3
 WARMUP = 3
@@ -96,19 +96,13 @@ def test_without_warmup_decay_starts_at_the_peak() -> None:
 # ----------------------------------------------------------------------------- DeepSpeed (one spawned rank)
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
-def _deepspeed_job(rank: int, port: int, out: str) -> None:
+def _deepspeed_job(rank: int, init_method: str, out: str) -> None:
     import logging
     import os
 
-    os.environ.update({"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "RANK": "0", "WORLD_SIZE": "1"})
+    os.environ.update({"RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "1"})
     logging.getLogger("DeepSpeed").setLevel(logging.WARNING)
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1)
+    dist.init_process_group("gloo", init_method=init_method, rank=0, world_size=1)
     try:
         torch.manual_seed(0)
         strategy: Any = build_strategy(nn.Linear(3, 2), actor_config("cosine", strategy="deepspeed"), TOTAL)
@@ -123,7 +117,7 @@ def test_deepspeed_strategy_steps_with_warmup_then_cosine(tmp_path: Path) -> Non
     code is the FSDP one's, tested above; this checks the engine's step runs with it)."""
     pytest.importorskip("deepspeed")
     out = tmp_path / "lrs.pt"
-    mp.spawn(_deepspeed_job, args=(free_port(), str(out)), nprocs=1, join=True)
+    mp.spawn(_deepspeed_job, args=(rendezvous(tmp_path), str(out)), nprocs=1, join=True)
     used, after = torch.load(out)
     assert used == pytest.approx([expected_lr(k, "cosine") for k in range(TOTAL)], rel=1e-12, abs=1e-15)
     assert after[:-1] == pytest.approx(used[1:], rel=1e-12, abs=1e-15)

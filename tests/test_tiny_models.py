@@ -97,12 +97,12 @@ def test_cache_is_reused(tmp_path: Path) -> None:
     assert not [p for p in (tmp_path / "tiny").iterdir() if p.name.startswith(".")]
 
 
-def build_on_rank(rank: int, port: int, cache: str) -> None:
+def build_on_rank(rank: int, init_method: str, cache: str) -> None:
     import torch.distributed as dist
 
     from easytrain.models.tiny import build_tiny
 
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
+    dist.init_process_group("gloo", init_method=init_method, rank=rank, world_size=2)
     try:
         if rank == 1:
             build_tiny("qwen2", "tiny", cache_dir=cache)
@@ -116,10 +116,10 @@ def test_a_build_on_a_non_zero_rank_writes_the_weights(tmp_path: Path) -> None:
     DeepSpeed rank resolving ``tiny:``) must still be whole, and a folder without config.json is built again."""
     import torch.multiprocessing as mp
 
-    from easytrain.distributed.group import free_port
+    from rendezvous import rendezvous
     from easytrain.models.tiny import build_tiny, tiny_folder_name
 
-    mp.spawn(build_on_rank, args=(free_port(), str(tmp_path)), nprocs=2, join=True)
+    mp.spawn(build_on_rank, args=(rendezvous(tmp_path), str(tmp_path)), nprocs=2, join=True)
     folder = tmp_path / "tiny" / tiny_folder_name("qwen2", "tiny", 0)
     assert {"config.json", "model.safetensors"} <= {p.name for p in folder.iterdir()}
     (folder / "config.json").unlink()  # damaged: a folder that was published without its config

@@ -174,9 +174,9 @@ CASES = ("qwen2-tiny", "qwen2-small", "qwen2-checkpointed") + VL_CASES
 checkpointing; the VL families Ulysses serves, with images."""
 
 
-def run_cases(rank: int, port: int, folders: dict[str, str], out: str) -> None:
+def run_cases(rank: int, init_method: str, folders: dict[str, str], out: str) -> None:
     """Every case in turn on this rank; after a case both ranks passed, rank 0 marks it done in ``out``."""
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
+    dist.init_process_group("gloo", init_method=init_method, rank=rank, world_size=2)
     try:
         for case in CASES:
             if case == "qwen2-checkpointed":
@@ -197,12 +197,12 @@ def run_cases(rank: int, port: int, folders: dict[str, str], out: str) -> None:
 @pytest.fixture(scope="module")
 def job(tiny_model: Callable[..., Path], tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Optional[Any]]:
     """The job's folder (a mark per case that passed) and its error, if it raised."""
-    from easytrain.distributed.group import free_port
+    from rendezvous import rendezvous
 
     out = tmp_path_factory.mktemp("ulysses")
     folders = {f"qwen2-{size}": str(tiny_model("qwen2", size)) for size in ("tiny", "small")}
     try:
-        mp.spawn(run_cases, args=(free_port(), folders, str(out)), nprocs=2, join=True)
+        mp.spawn(run_cases, args=(rendezvous(out), folders, str(out)), nprocs=2, join=True)
     except Exception as err:  # noqa: BLE001 - re-raised by the test of the case that failed, and those after it
         return out, err
     return out, None

@@ -217,7 +217,7 @@ SHAPES = {"embed": (7, 4), "bias": (5,), "one_row": (1, 3), "norm": (2,), "proj"
 9 -> 3, 3, 3, 0) and an even split (8 -> 2 each); over the 2-D mesh's 2 shard ranks, 7 -> 4, 3."""
 
 
-def gather_ranks(rank: int, port: int, world: int, out: str) -> None:
+def gather_ranks(rank: int, init_method: str, world: int, out: str) -> None:
     """One gloo rank: FSDP-style row shards of :data:`SHAPES` (and a replicated tensor) on a 1-D mesh of every
     rank, then on the shard dimension of a 2-D (replicate, shard) mesh, gathered in one collective and in
     collectives of 16 bytes (uneven local sizes, the same groups on every rank); each bucket gathered by
@@ -228,7 +228,7 @@ def gather_ranks(rank: int, port: int, world: int, out: str) -> None:
 
     from easytrain.workers import weight_sync
 
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+    dist.init_process_group("gloo", init_method=init_method, rank=rank, world_size=world)
     torch.manual_seed(0)  # every rank the same originals
     originals = {name: torch.randn(shape) for name, shape in SHAPES.items()}
     meshes = {"fsdp": (init_device_mesh("cpu", (world,)), [Shard(0)]),
@@ -251,7 +251,7 @@ def gather_ranks(rank: int, port: int, world: int, out: str) -> None:
 def test_row_shards_gathered_in_grouped_collectives_equal_the_full_tensors(tmp_path: Path) -> None:
     import torch.multiprocessing as mp
 
-    from easytrain.distributed.group import free_port
+    from rendezvous import rendezvous
 
-    mp.spawn(gather_ranks, args=(free_port(), 4, str(tmp_path)), nprocs=4, join=True)
+    mp.spawn(gather_ranks, args=(rendezvous(tmp_path), 4, str(tmp_path)), nprocs=4, join=True)
     assert [(tmp_path / f"rank{r}").read_text() for r in range(4)] == ["True True True True"] * 4

@@ -168,7 +168,8 @@ class WorkerGroup:
 
     def init_process_group(self) -> None:
         """One torch.distributed world for the role (``cpu:gloo,cuda:nccl``), rendezvous at rank 0."""
-        address, port = self._rendezvous(0)
+        address = self._get([self.workers[0].node_ip.remote()], "node_ip")[0]
+        port = self._get([self.workers[0].open_store.remote()], "open_store")[0]
         self._get([w.init_process_group.remote(address, port) for w in self.workers], "init_process_group")
 
     def _rendezvous(self, rank: int) -> tuple[str, int]:

@@ -35,6 +35,10 @@ BACKEND = "cpu:gloo,cuda:nccl"
 """One process group for CPU and GPU tensors: the same code runs in CPU tests and on GPUs."""
 
 
+PROCESS_GROUP_TIMEOUT = timedelta(minutes=30)
+"""How long a collective (and the rendezvous) waits for the slowest rank."""
+
+
 def backend() -> str:
     """BACKEND, minus NCCL where torch was built without it (CPU wheels)."""
     return BACKEND if dist.is_nccl_available() else "cpu:gloo"
@@ -98,6 +102,8 @@ class WorkerBase(*debug_bases(WorkerDebug)):  # type: ignore[misc]
         self.folder = model_folder(config.model)
         self.sp: Optional[SequenceParallel] = None
         """This rank's Ulysses group (``worker.<role>.ulysses_size`` > 1), set with the process group."""
+        self._store: Optional[dist.TCPStore] = None
+        """Rank 0's rendezvous store, held for the process group's life."""
 
     @dispatch(Dispatch.BROADCAST)
     def node_ip(self) -> str:
@@ -110,9 +116,21 @@ class WorkerBase(*debug_bases(WorkerDebug)):  # type: ignore[misc]
         return free_port()
 
     @dispatch(Dispatch.BROADCAST)
+    def open_store(self) -> int:
+        """Listen for the role's rendezvous (rank 0) and return the port: the store is open before any rank is
+        told the port, so nothing else on the node can take it in between (as a port picked free and closed
+        again can be: a CI run lost a test to EADDRINUSE that way)."""
+        self._store = dist.TCPStore("0.0.0.0", 0, self.world_size, is_master=True, timeout=PROCESS_GROUP_TIMEOUT,
+                                    wait_for_workers=False)
+        return int(self._store.port)
+
+    @dispatch(Dispatch.BROADCAST)
     def init_process_group(self, address: str, port: int) -> None:
-        dist.init_process_group(backend(), init_method=f"tcp://{address}:{port}", rank=self.rank,
-                                world_size=self.world_size, timeout=timedelta(minutes=30))
+        """Join the role's world at rank 0's store (:meth:`open_store`), which rank 0 holds itself."""
+        store = self._store or dist.TCPStore(address, port, self.world_size, is_master=False,
+                                             timeout=PROCESS_GROUP_TIMEOUT)
+        dist.init_process_group(backend(), store=store, rank=self.rank, world_size=self.world_size,
+                                timeout=PROCESS_GROUP_TIMEOUT)
         role = getattr(self.config.worker, self.role, None)
         size = getattr(role, "ulysses_size", 1) if self.role in ("actor", "ref") else 1
         if size > 1:
