@@ -41,7 +41,9 @@ from bench.planner_shapes import Case, placeholders  # noqa: E402
 from bench.provenance import measured_provenance, write_rescored, write_result  # noqa: E402
 
 RESULTS = ROOT / "bench" / "results" / "data_priced_plan.json"
-DATA_SEED = 0
+DATA_SEED = 1
+"""The image sizes' seed: seed 0 was the first draw; its update miss on the ~184M model (+17.0%, the update priced on
+the validation split's longer rows) led to pricing a step on the train rows alone, so the quote moved to a fresh draw."""
 SMALL_SIDES = range(56, 197, 28)
 """Sides (px) of the ordinary images, drawn uniformly: on Qwen2.5-VL's 28-px grid 2-7 blocks a side."""
 LARGE_SIDES = range(336, 421, 28)
@@ -133,37 +135,48 @@ def score(rows: list[dict[str, Any]], folder: Path) -> None:
         for phase, figure in row["phases"].items():
             figure["predicted_bytes"] = on_data.get(phase, {}).get("host")
             figure["error"] = _error(figure["predicted_bytes"], figure["host_bytes"])
+            figure["predicted_process_bytes"] = on_data.get(phase, {}).get("process_host")
+            figure["process_error"] = _error(figure["predicted_process_bytes"], max(figure.get("worker_peaks") or [0]))
             figure["bound_bytes"] = bound.get(phase, {}).get("host")
             figure["bound_error"] = _error(figure["bound_bytes"], figure["host_bytes"])
 
 
-def summary(rows: list[dict[str, Any]]) -> dict[str, Any]:
-    figures = [(f"{r['name']}:{p}", f) for r in rows for p, f in r["phases"].items()]
-    errors = [(name, f["error"]) for name, f in figures if f["error"] is not None]
+def accuracy(figures: list[tuple[str, dict[str, Any]]], key: str) -> dict[str, Any]:
+    errors = [(name, f[key]) for name, f in figures if f.get(key) is not None]
     ok = lambda e: -LOW <= e <= WITHIN  # noqa: E731
+    return {"met": bool(errors) and len(errors) == len(figures) and all(ok(e) for _, e in errors),
+            "within": f"{sum(ok(e) for _, e in errors)} of {len(figures)}",
+            "worst_under_prediction": min(e for _, e in errors) if errors else None,
+            "worst_over_prediction": max(e for _, e in errors) if errors else None,
+            "misses": {name: round(e, 4) for name, e in errors if not ok(e)}}
+
+
+def summary(rows: list[dict[str, Any]]) -> dict[str, Any]:
+    """The goal per node (every process of the run), and for the busiest worker process (what the in-run plan
+    check compares), beside how far the bound plan overstates."""
+    figures = [(f"{r['name']}:{p}", f) for r in rows for p, f in r["phases"].items()]
     bound_over = [name for name, f in figures if f["bound_error"] is not None and f["bound_error"] > WITHIN]
     return {"goal": {"text": f"every phase's data-priced plan within {WITHIN:.0%} of measured and never more than "
-                             f"{LOW:.0%} low",
-                     "met": bool(errors) and len(errors) == len(figures) and all(ok(e) for _, e in errors),
-                     "within": f"{sum(ok(e) for _, e in errors)} of {len(figures)}",
-                     "worst_under_prediction": min(e for _, e in errors) if errors else None,
-                     "worst_over_prediction": max(e for _, e in errors) if errors else None,
-                     "misses": {name: round(e, 4) for name, e in errors if not ok(e)}},
+                             f"{LOW:.0%} low", **accuracy(figures, "error")},
+            "per_process": accuracy(figures, "process_error"),
             "bound": {"phases_overstated_past_10_percent": f"{len(bound_over)} of {len(figures)}",
                       "worst_over_prediction": max((f["bound_error"] for _, f in figures
                                                     if f["bound_error"] is not None), default=None)}}
 
 
 def table(rows: list[dict[str, Any]]) -> str:
-    head = f"{'case':16} {'phase':15} {'measured':>9} {'data':>9} {'error':>7} {'bound':>9} {'error':>7}"
-    lines = ["GB (1e9 bytes) per node; data = the plan priced on the data profile, bound = every row at the limits",
+    head = (f"{'case':16} {'phase':15} {'measured':>9} {'data':>9} {'error':>7} {'bound':>9} {'error':>7} "
+            f"{'process':>8}")
+    lines = ["GB (1e9 bytes) per node; data = the plan priced on the data profile, bound = every row at the limits, "
+             "process = the data plan's busiest worker against the largest worker peak",
              head, "-" * len(head)]
     fmt = lambda v: f"{v / GB:9.3f}" if v is not None else "        -"  # noqa: E731
     pct = lambda e: f"{100 * e:+6.1f}%" if e is not None else "      -"  # noqa: E731
     for r in rows:
         for phase, f in r["phases"].items():
             lines.append(f"{r['name']:16} {phase:15} {f['host_bytes'] / GB:9.3f} {fmt(f['predicted_bytes'])} "
-                         f"{pct(f['error'])} {fmt(f['bound_bytes'])} {pct(f['bound_error'])}")
+                         f"{pct(f['error'])} {fmt(f['bound_bytes'])} {pct(f['bound_error'])} "
+                         f"{pct(f.get('process_error'))}")
     return "\n".join(lines)
 
 
@@ -198,6 +211,7 @@ def main() -> None:
     else:
         write_result(RESULTS, result, indent=1)
     g = result["goal"]
+    print(f"per process: {result['per_process']['within']} phases within the band")
     print(f"goal ({g['text']}): {'met' if g['met'] else 'not met'} ({g['within']}); bound plan overstates "
           f"{result['bound']['phases_overstated_past_10_percent']} phases past 10% -> {RESULTS.relative_to(ROOT)}")
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import io
 from pathlib import Path
@@ -16,6 +17,7 @@ from easytrain.config import load, with_overrides
 from easytrain.data.profile import Longest, percentiles, sample_positions
 from easytrain.memory.data_shape import DataCosts
 from easytrain.memory.planner import plan
+from easytrain.memory.rl_shape import shape_of
 from easytrain.models.hf import load_image_processor, model_folder
 from easytrain.models.shapes import hf_config_for
 from easytrain.trainer.data import RLData, profile_data
@@ -179,6 +181,30 @@ def test_the_plan_is_priced_on_the_longest_row_and_re_priced_under_other_limits(
     assert costs.shape(shorter, hf).prompt == text + max(v for v in fitting if text + v <= text + 40)
     more_images = with_overrides(cfg, {"data.limit_images": 2})
     assert costs.shape(more_images, hf) is None and "data.limit_images=2" in costs.why_not(more_images)
+
+
+def test_a_step_is_priced_on_the_train_rows_and_a_validation_on_the_validation_rows(data: Path,
+                                                                                   tmp_path: Path) -> None:
+    """The update never sees a validation row: it is priced on the train split's rows, a validation on the
+    validation split's (here, longer prompts with smaller images)."""
+    val = tmp_path / "val.parquet"
+    rows = [{"images": [{"bytes": png((56, 56)), "path": None}], "answer": "red",
+             "problem": "<image>" + "Look at the picture and say what colour it is. " * 30}] * 2
+    schema = pa.schema([("images", pa.list_(IMAGE)), ("problem", pa.string()), ("answer", pa.string())])
+    pq.write_table(pa.Table.from_pylist(rows, schema=schema), val)
+    cfg = config(data, tmp_path, "data.max_prompt_length=4096", f"data.val_files={val}")
+    hf = hf_config_for(cfg.model)
+    costs = DataCosts.of(profile_data(cfg, progress=False))
+    train, validation = (max(c.prompt_tokens for c in p.costs) for p in costs.profiles)
+    assert validation > train
+    s = shape_of(cfg, hf, costs)
+    assert (s.seq_tokens, s.validation.seq_tokens) == (train + s.response, validation + s.response)
+    train_rows = DataCosts.of(costs.profiles[:1])
+    val_rows = DataCosts.of([dataclasses.replace(costs.profiles[1], split="train")])  # every phase on them
+    both, on_train, on_val = (plan(cfg, hf, data=d) for d in (costs, train_rows, val_rows))
+    assert on_train.row("validation").device != on_val.row("validation").device
+    assert both.row("validation").device == on_val.row("validation").device
+    assert both.row("update") == on_train.row("update")
 
 
 @pytest.fixture(scope="module")

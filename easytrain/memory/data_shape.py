@@ -5,6 +5,7 @@ drops the rows the run would skip).
 
 Padded micro batches are as long as their longest row, so the data's longest row is what a micro batch of the
 longest rows costs; a sample of a large dataset may miss its single longest row (the profile states its sample).
+A step's phases read the train split's rows, a validation the validation split's (where the data has one).
 """
 
 from __future__ import annotations
@@ -22,9 +23,9 @@ class DataCosts:
     """What the profiles of a run's splits read; the planner prices its sequences by :meth:`shape`."""
 
     profiles: tuple[DataProfile, ...] = ()
-    scanned: tuple[tuple[Rules, Longest], ...] = ()
-    """What a run's own read of every row kept (its datasets' :attr:`longest`), by the rules it read them by:
-    it prices that run's limits only."""
+    scanned: tuple[tuple[str, Rules, Longest], ...] = ()
+    """What a run's own read of every row kept (per split, its datasets' :attr:`longest`), by the rules it read
+    them by: it prices that run's limits only."""
 
     @classmethod
     def of(cls, profiles: Sequence[DataProfile]) -> Optional["DataCosts"]:
@@ -33,7 +34,7 @@ class DataCosts:
     @classmethod
     def read(cls, datasets: Sequence[Any]) -> "DataCosts":
         """The costs of datasets a run has read whole (:class:`easytrain.data.dataset.PromptDataset`)."""
-        return cls(scanned=tuple((d.rules(), d.longest) for d in datasets))
+        return cls(scanned=tuple((d.split, d.rules(), d.longest) for d in datasets))
 
     def why_not(self, config: Any) -> str:
         """Why the data cannot price ``config``'s rows ("" when it can)."""
@@ -42,7 +43,7 @@ class DataCosts:
             return "the data profile reads RL prompts only"
         if d.video_key:
             return "videos are priced on the limits"
-        for rules, _ in self.scanned:
+        for _, rules, _ in self.scanned:
             if Rules.of(d, rules.layout) != rules:
                 return "the data was read under other data limits"
         for p in self.profiles:
@@ -51,23 +52,29 @@ class DataCosts:
                         f"{p.rules.limit_images}")
         return ""
 
-    def longest(self, config: Any) -> Optional[Longest]:
+    def splits(self) -> set[str]:
+        return {p.split for p in self.profiles} | {split for split, _, _ in self.scanned}
+
+    def longest(self, config: Any, split: str = "") -> Optional[Longest]:
         """The longest prompt, most images and most vision tokens of the rows ``config``'s limits keep (each read
-        under them as the dataset reads it: :func:`easytrain.data.profile.reprice`)."""
-        kept = [longest for _, longest in self.scanned if longest.prompt]
+        under them as the dataset reads it: :func:`easytrain.data.profile.reprice`); of ``split`` when given."""
+        kept = [longest for name, _, longest in self.scanned if longest.prompt and split in ("", name)]
         for p in self.profiles:
+            if split not in ("", p.split):
+                continue
             rules = Rules.of(config.data, p.rules.layout)
             kept += [Longest(q.prompt, q.images, q.image_tokens) for q in p.priced(rules) if q is not None]
         return functools.reduce(Longest.join, kept) if kept else None
 
-    def shape(self, config: Any, hf_config: dict[str, Any]) -> Optional[SequenceShape]:
+    def shape(self, config: Any, hf_config: dict[str, Any], split: str = "") -> Optional[SequenceShape]:
         """The data's longest sequence under ``config``'s limits (None where :meth:`why_not` says why, or no row is
         kept): the longest prompt, with the most images and vision tokens a row has (each at most what the
         longest such row takes), multi-turn tool images at ``data.max_pixels`` beside them (as the limits price
-        them), and responses at ``data.max_response_length``."""
+        them), and responses at ``data.max_response_length``. ``split``: of that split's rows (every split's
+        where the data has not read it)."""
         if self.why_not(config):
             return None
-        top = self.longest(config)
+        top = self.longest(config, split if split in self.splits() else "")
         if top is None:
             return None
         d, turns = config.data, config.worker.rollout.multi_turn

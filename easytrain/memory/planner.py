@@ -119,8 +119,9 @@ def forward_peak(config: Config, s: Shape, hf_config: dict[str, Any], *, grad: b
 
 def rollout_phase(config: Config, s: Shape, hf_config: dict[str, Any], capacity: Capacity,
                   validate: bool) -> dict[str, int]:
-    """The rollout worker's device bytes while generating."""
+    """The rollout worker's device bytes while generating (``validate``: the validation prompts')."""
     r, d = config.worker.rollout, config.data
+    s = s.validation if validate else s
     tp = r.tensor_parallel_size
     if r.engine == "vllm" and s.on_gpu:
         assert capacity.gpu_bytes is not None
@@ -492,11 +493,13 @@ def batch_bytes(config: Config, s: Shape, validate: bool = False) -> int:
     prompts' pixel values, once per prompt (a prompt's n samples share them: ``distributed.batch.Pixels``).
     ``validate``: a validation call's prompts (their ids, masks, positions and pixels) and the response tokens
     that come back (ids, mask, log-probs; the pixels stay with the engine)."""
-    pixels = s.images * s.image_tokens * s.values_per_token * FP32
     if validate:
+        s = s.validation
+        pixels = s.images * s.image_tokens * s.values_per_token * FP32
         prompts = validation_prompts(config, config.data.rollout_batch_size)
         samples = prompts * config.worker.rollout.val_override.n
         return prompts * ((s.seq_tokens - s.response) * 8 * 3 + pixels) + samples * s.response * (8 + 8 + 4)
+    pixels = s.images * s.image_tokens * s.values_per_token * FP32
     prompts = config.data.rollout_batch_size
     per_sequence = s.seq_tokens * 8 * 6 + s.response * (8 + 8 + 4 * 4)
     return prompts * config.worker.rollout.n * per_sequence + prompts * pixels

@@ -4,7 +4,7 @@ packs), with FSDP's transiently gathered units."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, Optional
 
 from easytrain.config.schema import MASKED_ATTENTION, Config
@@ -45,26 +45,38 @@ class Shape:
     on_gpu: bool
     values_per_token: int
     """fp32 ``pixel_values`` values behind one image token (:attr:`ModelDims.values_per_token`)."""
+    val: Optional["Shape"] = None
+    """The validation prompts' shape where the data prices them apart from the train split's (else this one)."""
+
+    @property
+    def validation(self) -> "Shape":
+        return self.val or self
 
 
 def shape_of(config: Config, hf_config: dict[str, Any], data: Optional[DataCosts] = None) -> Shape:
     """``data``: sequences as long as the data's longest rows under the config's limits (where the profile can
-    tell; else, and without it, as long as the limits allow)."""
+    tell; else, and without it, as long as the limits allow): the train split's, and the validation split's for
+    validation."""
     t, a, d = config.trainer, config.worker.actor, config.data
-    seq = (data and data.shape(config, hf_config)) or sequence_shape(config, hf_config)
+    seq = (data and data.shape(config, hf_config, "train")) or sequence_shape(config, hf_config)
+    val = data and "val" in data.splits() and data.shape(config, hf_config, "val")
     on_policy = a.ppo_epochs == 1 and d.rollout_batch_size == a.global_batch_size
     kl = config.algorithm.kl_coef > 0
     dims = model_dims(hf_config)
-    return Shape(world=t.nnodes * t.workers_per_node, per_node=t.workers_per_node,
-                 total_params=count_parameters(hf_config).total,
-                 trainable=trainable_by_component(hf_config, config.model),
-                 largest_trainable=largest_trainable(hf_config, config.model),
-                 largest_module=largest_module(hf_config),
-                 seq_tokens=seq.total, response=seq.response, images=seq.images, image_tokens=seq.image_tokens,
-                 hidden=dims.hidden, dtype_bytes=DTYPE_BYTES[config.model.dtype],
-                 with_ref=kl and config.model.lora.rank == 0, ref_by_actor=kl and config.model.lora.rank > 0,
-                 old_log_probs=not (on_policy and a.reuse_log_probs_on_policy), on_gpu=t.device == "cuda",
-                 values_per_token=dims.values_per_token)
+    shape = Shape(world=t.nnodes * t.workers_per_node, per_node=t.workers_per_node,
+                  total_params=count_parameters(hf_config).total,
+                  trainable=trainable_by_component(hf_config, config.model),
+                  largest_trainable=largest_trainable(hf_config, config.model),
+                  largest_module=largest_module(hf_config),
+                  seq_tokens=seq.total, response=seq.response, images=seq.images, image_tokens=seq.image_tokens,
+                  hidden=dims.hidden, dtype_bytes=DTYPE_BYTES[config.model.dtype],
+                  with_ref=kl and config.model.lora.rank == 0, ref_by_actor=kl and config.model.lora.rank > 0,
+                  old_log_probs=not (on_policy and a.reuse_log_probs_on_policy), on_gpu=t.device == "cuda",
+                  values_per_token=dims.values_per_token)
+    if not val:
+        return shape
+    return replace(shape, val=replace(shape, seq_tokens=val.total, response=val.response, images=val.images,
+                                      image_tokens=val.image_tokens))
 
 
 def per_rank(config: Config, s: Shape, role: str, prompts: int) -> int:
