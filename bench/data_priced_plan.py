@@ -153,15 +153,15 @@ def accuracy(figures: list[tuple[str, dict[str, Any]]], key: str) -> dict[str, A
 
 def summary(rows: list[dict[str, Any]]) -> dict[str, Any]:
     """The goal per node (every process of the run), and for the busiest worker process (what the in-run plan
-    check compares), beside how far the bound plan overstates."""
+    check compares), beside how far the bound plan overstates: every case is held out (never fitted on)."""
     figures = [(f"{r['name']}:{p}", f) for r in rows for p, f in r["phases"].items()]
     bound_over = [name for name, f in figures if f["bound_error"] is not None and f["bound_error"] > WITHIN]
     return {"goal": {"text": f"every phase's data-priced plan within {WITHIN:.0%} of measured and never more than "
-                             f"{LOW:.0%} low", **accuracy(figures, "error")},
-            "per_process": accuracy(figures, "process_error"),
-            "bound": {"phases_overstated_past_10_percent": f"{len(bound_over)} of {len(figures)}",
-                      "worst_over_prediction": max((f["bound_error"] for _, f in figures
-                                                    if f["bound_error"] is not None), default=None)}}
+                             f"{LOW:.0%} low", "held_out": accuracy(figures, "error")},
+            "per_process": {"held_out": accuracy(figures, "process_error")},
+            "bound": {"held_out": {"phases_overstated_past_10_percent": f"{len(bound_over)} of {len(figures)}",
+                                   "worst_over_prediction": max((f["bound_error"] for _, f in figures
+                                                                 if f["bound_error"] is not None), default=None)}}}
 
 
 def table(rows: list[dict[str, Any]]) -> str:
@@ -210,10 +210,11 @@ def main() -> None:
         write_rescored(RESULTS, result, measured_provenance(old), indent=1)
     else:
         write_result(RESULTS, result, indent=1)
-    g = result["goal"]
-    print(f"per process: {result['per_process']['within']} phases within the band")
-    print(f"goal ({g['text']}): {'met' if g['met'] else 'not met'} ({g['within']}); bound plan overstates "
-          f"{result['bound']['phases_overstated_past_10_percent']} phases past 10% -> {RESULTS.relative_to(ROOT)}")
+    g = result["goal"]["held_out"]
+    print(f"per process: {result['per_process']['held_out']['within']} phases within the band")
+    print(f"goal ({result['goal']['text']}): {'met' if g['met'] else 'not met'} ({g['within']}); bound plan "
+          f"overstates {result['bound']['held_out']['phases_overstated_past_10_percent']} phases past 10% -> "
+          f"{RESULTS.relative_to(ROOT)}")
 
 
 if __name__ == "__main__":

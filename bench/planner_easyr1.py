@@ -14,6 +14,11 @@ prints both side by side. Nothing here is fitted to EasyR1's numbers: the
 planner's constants are its own (see easytrain/memory/planner.py) and the
 differences are explained, not tuned away.
 
+Each setting is planned twice: on the limits (every prompt at 2048 tokens, its
+image at 2048 vision tokens) and on the data (issue 50): a stand-in for
+geometry3k's rows built from documented diagram sizes (bench/geometry3k_standin.py;
+neither the dataset nor the 7B tokenizer is on this machine).
+
 It also times ``easytrain plan +exp=qwen25vl_7b`` (a fresh process each time,
 imports included), which is what a user waits for before a launch.
 """
@@ -30,6 +35,7 @@ from typing import Any
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from bench.geometry3k_standin import TEXT_SENSITIVITY, TEXT_TOKENS, shape_summary, standin_costs  # noqa: E402
 from bench.provenance import write_result  # noqa: E402
 
 EASYR1 = {"source": "hiyouga/EasyR1 assets/baselines.md (v0.3.2), Performance Baselines, 7B rows at batch 1 / 2",
@@ -63,12 +69,18 @@ ASSUMPTIONS = [
 ]
 
 
-def plan_variant(overrides: list[str]) -> dict[str, Any]:
+HOST_WITHIN, GPU_WITHIN = 0.25, 0.15
+"""Issue 50's targets for the data-priced row: host within 25% of EasyR1's 120 GB, GPU within 15% of its 58-68 GB."""
+
+
+def plan_variant(overrides: list[str], text_tokens: int = 0) -> dict[str, Any]:
+    """The plan of the setting with ``overrides``: on the limits, or with ``text_tokens`` on the geometry3k
+    stand-in's rows with that many text tokens a prompt."""
     from easytrain.config import compose, to_config
     from easytrain.memory.planner import GB, plan
 
     config = to_config(compose(SETTING + overrides))
-    p = plan(config)
+    p = plan(config, data=standin_costs(config, text_tokens) if text_tokens else None)
     states = next(r for r in p.rows if r.phase == "update").parts
     return {"overrides": SETTING[1:] + overrides, "verdict": p.verdict,
             "device_peak_gb": round(p.device_peak / GB, 1), "host_peak_gb": round(p.host_peak / GB, 1),
@@ -134,11 +146,34 @@ def time_plan_command(repeats: int = 3) -> list[float]:
     return times
 
 
+def against_easyr1(variant: dict[str, Any]) -> dict[str, Any]:
+    """The data-priced plan's peaks against EasyR1's measured ones and issue 50's targets."""
+    host = variant["host_peak_gb"] / EASYR1["peak_cpu_mem_gb"] - 1
+    gpu = {kind: variant["device_peak_gb"] / gb - 1 for kind, gb in EASYR1["peak_vram_gb"].items()}
+    return {"host_error": round(host, 3), "host_within_25_percent": abs(host) <= HOST_WITHIN,
+            "gpu_error": {k: round(v, 3) for k, v in gpu.items()},
+            "gpu_within_15_percent_of_58_68": any(abs(v) <= GPU_WITHIN for v in gpu.values())}
+
+
+def data_priced(extra: list[str]) -> dict[str, Any]:
+    """The setting planned on the geometry3k stand-in, with the text-token estimate and its sensitivity."""
+    row = plan_variant(extra, TEXT_TOKENS)
+    row["against_easyr1"] = against_easyr1(row)
+    row["text_tokens_sensitivity"] = {
+        str(t): {k: v for k, v in plan_variant(extra, t).items() if k in ("device_peak_gb", "host_peak_gb")}
+        for t in TEXT_SENSITIVITY}
+    return row
+
+
 def main() -> None:
+    from easytrain.config import compose, to_config
+
     variants = {name: plan_variant(extra) for name, extra in VARIANTS.items()}
+    on_data = {name: data_priced(extra) for name, extra in VARIANTS.items()}
     times = time_plan_command()
     result = {
-        "easyr1": EASYR1, "easytrain": variants,
+        "easyr1": EASYR1, "easytrain": variants, "easytrain_on_data": on_data,
+        "geometry3k_standin": shape_summary(standin_costs(to_config(compose(SETTING)))),
         "bf16_vs_amp_states_per_gpu_gb": round(bf16_states_difference(), 1),
         "assumptions": ASSUMPTIONS,
         "plan_command_seconds": {"runs": times, "median": statistics.median(times),
@@ -152,6 +187,10 @@ def main() -> None:
         print(f"easytrain, {name}: peak {v['device_peak_gb']} GB/GPU, host {v['host_peak_gb']} GB/node ({v['verdict']})")
         for phase, row in v["phases"].items():
             print(f"    {phase:<14} {row['device_gb']:>6} GB/GPU {row['host_gb']:>7} GB/node")
+    for name, v in on_data.items():
+        e = v["against_easyr1"]
+        print(f"on the geometry3k stand-in, {name}: peak {v['device_peak_gb']} GB/GPU ({e['gpu_error']} against "
+              f"58 / 68), host {v['host_peak_gb']} GB/node ({e['host_error']:+.1%} against 120 GB)")
     print(f"AMP - BF16 model states per GPU on paper: {result['bf16_vs_amp_states_per_gpu_gb']} GB "
           f"(EasyR1's rows differ by {EASYR1['peak_vram_gb']['AMP'] - EASYR1['peak_vram_gb']['BF16']} GB)")
     print(f"easytrain plan +exp=qwen25vl_7b: {times} s (median {statistics.median(times)} s) -> {out}")

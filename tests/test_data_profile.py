@@ -16,7 +16,7 @@ from PIL import Image
 from easytrain.config import load, with_overrides
 from easytrain.data.profile import Longest, percentiles, sample_positions
 from easytrain.memory.data_shape import DataCosts
-from easytrain.memory.planner import plan
+from easytrain.memory.planner import batch_bytes, plan
 from easytrain.memory.rl_shape import shape_of
 from easytrain.models.hf import load_image_processor, model_folder
 from easytrain.models.shapes import hf_config_for
@@ -205,6 +205,26 @@ def test_a_step_is_priced_on_the_train_rows_and_a_validation_on_the_validation_r
     assert on_train.row("validation").device != on_val.row("validation").device
     assert both.row("validation").device == on_val.row("validation").device
     assert both.row("update") == on_train.row("update")
+
+
+def test_a_step_batch_carries_its_costliest_prompts_pixels_not_each_at_the_longest(data: Path,
+                                                                                  tmp_path: Path) -> None:
+    """A batch's pixel values are its own prompts': the plan prices a step batch's at its costliest prompts' sum
+    (every row read), where the limits price every prompt at the longest row's."""
+    cfg = config(data, tmp_path, "data.max_prompt_length=4096", "data.max_pixels=1003520",
+                 "data.rollout_batch_size=4", "worker.actor.global_batch_size=4")
+    hf = hf_config_for(cfg.model)
+    costs = DataCosts.of(profile_data(cfg, progress=False))
+    kept = [i for i in range(ROWS) if i not in TWO_IMAGES]
+    tokens = sorted((processor_tokens(cfg, *sizes_of(i)[0], 1003520) for i in kept), reverse=True)
+    s = shape_of(cfg, hf, costs)
+    assert s.batch_vision == sum(tokens[:4]) < 4 * tokens[0] == 4 * s.image_tokens
+    on_limits = dataclasses.replace(s, batch_vision=4 * s.image_tokens)
+    pixel_bytes = s.values_per_token * 4
+    assert batch_bytes(cfg, on_limits) - batch_bytes(cfg, s) == (4 * tokens[0] - sum(tokens[:4])) * pixel_bytes
+    sampled = DataCosts.of(profile_data(with_overrides(cfg, {"data.profile_rows": 20}), progress=False))
+    seen = [c.vision_tokens for c in sampled.profiles[0].costs]
+    assert max(seen) <= sampled.batch_vision(cfg, "train", 4) <= 4 * max(seen)
 
 
 @pytest.fixture(scope="module")

@@ -11,6 +11,7 @@ A step's phases read the train split's rows, a validation the validation split's
 from __future__ import annotations
 
 import functools
+import math
 from dataclasses import dataclass
 from typing import Any, Optional, Sequence
 
@@ -65,6 +66,26 @@ class DataCosts:
             rules = Rules.of(config.data, p.rules.layout)
             kept += [Longest(q.prompt, q.images, q.image_tokens) for q in p.priced(rules) if q is not None]
         return functools.reduce(Longest.join, kept) if kept else None
+
+    def batch_vision(self, config: Any, split: str, prompts: int) -> Optional[int]:
+        """The most vision tokens ``prompts`` rows of ``split`` carry together under ``config``'s limits: a batch's
+        pixel values are its prompts' own, not each at the longest row's. A profile that read every row gives the
+        ``prompts`` costliest rows' sum; a sample of a fraction f the sum of its costliest ceil(prompts x f) rows
+        over f, the sample standing for the rows it was drawn from (at most ``prompts`` x its costliest row, which
+        a small fraction comes to). None where the data cannot say (:meth:`why_not`, a run's own read of all rows,
+        which keeps its longest row only, or no profile of ``split``)."""
+        profiles = [p for p in self.profiles if p.split == split]
+        if self.why_not(config) or not profiles or any(name == split for name, _, _ in self.scanned):
+            return None
+        most = 0
+        for p in profiles:
+            tokens = sorted((q.image_tokens for q in p.priced(Rules.of(config.data, p.rules.layout)) if q), reverse=True)
+            if not tokens:
+                continue
+            share = p.sampled / max(1, p.rows)
+            top = sum(tokens[:math.ceil(prompts * share)]) / share
+            most = max(most, min(math.ceil(top), prompts * tokens[0]))
+        return most
 
     def shape(self, config: Any, hf_config: dict[str, Any], split: str = "") -> Optional[SequenceShape]:
         """The data's longest sequence under ``config``'s limits (None where :meth:`why_not` says why, or no row is

@@ -457,9 +457,9 @@ def step_calls(config: Config, s: Shape) -> dict[str, list[int]]:
     """The batches each role's calls of a step receive (bytes, all its ranks together): the engine's generate
     the prompts (ids, masks, positions; pixels once per prompt), the reference's log-prob pass, and the actor's
     (the reference's too with LoRA, old log-probs, update) the step's batch (:func:`batch_bytes`)."""
-    pixels = s.images * s.image_tokens * s.values_per_token * FP32
     batch = batch_bytes(config, s)
-    return {"rollout": [config.data.rollout_batch_size * ((s.seq_tokens - s.response) * 8 * 3 + pixels)],
+    prompts = config.data.rollout_batch_size
+    return {"rollout": [prompts * (s.seq_tokens - s.response) * 8 * 3 + s.batch_vision * s.values_per_token * FP32],
             "ref": [batch] if s.with_ref else [],
             "actor": [batch] * (1 + s.old_log_probs + s.ref_by_actor)}
 
@@ -492,17 +492,18 @@ def batch_bytes(config: Config, s: Shape, validate: bool = False) -> int:
     over the whole sequence, the per-token response tensors (ids, mask, three log-probs, advantages), and its
     prompts' pixel values, once per prompt (a prompt's n samples share them: ``distributed.batch.Pixels``).
     ``validate``: a validation call's prompts (their ids, masks, positions and pixels) and the response tokens
-    that come back (ids, mask, log-probs; the pixels stay with the engine)."""
+    that come back (ids, mask, log-probs; the pixels stay with the engine). The prompts' pixels are
+    :attr:`Shape.batch_vision`'s."""
     if validate:
         s = s.validation
-        pixels = s.images * s.image_tokens * s.values_per_token * FP32
+        pixels = s.batch_vision * s.values_per_token * FP32
         prompts = validation_prompts(config, config.data.rollout_batch_size)
         samples = prompts * config.worker.rollout.val_override.n
-        return prompts * ((s.seq_tokens - s.response) * 8 * 3 + pixels) + samples * s.response * (8 + 8 + 4)
-    pixels = s.images * s.image_tokens * s.values_per_token * FP32
+        return prompts * (s.seq_tokens - s.response) * 8 * 3 + pixels + samples * s.response * (8 + 8 + 4)
+    pixels = s.batch_vision * s.values_per_token * FP32
     prompts = config.data.rollout_batch_size
     per_sequence = s.seq_tokens * 8 * 6 + s.response * (8 + 8 + 4 * 4)
-    return prompts * config.worker.rollout.n * per_sequence + prompts * pixels
+    return prompts * config.worker.rollout.n * per_sequence + pixels
 
 
 def micro_note(config: Config, s: Shape, micro: MicroShape) -> str:
@@ -549,9 +550,10 @@ def _notes(config: Config, s: Shape, hf_config: dict[str, Any], capacity: Capaci
             notes.append("vLLM: the weights do not fit in gpu_memory_utilization x GPU: no room for a KV cache")
     batch = batch_bytes(config, s)
     if batch > GB:
-        pixels = config.data.rollout_batch_size * s.images * s.image_tokens * s.values_per_token * FP32
+        pixels = s.batch_vision * s.values_per_token * FP32
         notes.append(f"step batch: {batch / GB:.1f} GB per copy, {pixels / GB:.1f} GB of it pixel values "
-                     f"({s.images} image(s) of {s.image_tokens} tokens per prompt, shared by its n={r.n} samples)")
+                     f"({s.batch_vision} vision tokens over its {config.data.rollout_batch_size} prompts, each "
+                     f"prompt's shared by its n={r.n} samples)")
     if not s.on_gpu:
         notes.append("CPU run: the workers are processes in node RAM; offload moves nothing")
     return notes

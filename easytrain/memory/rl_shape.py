@@ -9,9 +9,10 @@ from typing import Any, Optional
 
 from easytrain.config.schema import MASKED_ATTENTION, Config
 from easytrain.memory.activations import MicroShape, model_dims, packed_micro, shard_units
-from easytrain.memory.budget import sequence_shape
+from easytrain.memory.budget import SequenceShape, sequence_shape
 from easytrain.memory.data_shape import DataCosts
 from easytrain.memory.host import heap_keeps_freed
+from easytrain.memory.sft import validation_prompts
 from easytrain.memory.params import count_parameters, largest_module, largest_trainable, trainable_by_component
 from easytrain.memory.states import DTYPE_BYTES, FP32, gathered_bytes, shard_degree
 
@@ -45,6 +46,9 @@ class Shape:
     on_gpu: bool
     values_per_token: int
     """fp32 ``pixel_values`` values behind one image token (:attr:`ModelDims.values_per_token`)."""
+    batch_vision: int
+    """Vision tokens of a step batch's prompts together (their pixel values travel once per prompt): on the data,
+    its costliest prompts' (:meth:`DataCosts.batch_vision`); on the limits, every prompt at the longest row's."""
     val: Optional["Shape"] = None
     """The validation prompts' shape where the data prices them apart from the train split's (else this one)."""
 
@@ -60,6 +64,7 @@ def shape_of(config: Config, hf_config: dict[str, Any], data: Optional[DataCosts
     t, a, d = config.trainer, config.worker.actor, config.data
     seq = (data and data.shape(config, hf_config, "train")) or sequence_shape(config, hf_config)
     val = data and "val" in data.splits() and data.shape(config, hf_config, "val")
+    val_prompts = validation_prompts(config, d.rollout_batch_size)
     on_policy = a.ppo_epochs == 1 and d.rollout_batch_size == a.global_batch_size
     kl = config.algorithm.kl_coef > 0
     dims = model_dims(hf_config)
@@ -72,11 +77,21 @@ def shape_of(config: Config, hf_config: dict[str, Any], data: Optional[DataCosts
                   hidden=dims.hidden, dtype_bytes=DTYPE_BYTES[config.model.dtype],
                   with_ref=kl and config.model.lora.rank == 0, ref_by_actor=kl and config.model.lora.rank > 0,
                   old_log_probs=not (on_policy and a.reuse_log_probs_on_policy), on_gpu=t.device == "cuda",
-                  values_per_token=dims.values_per_token)
+                  values_per_token=dims.values_per_token,
+                  batch_vision=batch_vision(config, data, seq, "train", d.rollout_batch_size))
     if not val:
-        return shape
+        return replace(shape, val=replace(shape, batch_vision=batch_vision(config, data, seq, "val", val_prompts)))
     return replace(shape, val=replace(shape, seq_tokens=val.total, response=val.response, images=val.images,
-                                      image_tokens=val.image_tokens))
+                                      image_tokens=val.image_tokens,
+                                      batch_vision=batch_vision(config, data, val, "val", val_prompts)))
+
+
+def batch_vision(config: Config, data: Optional[DataCosts], seq: SequenceShape, split: str, prompts: int) -> int:
+    """Vision tokens of ``prompts`` prompts of ``split`` together: the data's costliest rows where it can say (not
+    with multi-turn tool images, which the limits price), else each at ``seq``'s longest row."""
+    turns = config.worker.rollout.multi_turn
+    known = data.batch_vision(config, split, prompts) if data and not turns.enable else None
+    return known if known is not None else prompts * seq.images * seq.image_tokens
 
 
 def per_rank(config: Config, s: Shape, role: str, prompts: int) -> int:
