@@ -10,6 +10,8 @@ sizes instead of read:
   and never above it: the stand-in's images are each at least as small as the real one, and the plan priced
   on them a lower bound of the one priced on the real images (the margin beyond the outermost label is not
   known). Each labelled diagram is one row with one image, sized (height, width) = (max bottom, max right).
+  Under EasyR1's recipe (``data.min_pixels=262144``) 95% of these extents are below 512 x 512 px and are raised
+  to it, as the real images would be: the unknown margin moves only the larger diagrams' cost.
 - **Text.** :data:`TEXT_TOKENS` per prompt besides the image: Qwen2.5's chat template with its default system
   prompt (~20 tokens), a geometry3k problem with its answer choices (one or two sentences) and EasyR1's
   ``math.jinja`` format instruction (~45 tokens). An estimate, not a count: the real tokenizer is not here.
@@ -22,6 +24,7 @@ prices rows it has read (the 28-px grid of Qwen2.5-VL, ``data.max_pixels`` and `
 from __future__ import annotations
 
 import csv
+from dataclasses import replace
 from collections import Counter
 from pathlib import Path
 from typing import Any
@@ -43,8 +46,9 @@ def extents() -> list[tuple[str, int, int]]:
 
 
 def standin_costs(config: Any, text_tokens: int = TEXT_TOKENS) -> Any:
-    """The stand-in's rows as a data profile of the train split, read by ``config``'s limits on its family's
-    grid (:class:`easytrain.memory.data_shape.DataCosts`)."""
+    """The stand-in's rows as the data profiles of the train and validation splits (the recipe validates on
+    geometry3k's test split, the same kind of diagrams), read by ``config``'s limits on its family's grid
+    (:class:`easytrain.memory.data_shape.DataCosts`)."""
     from easytrain.data.profile import DataProfile, RowCost, Rules, reprice
     from easytrain.memory.data_shape import DataCosts
     from easytrain.models.families import family_of
@@ -62,7 +66,8 @@ def standin_costs(config: Any, text_tokens: int = TEXT_TOKENS) -> Any:
         costs.append(RowCost(where=name, sizes=bare.sizes, image_tokens=(priced.image_tokens,), video_tokens=0,
                              prompt_tokens=priced.prompt, pixels=rules.layout.pixels_for(priced.image_tokens)))
     skipped = Counter({"prompt_too_long": len(too_long)} if too_long else {})
-    return DataCosts.of([DataProfile("train", len(costs) + len(too_long), rules, costs, too_long, skipped)])
+    train = DataProfile("train", len(costs) + len(too_long), rules, costs, too_long, skipped)
+    return DataCosts.of([train, replace(train, split="val")])
 
 
 def shape_summary(costs: Any) -> dict[str, Any]:

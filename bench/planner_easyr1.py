@@ -104,9 +104,10 @@ def bf16_states_difference() -> float:
     return params * (16 - 8) / 8 / 1e9  # 16 vs 8 bytes/param (bf16 weights, grads, two moments), 8 ranks
 
 
-def explain(variants: dict[str, Any], bf16_gap: float) -> list[str]:
+def explain(variants: dict[str, Any], on_data: dict[str, Any], bf16_gap: float) -> list[str]:
     """The differences, in words, with the planned numbers."""
     preset, on_gpu = (variants[name] for name in VARIANTS)
+    data_preset, data_on_gpu = (on_data[name] for name in VARIANTS)
     return [
         f"VRAM: with easytrain's FSDP CPU offload the planned peak is {preset['device_peak_gb']} GB/GPU (vLLM's "
         f"48 GB reservation while generating); with the actor's states on the GPU it is {on_gpu['device_peak_gb']} "
@@ -126,6 +127,15 @@ def explain(variants: dict[str, Any], bf16_gap: float) -> list[str]:
         "The planner prices the worst-case sequence (every prompt at 2048 tokens, every response 2048), so its "
         "transient terms are upper bounds for geometry3k, whose prompts are short; EasyR1's figures are measured "
         "on the real data.",
+        f"On the geometry3k stand-in (bench/geometry3k_standin.py: InterGPS's labelled diagram extents, every image "
+        f"raised to EasyR1's min_pixels 262144 as its recipe sets, {TEXT_TOKENS} text tokens a prompt assumed): "
+        f"{data_on_gpu['host_peak_gb']} GB/node and {data_on_gpu['device_peak_gb']} GB/GPU with the actor's "
+        f"states on the GPU ({data_on_gpu['against_easyr1']['host_error']:+.1%} against EasyR1's 120 GB), "
+        f"{data_preset['host_peak_gb']} GB/node and {data_preset['device_peak_gb']} GB/GPU with easytrain's FSDP "
+        "CPU offload, whose host holds the actor's fp32 states, gradients and AdamW moments for all 8 ranks "
+        f"({data_preset['update_host_parts_gb'].get('actor states (offloaded)', 0)} GB) through the step. The "
+        "device peak is generation's (vLLM's gpu_memory_utilization reservation), which the data does not "
+        "change; the data changes the update and log-prob phases and the step batch's host copies.",
     ]
 
 
@@ -179,7 +189,7 @@ def main() -> None:
         "plan_command_seconds": {"runs": times, "median": statistics.median(times),
                                  "command": "easytrain plan +exp=qwen25vl_7b"},
     }
-    result["comparison"] = explain(variants, result["bf16_vs_amp_states_per_gpu_gb"])
+    result["comparison"] = explain(variants, on_data, result["bf16_vs_amp_states_per_gpu_gb"])
     out = ROOT / "bench" / "results" / "planner_easyr1.json"
     write_result(out, result)
     print(f"EasyR1: peak VRAM {EASYR1['peak_vram_gb']} GB, peak CPU memory {EASYR1['peak_cpu_mem_gb']} GB")
