@@ -41,9 +41,12 @@ from bench.planner_shapes import Case, placeholders  # noqa: E402
 from bench.provenance import measured_provenance, write_rescored, write_result  # noqa: E402
 
 RESULTS = ROOT / "bench" / "results" / "data_priced_plan.json"
-DATA_SEED = 1
-"""The image sizes' seed: seed 0 was the first draw; its update miss on the ~184M model (+17.0%, the update priced on
-the validation split's longer rows) led to pricing a step on the train rows alone, so the quote moved to a fresh draw."""
+DATA_SEED = 2
+"""The image sizes' seed. Seed 0 was the first draw: the 184M model's update missed (+17.0%, priced on the
+validation split's longer rows), which led to pricing a step on the train rows alone. Seed 1, drawn after that
+fix, met the goal per node (25 of 25) but not per worker process (23 of 25, two updates at +10.3% and +10.9%);
+the step batch's pixels were priced on its costliest prompts and each rank's share on its own costliest ones
+after those results were seen, so the quote moved to seed 2, drawn after every change."""
 SMALL_SIDES = range(56, 197, 28)
 """Sides (px) of the ordinary images, drawn uniformly: on Qwen2.5-VL's 28-px grid 2-7 blocks a side."""
 LARGE_SIDES = range(336, 421, 28)

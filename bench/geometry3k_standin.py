@@ -48,7 +48,9 @@ def extents() -> list[tuple[str, int, int]]:
 def standin_costs(config: Any, text_tokens: int = TEXT_TOKENS) -> Any:
     """The stand-in's rows as the data profiles of the train and validation splits (the recipe validates on
     geometry3k's test split, the same kind of diagrams), read by ``config``'s limits on its family's grid
-    (:class:`easytrain.memory.data_shape.DataCosts`)."""
+    (:class:`easytrain.memory.data_shape.DataCosts`). A validation call is priced at the recipe's
+    ``data.val_batch_size`` (1024 prompts; the test split has 601 rows, which the plan cannot count for a hub
+    dataset): on the safe side."""
     from easytrain.data.profile import DataProfile, RowCost, Rules, reprice
     from easytrain.memory.data_shape import DataCosts
     from easytrain.models.families import family_of

@@ -200,7 +200,8 @@ def project(nnodes: int, args: argparse.Namespace, driver: dict[str, float]) -> 
     # the shares of workers on other nodes also cross the network. A Batch holds and carries each prompt's pixel
     # values once (easytrain/distributed/batch.py), as batch_bytes counts them
     carries = 1 + 1 / r.n + 1 + (1 if s.with_ref else 0) + (1 if s.old_log_probs else 0)
-    step_batch = batch_bytes(cfg, replace(s, seq_tokens=round(width), image_tokens=round(image_tokens)))
+    step_batch = batch_bytes(cfg, replace(s, seq_tokens=round(width), image_tokens=round(image_tokens),
+                                          batch_vision=cfg.data.rollout_batch_size * s.images * round(image_tokens)))
     wire_batch = step_batch
     transfer = carries * wire_batch * (1 / (args.driver_copy_gbs * GB) + (nnodes - 1) / nnodes / (per_node * net))
     fixed = (driver["generate"] + driver["update"] + driver["sync"] + driver["rest"]

@@ -16,7 +16,7 @@ from PIL import Image
 from easytrain.config import load, with_overrides
 from easytrain.data.profile import Longest, percentiles, sample_positions
 from easytrain.memory.data_shape import DataCosts
-from easytrain.memory.planner import batch_bytes, plan
+from easytrain.memory.planner import batch_bytes, paged, plan
 from easytrain.memory.rl_shape import shape_of
 from easytrain.models.hf import load_image_processor, model_folder
 from easytrain.models.shapes import hf_config_for
@@ -199,12 +199,15 @@ def test_a_step_is_priced_on_the_train_rows_and_a_validation_on_the_validation_r
     assert validation > train
     s = shape_of(cfg, hf, costs)
     assert (s.seq_tokens, s.validation.seq_tokens) == (train + s.response, validation + s.response)
-    train_rows = DataCosts.of(costs.profiles[:1])
-    val_rows = DataCosts.of([dataclasses.replace(costs.profiles[1], split="train")])  # every phase on them
+    on, as_split = costs.profiles, dataclasses.replace
+    train_rows = DataCosts.of([on[0], as_split(on[0], split="val")])  # every phase on the train rows
+    val_rows = DataCosts.of([as_split(on[1], split="train"), on[1]])  # every phase on the validation rows
     both, on_train, on_val = (plan(cfg, hf, data=d) for d in (costs, train_rows, val_rows))
     assert on_train.row("validation").device != on_val.row("validation").device
     assert both.row("validation").device == on_val.row("validation").device
     assert both.row("update") == on_train.row("update")
+    unread = plan(cfg, hf, data=DataCosts.of([on[0]]))  # validation files the data has not read: on the limits
+    assert unread.row("validation").device == plan(cfg, hf).row("validation").device
 
 
 def test_a_step_batch_carries_its_costliest_prompts_pixels_not_each_at_the_longest(data: Path,
@@ -225,6 +228,14 @@ def test_a_step_batch_carries_its_costliest_prompts_pixels_not_each_at_the_longe
     sampled = DataCosts.of(profile_data(with_overrides(cfg, {"data.profile_rows": 20}), progress=False))
     seen = [c.vision_tokens for c in sampled.profiles[0].costs]
     assert max(seen) <= sampled.batch_vision(cfg, "train", 4) <= 4 * max(seen)
+    read = DataCosts.read([RLData(cfg).train])  # the run's own read of every row prices it the same
+    assert read.batch_vision(cfg, "train", 4) == sum(tokens[:4])
+    # a worker's share of a batch: the costliest prompts may all be its own
+    world = s.world
+    assert world == 2 and s.rank_vision == sum(tokens[:2])
+    row = plan(cfg, hf, data=costs).row("update")
+    share, even = (-(-paged(cfg, shape, "update") // world) for shape in (s.ranked, s))
+    assert row.host_parts["object store pages (batches)"] == s.per_node * share and share > even
 
 
 @pytest.fixture(scope="module")

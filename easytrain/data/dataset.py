@@ -121,6 +121,8 @@ class PromptDataset:
         self.prompt_lengths: list[int] = []
         self.longest = Longest()
         """The largest prompt, image count and vision tokens of the kept rows (the in-run plan check prices them)."""
+        self.vision_tokens: list[int] = []
+        """Each kept row's vision tokens (the plan prices a step batch's pixels on its costliest rows)."""
         if scan:
             self._scan(progress)
 
@@ -149,7 +151,9 @@ class PromptDataset:
                 else:
                     self._index.append((s, r))
                     self.prompt_lengths.append(len(prompt.input_ids))
-                    self.longest = self.longest.add(row_cost(prompt))
+                    cost = row_cost(prompt)
+                    self.longest = self.longest.add(cost)
+                    self.vision_tokens.append(cost.vision_tokens)
                     self.skips.downscaled += prompt.downscaled
                 bar.update(1)
         bar.close()

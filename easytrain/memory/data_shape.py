@@ -11,8 +11,7 @@ A step's phases read the train split's rows, a validation the validation split's
 from __future__ import annotations
 
 import functools
-import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Optional, Sequence
 
 from easytrain.data.profile import DataProfile, Longest, Rules
@@ -24,9 +23,11 @@ class DataCosts:
     """What the profiles of a run's splits read; the planner prices its sequences by :meth:`shape`."""
 
     profiles: tuple[DataProfile, ...] = ()
-    scanned: tuple[tuple[str, Rules, Longest], ...] = ()
-    """What a run's own read of every row kept (per split, its datasets' :attr:`longest`), by the rules it read
-    them by: it prices that run's limits only."""
+    scanned: tuple[tuple[str, Rules, Longest, tuple[int, ...]], ...] = ()
+    """What a run's own read of every row kept (per split, its datasets' :attr:`longest` and each row's vision
+    tokens), by the rules it read them by: it prices that run's limits only."""
+    _priced: dict[Any, list[int]] = field(default_factory=dict, compare=False, hash=False, repr=False)
+    """Per (profile, rules): the vision tokens of the rows kept, costliest first (a plan asks several times)."""
 
     @classmethod
     def of(cls, profiles: Sequence[DataProfile]) -> Optional["DataCosts"]:
@@ -35,7 +36,7 @@ class DataCosts:
     @classmethod
     def read(cls, datasets: Sequence[Any]) -> "DataCosts":
         """The costs of datasets a run has read whole (:class:`easytrain.data.dataset.PromptDataset`)."""
-        return cls(scanned=tuple((d.split, d.rules(), d.longest) for d in datasets))
+        return cls(scanned=tuple((d.split, d.rules(), d.longest, tuple(sorted(d.vision_tokens, reverse=True))) for d in datasets))
 
     def why_not(self, config: Any) -> str:
         """Why the data cannot price ``config``'s rows ("" when it can)."""
@@ -44,7 +45,7 @@ class DataCosts:
             return "the data profile reads RL prompts only"
         if d.video_key:
             return "videos are priced on the limits"
-        for _, rules, _ in self.scanned:
+        for _, rules, _, _ in self.scanned:
             if Rules.of(d, rules.layout) != rules:
                 return "the data was read under other data limits"
         for p in self.profiles:
@@ -54,12 +55,12 @@ class DataCosts:
         return ""
 
     def splits(self) -> set[str]:
-        return {p.split for p in self.profiles} | {split for split, _, _ in self.scanned}
+        return {p.split for p in self.profiles} | {split for split, _, _, _ in self.scanned}
 
     def longest(self, config: Any, split: str = "") -> Optional[Longest]:
         """The longest prompt, most images and most vision tokens of the rows ``config``'s limits keep (each read
         under them as the dataset reads it: :func:`easytrain.data.profile.reprice`); of ``split`` when given."""
-        kept = [longest for name, _, longest in self.scanned if longest.prompt and split in ("", name)]
+        kept = [longest for name, _, longest, _ in self.scanned if longest.prompt and split in ("", name)]
         for p in self.profiles:
             if split not in ("", p.split):
                 continue
@@ -69,23 +70,28 @@ class DataCosts:
 
     def batch_vision(self, config: Any, split: str, prompts: int) -> Optional[int]:
         """The most vision tokens ``prompts`` rows of ``split`` carry together under ``config``'s limits: a batch's
-        pixel values are its prompts' own, not each at the longest row's. A profile that read every row gives the
-        ``prompts`` costliest rows' sum; a sample of a fraction f the sum of its costliest ceil(prompts x f) rows
-        over f, the sample standing for the rows it was drawn from (at most ``prompts`` x its costliest row, which
-        a small fraction comes to). None where the data cannot say (:meth:`why_not`, a run's own read of all rows,
-        which keeps its longest row only, or no profile of ``split``)."""
-        profiles = [p for p in self.profiles if p.split == split]
-        if self.why_not(config) or not profiles or any(name == split for name, _, _ in self.scanned):
+        pixel values are its prompts' own, not each at the longest row's. Rows read whole (a profile of every
+        row, or the run's own read) give the ``prompts`` costliest rows' sum; a sample of a fraction f the sum of
+        its costliest ceil(prompts x f) rows over f, the sample standing for the rows it was drawn from (at most
+        ``prompts`` x its costliest row, which a small fraction comes to). None where the data cannot say
+        (:meth:`why_not`, or no read of ``split``)."""
+        if self.why_not(config):
             return None
-        most = 0
-        for p in profiles:
-            tokens = sorted((q.image_tokens for q in p.priced(Rules.of(config.data, p.rules.layout)) if q), reverse=True)
-            if not tokens:
+        found = [sum(tokens[:prompts]) for name, _, _, tokens in self.scanned if name == split]
+        for p in self.profiles:
+            if p.split != split:
                 continue
-            share = p.sampled / max(1, p.rows)
-            top = sum(tokens[:math.ceil(prompts * share)]) / share
-            most = max(most, min(math.ceil(top), prompts * tokens[0]))
-        return most
+            tokens = self._costliest(p, Rules.of(config.data, p.rules.layout))
+            if tokens:
+                drawn = -(-prompts * p.sampled // max(1, p.rows))  # ceil(prompts x f), in integers
+                found.append(min(-(-sum(tokens[:drawn]) * p.rows // max(1, p.sampled)), prompts * tokens[0]))
+        return max(found) if found else None
+
+    def _costliest(self, profile: DataProfile, rules: Rules) -> list[int]:
+        key = (id(profile), rules)
+        if key not in self._priced:
+            self._priced[key] = sorted((q.image_tokens for q in profile.priced(rules) if q), reverse=True)
+        return self._priced[key]
 
     def shape(self, config: Any, hf_config: dict[str, Any], split: str = "") -> Optional[SequenceShape]:
         """The data's longest sequence under ``config``'s limits (None where :meth:`why_not` says why, or no row is

@@ -306,8 +306,8 @@ def _host(st: _Step, phase: Phase, role: str, active: dict[str, int], device: di
         extra.update(sync_parts(config, sync_bucket(config, s.largest_module, s.total_params, s.dtype_bytes), n)[1])
     if fused(config):
         held = dict(device) if not s.on_gpu else {**_offloaded(st), **engine_host}
-        process = worker_process(name, {**held, **batch_pages(paged(config, s, name), s.world),
-                                        **received_batch(call_batch(config, s, name), s.world)}, s.on_gpu)
+        process = worker_process(name, {**held, **batch_pages(paged(config, s.ranked, name), s.world),
+                                        **received_batch(call_batch(config, s.ranked, name), s.world)}, s.on_gpu)
         return node_host(config, name, [(n, process)], True, extra), process
     # one step off, the rollout pool generates the next batch while the actor's phases run: both at once
     generating = config.trainer.rollout_mode == "one_step_off" and name in OVERLAPPED
@@ -321,9 +321,9 @@ def _host(st: _Step, phase: Phase, role: str, active: dict[str, int], device: di
             held = dict(st.awake if generating else st.resident)
         else:
             held = dict(st.idle[other])
-        held.update({**st.mapped.get(other, {}), **batch_pages(paged(config, s, name, other), s.world)})
+        held.update({**st.mapped.get(other, {}), **batch_pages(paged(config, s.ranked, name, other), s.world)})
         if other == role:
-            held.update(received_batch(call_batch(config, s, name), s.world))
+            held.update(received_batch(call_batch(config, s.ranked, name), s.world))
         busy = other == role or (other == "rollout" and generating)
         one = worker_process(name if other == role else "generation" if busy else "idle", held, s.on_gpu)
         workers.append((n, one))
@@ -427,7 +427,7 @@ def _run_rows(st: _Step, capacity: Capacity) -> list[Row]:
     else:  # the actor processes save and resume; the reference and the engine wait in their own processes
         resumed = dict(st.idle["actor"])
         kept = {**resumed, **st.mapped["actor"]}
-        saved = {role: batch_pages(paged(st.config, s, "checkpoint_save", role), s.world)
+        saved = {role: batch_pages(paged(st.config, s.ranked, "checkpoint_save", role), s.world)
                  for role in ("rollout", "ref")}
         ref = [(s.per_node, dict(st.idle["ref"]))] if s.with_ref else []
         # resumed before any sync: the engine's weights are still the checkpoint file's pages, not resident
@@ -441,7 +441,7 @@ def _run_rows(st: _Step, capacity: Capacity) -> list[Row]:
                           for n, _ in rest] for phase, rest in others.items()}
     degree = shard_degree(st.config.worker.actor.fsdp.shard_size, s.world)
     saver = "fused" if fused(st.config) else "actor"
-    saver_pages = sum(batch_pages(paged(st.config, s, "checkpoint_save", saver), s.world).values())
+    saver_pages = sum(batch_pages(paged(st.config, s.ranked, "checkpoint_save", saver), s.world).values())
     return run_phases(st.config, kept=kept, resumed=resumed, others=others,
                       state=st.actor.params + st.actor.optimizer,
                       trainable=st.actor.grads,  # the trainable shards in fp32: what their gradients take
@@ -484,7 +484,7 @@ def call_batch(config: Config, s: Shape, phase: str) -> int:
     micro = update_micro(config, s)[0] if phase == "update" else experience_micro(
         config, s, "ref" if phase == "ref_log_probs" and not s.ref_by_actor else "actor")
     pixels = micro.sequences * micro.images * micro.image_tokens * s.values_per_token * FP32
-    return max(0, batch_bytes(config, s) - pixels * s.world)
+    return max(0, batch_bytes(config, s) - min(pixels * s.world, s.batch_vision * s.values_per_token * FP32))
 
 
 def batch_bytes(config: Config, s: Shape, validate: bool = False) -> int:
@@ -578,7 +578,7 @@ def worker_parts(config: Config, role: str, phase: str, hf_config: Optional[dict
     s = shape_of(config, hf_config)
     states = actor_states(config, s) if role == "actor" else ref_states(config, s)
     parts = {"params": states.params, "optimizer": states.optimizer,
-             "batch share": batch_bytes(config, s) // s.world}
+             "batch share": batch_bytes(config, s.ranked) // s.world}
     if phase == "update":
         micro, accumulates = update_micro(config, s)
         transient = update_transient(config, s, hf_config, micro, accumulates, states.grads, False)

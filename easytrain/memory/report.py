@@ -189,7 +189,7 @@ def priced_on(config: Config, hf_config: dict[str, Any], data: Optional[DataCost
     limits = (f"every row at the limits: device peak {_gb(bound.device_peak)} GB, host peak {_gb(bound.host_peak)} "
               "GB per node")
     why = data.why_not(config) if data is not None else (note or "no data profile")
-    shape = data.shape(config, hf_config) if data is not None and not why else None
+    shape = data.shape(config, hf_config, "train") if data is not None and not why else None
     if shape is None:
         return f"priced on the limits ({why or 'no row kept'})"
     return (f"priced on the data: its longest prompt {shape.prompt} tokens, {shape.images} image(s) of up to "

@@ -49,26 +49,37 @@ class Shape:
     batch_vision: int
     """Vision tokens of a step batch's prompts together (their pixel values travel once per prompt): on the data,
     its costliest prompts' (:meth:`DataCosts.batch_vision`); on the limits, every prompt at the longest row's."""
+    rank_vision: int
+    """The same for one rank's share of the batch (its ceil(prompts / world) prompts): the costliest prompts may
+    all land on one rank."""
     val: Optional["Shape"] = None
-    """The validation prompts' shape where the data prices them apart from the train split's (else this one)."""
+    """The validation prompts' shape (set by :func:`shape_of`)."""
 
     @property
     def validation(self) -> "Shape":
         return self.val or self
 
+    @property
+    def ranked(self) -> "Shape":
+        """This shape with the batch priced as its ranks' shares: every rank's share as costly as the costliest
+        one (what a worker process's share of a batch is priced at, :func:`batch_bytes` over the world)."""
+        val = self.val.ranked if self.val is not None else None
+        return replace(self, batch_vision=self.rank_vision * self.world, val=val)
+
 
 def shape_of(config: Config, hf_config: dict[str, Any], data: Optional[DataCosts] = None) -> Shape:
     """``data``: sequences as long as the data's longest rows under the config's limits (where the profile can
-    tell; else, and without it, as long as the limits allow): the train split's, and the validation split's for
-    validation."""
+    tell; else, and without it, as long as the limits allow): a step's on the train split's rows, a validation's
+    on the validation split's (on the limits where the data has not read that split)."""
     t, a, d = config.trainer, config.worker.actor, config.data
     seq = (data and data.shape(config, hf_config, "train")) or sequence_shape(config, hf_config)
-    val = data and "val" in data.splits() and data.shape(config, hf_config, "val")
-    val_prompts = validation_prompts(config, d.rollout_batch_size)
+    val_seq = ((data and "val" in data.splits() and data.shape(config, hf_config, "val"))
+               or (sequence_shape(config, hf_config) if data and d.val_files else seq))
+    world = t.nnodes * t.workers_per_node
     on_policy = a.ppo_epochs == 1 and d.rollout_batch_size == a.global_batch_size
     kl = config.algorithm.kl_coef > 0
     dims = model_dims(hf_config)
-    shape = Shape(world=t.nnodes * t.workers_per_node, per_node=t.workers_per_node,
+    shape = Shape(world=world, per_node=t.workers_per_node,
                   total_params=count_parameters(hf_config).total,
                   trainable=trainable_by_component(hf_config, config.model),
                   largest_trainable=largest_trainable(hf_config, config.model),
@@ -78,12 +89,13 @@ def shape_of(config: Config, hf_config: dict[str, Any], data: Optional[DataCosts
                   with_ref=kl and config.model.lora.rank == 0, ref_by_actor=kl and config.model.lora.rank > 0,
                   old_log_probs=not (on_policy and a.reuse_log_probs_on_policy), on_gpu=t.device == "cuda",
                   values_per_token=dims.values_per_token,
-                  batch_vision=batch_vision(config, data, seq, "train", d.rollout_batch_size))
-    if not val:
-        return replace(shape, val=replace(shape, batch_vision=batch_vision(config, data, seq, "val", val_prompts)))
-    return replace(shape, val=replace(shape, seq_tokens=val.total, response=val.response, images=val.images,
-                                      image_tokens=val.image_tokens,
-                                      batch_vision=batch_vision(config, data, val, "val", val_prompts)))
+                  batch_vision=batch_vision(config, data, seq, "train", d.rollout_batch_size),
+                  rank_vision=batch_vision(config, data, seq, "train", -(-d.rollout_batch_size // world)))
+    prompts = validation_prompts(config, d.rollout_batch_size)
+    return replace(shape, val=replace(shape, seq_tokens=val_seq.total, response=val_seq.response,
+                                      images=val_seq.images, image_tokens=val_seq.image_tokens,
+                                      batch_vision=batch_vision(config, data, val_seq, "val", prompts),
+                                      rank_vision=batch_vision(config, data, val_seq, "val", -(-prompts // world))))
 
 
 def batch_vision(config: Config, data: Optional[DataCosts], seq: SequenceShape, split: str, prompts: int) -> int:

@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass, field
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 import torch
 
@@ -57,11 +57,14 @@ class Episode:
     """The tool turns' images (processed), in order."""
     images: list[Any] = field(default_factory=list)
     """The same images as sized for the model (PIL), for an engine that takes images (vLLM)."""
+    versions: list[int] = field(default_factory=list)
+    """Per token, the weight version that sampled it (partial rollouts: :mod:`easytrain.workers.rollout.partial`)."""
 
-    def add(self, ids: list[int], log_probs: list[float], trained: bool) -> None:
+    def add(self, ids: list[int], log_probs: list[float], trained: bool, version: int = 0) -> None:
         self.ids += ids
         self.log_probs += log_probs
         self.trained += [trained] * len(ids)
+        self.versions += [version] * len(ids)
 
 
 @dataclass
@@ -215,56 +218,8 @@ class MultiTurn:
                     "of data.max_response_length")
         return ids, pixel_values, grid, fitted
 
-    def _with_images(self, tensors: dict[str, torch.Tensor], rows: Batch, episodes: list[Episode],
-                     indices: list[int]) -> tuple[Optional[torch.Tensor], Optional[Pixels]]:
-        """The visuals of rows ``indices``, each row's prompt images then its tool turns': their grids into
-        ``tensors``, their counts per row and their patch rows (a prompt's stored once, as ``rows`` holds them)."""
-        prompts = rows.select(indices) if rows.image_counts is not None and "image_grid_thw" in rows else None
-        from_prompt = [0] * len(indices) if prompts is None else prompts.image_counts.tolist()  # type: ignore[union-attr]
-        from_tools = [sum(int(g.shape[0]) for g in episodes[i].grids) for i in indices]
-        tool_grids = [g for i in indices for g in episodes[i].grids]
-        if prompts is None and not tool_grids:
-            return None, None
-        grids = [prompts["image_grid_thw"]] if prompts is not None else []
-        parts = [prompts.pixels] if prompts is not None and prompts.pixels is not None else []
-        if tool_grids:
-            grids.append(torch.cat(tool_grids))
-            tool_rows = torch.cat([p for i in indices for p in episodes[i].pixel_values])
-            parts.append(Pixels.of(tool_rows, grids[-1].prod(-1)))
-        order, prompt_next, tool_next = [], 0, sum(from_prompt)  # row by row: its prompt's visuals, its tools'
-        for own, tools in zip(from_prompt, from_tools):
-            order += [*range(prompt_next, prompt_next + own), *range(tool_next, tool_next + tools)]
-            prompt_next, tool_next = prompt_next + own, tool_next + tools
-        index = torch.tensor(order, dtype=torch.long)
-        tensors["image_grid_thw"] = torch.cat(grids)[index]
-        return torch.tensor([p + t for p, t in zip(from_prompt, from_tools)]), Pixels.concat(parts).take(index)
-
     def _continuation(self, rows: Batch, episodes: list[Episode], active: list[int]) -> Batch:
-        """The prompts of the next model turn: each active row's prompt and its response so far, left-padded."""
-        sub = rows.select(active)
-        pad = self.tokenizer.pad_token_id
-        sequences, types = [], []
-        for j, i in enumerate(active):
-            present = sub["attention_mask"][j].bool()
-            so_far = torch.tensor(episodes[i].ids, dtype=sub["input_ids"].dtype)
-            sequences.append(torch.cat([sub["input_ids"][j][present], so_far]))
-            if "mm_token_type_ids" in sub:
-                prompt_types = sub["mm_token_type_ids"][j][present]
-                types.append(torch.cat([prompt_types, self._types(so_far).to(prompt_types.dtype)]))
-        width = max(len(s) for s in sequences)
-
-        def left(values: list[torch.Tensor], fill: int) -> torch.Tensor:
-            return torch.stack([torch.nn.functional.pad(v, (width - len(v), 0), value=fill) for v in values])
-
-        tensors = {k: v for k, v in sub.tensors.items() if k not in PROMPT_KEYS + VISUAL_KEYS}
-        tensors["input_ids"] = left(sequences, pad)
-        tensors["attention_mask"] = left([torch.ones(len(s), dtype=sub["attention_mask"].dtype) for s in sequences], 0)
-        if types:
-            tensors["mm_token_type_ids"] = left(types, 0)
-        meta = dict(sub.meta)
-        if "images" in meta:  # an engine that takes images (vLLM): the prompt's, then the tool turns', sized
-            meta["images"] = [list(meta["images"][j]) + episodes[i].images for j, i in enumerate(active)]
-        return Batch(tensors, meta, *self._with_images(tensors, rows, episodes, active))
+        return continuation(rows, episodes, active, self.tokenizer.pad_token_id, self._types)
 
     def _types(self, ids: torch.Tensor) -> torch.Tensor:
         """``mm_token_type_ids`` of response tokens: the image pads of tool turns are image tokens."""
@@ -290,5 +245,61 @@ class MultiTurn:
         if not any(e.grids for e in episodes):
             return Batch(tensors)
         tensors["response_mm_token_type_ids"] = self._types(responses) * present.long()
-        counts, pixels = self._with_images(tensors, rows, episodes, list(range(len(episodes))))
+        counts, pixels = with_images(tensors, rows, episodes, list(range(len(episodes))))
         return Batch(tensors, image_counts=counts, pixels=pixels)
+
+
+
+def with_images(tensors: dict[str, torch.Tensor], rows: Batch, episodes: list[Episode],
+                indices: list[int]) -> tuple[Optional[torch.Tensor], Optional[Pixels]]:
+    """The visuals of rows ``indices``, each row's prompt images then its tool turns': their grids into
+    ``tensors``, their counts per row and their patch rows (a prompt's stored once, as ``rows`` holds them)."""
+    prompts = rows.select(indices) if rows.image_counts is not None and "image_grid_thw" in rows else None
+    from_prompt = [0] * len(indices) if prompts is None else prompts.image_counts.tolist()  # type: ignore[union-attr]
+    from_tools = [sum(int(g.shape[0]) for g in episodes[i].grids) for i in indices]
+    tool_grids = [g for i in indices for g in episodes[i].grids]
+    if prompts is None and not tool_grids:
+        return None, None
+    grids = [prompts["image_grid_thw"]] if prompts is not None else []
+    parts = [prompts.pixels] if prompts is not None and prompts.pixels is not None else []
+    if tool_grids:
+        grids.append(torch.cat(tool_grids))
+        tool_rows = torch.cat([p for i in indices for p in episodes[i].pixel_values])
+        parts.append(Pixels.of(tool_rows, grids[-1].prod(-1)))
+    order, prompt_next, tool_next = [], 0, sum(from_prompt)  # row by row: its prompt's visuals, its tools'
+    for own, tools in zip(from_prompt, from_tools):
+        order += [*range(prompt_next, prompt_next + own), *range(tool_next, tool_next + tools)]
+        prompt_next, tool_next = prompt_next + own, tool_next + tools
+    index = torch.tensor(order, dtype=torch.long)
+    tensors["image_grid_thw"] = torch.cat(grids)[index]
+    return torch.tensor([p + t for p, t in zip(from_prompt, from_tools)]), Pixels.concat(parts).take(index)
+
+
+def continuation(rows: Batch, episodes: list[Episode], active: list[int], pad: int,
+                 types: Callable[[torch.Tensor], torch.Tensor]) -> Batch:
+    """The prompts that continue ``active`` rows: each one's prompt and its response so far (``episodes``),
+    left-padded, with its visuals (the prompt's, then its tool turns'); ``types`` gives the response tokens'
+    ``mm_token_type_ids``. A multi-turn rollout's next model turn, a partial rollout's next call."""
+    sub = rows.select(active)
+    sequences, kinds = [], []
+    for j, i in enumerate(active):
+        present = sub["attention_mask"][j].bool()
+        so_far = torch.tensor(episodes[i].ids, dtype=sub["input_ids"].dtype)
+        sequences.append(torch.cat([sub["input_ids"][j][present], so_far]))
+        if "mm_token_type_ids" in sub:
+            prompt_types = sub["mm_token_type_ids"][j][present]
+            kinds.append(torch.cat([prompt_types, types(so_far).to(prompt_types.dtype)]))
+    width = max(len(s) for s in sequences)
+
+    def left(values: list[torch.Tensor], fill: int) -> torch.Tensor:
+        return torch.stack([torch.nn.functional.pad(v, (width - len(v), 0), value=fill) for v in values])
+
+    tensors = {k: v for k, v in sub.tensors.items() if k not in PROMPT_KEYS + VISUAL_KEYS}
+    tensors["input_ids"] = left(sequences, pad)
+    tensors["attention_mask"] = left([torch.ones(len(s), dtype=sub["attention_mask"].dtype) for s in sequences], 0)
+    if kinds:
+        tensors["mm_token_type_ids"] = left(kinds, 0)
+    meta = dict(sub.meta)
+    if "images" in meta:  # an engine that takes images (vLLM): the prompt's, then the tool turns', sized
+        meta["images"] = [list(meta["images"][j]) + episodes[i].images for j, i in enumerate(active)]
+    return Batch(tensors, meta, *with_images(tensors, rows, episodes, active))

@@ -1,0 +1,93 @@
+"""Partial rollouts (issue 51, ``trainer.rollout_mode=async``; this module is its engine side): a generation
+left unfinished is kept and continued by a later call, under whatever weights the engine holds by then, and
+every token records the weight version it was sampled under.
+
+A call (:meth:`PartialRollouts.advance`) generates at most ``tokens`` more for each sample still running. A
+sample that produced a stop token or reached ``max_new_tokens`` is finished; the others wait with their tokens,
+the sampling log-probs of those tokens and their versions. The next call continues them: each one's prompt
+and response so far are prefilled under the engine's current weights (their keys and values are computed
+again with those weights; nothing of the old weights' cache is kept), and the response goes on. A token keeps
+the log-prob of the weights that sampled it, so a PPO ratio against the engine's log-probs (as
+``one_step_off`` takes it, :mod:`easytrain.trainer.ahead`) is taken against each token's own behaviour
+policy.
+
+Images stay whole: a continuation carries its prompt's images as the prompt did (the same pixel rows and
+grids), built as a multi-turn continuation is (:func:`easytrain.workers.rollout.multi_turn.continuation`).
+
+A call samples with the seed moved by the number of calls before it, so the same calls under the same weights
+draw the same tokens.
+"""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+import torch
+
+from easytrain.distributed.batch import Batch
+from easytrain.workers.rollout.engine import RolloutEngine, SamplingParams
+from easytrain.workers.rollout.multi_turn import Episode, continuation
+
+CALL_SEED_STRIDE = 7_919
+"""A prime the seed moves by from one call to the next."""
+
+
+def text_types(ids: torch.Tensor) -> torch.Tensor:
+    """``mm_token_type_ids`` of sampled tokens: text (the engine never samples a vision placeholder)."""
+    return torch.zeros_like(ids)
+
+
+class PartialRollouts:
+    """The ``params.n`` samples of each prompt of a batch, generated over as many engine calls as they take."""
+
+    def __init__(self, prompts: Batch, params: SamplingParams, pad_id: int, stop_ids: Sequence[int]) -> None:
+        self.rows = prompts.repeat_interleave(params.n)
+        self.params, self.pad_id, self.stop_ids = params, pad_id, set(stop_ids)
+        self.samples = [Episode() for _ in range(len(self.rows))]
+        self.done = [False] * len(self.rows)
+        self.calls = 0
+
+    @property
+    def running(self) -> list[int]:
+        """The samples not finished yet, in row order."""
+        return [i for i, done in enumerate(self.done) if not done]
+
+    def advance(self, engine: RolloutEngine, tokens: int, version: int) -> list[int]:
+        """Generate up to ``tokens`` more for every running sample with the engine's weights, ``version``;
+        returns the samples this call finished."""
+        active = self.running
+        if not active or tokens < 1:
+            return []
+        p = self.params
+        room = [p.max_new_tokens - len(self.samples[i].ids) for i in active]
+        seed = (p.seed + self.calls * CALL_SEED_STRIDE) % 2**31
+        call = SamplingParams(1, p.temperature, p.top_p, p.top_k, min(tokens, max(room)), seed)
+        out = engine.generate(continuation(self.rows, self.samples, active, self.pad_id, text_types), call)
+        self.calls += 1
+        finished = []
+        for j, i in enumerate(active):
+            valid = out["response_mask"][j].bool()
+            ids = out["responses"][j][valid].tolist()[:room[j]]  # a row with less room stops at its own budget
+            self.samples[i].add(ids, out["rollout_log_probs"][j][valid].tolist()[:len(ids)], True, version)
+            if (ids and ids[-1] in self.stop_ids) or len(self.samples[i].ids) >= p.max_new_tokens:
+                self.done[i] = True
+                finished.append(i)
+        return finished
+
+    def output(self, indices: Sequence[int]) -> Batch:
+        """Samples ``indices`` as an engine returns responses: ``responses`` (pad after each), ``response_mask``,
+        ``rollout_log_probs`` and ``token_versions`` (the weight version per token, -1 off the mask)."""
+        chosen = [self.samples[i] for i in indices]
+        width = max(1, max(len(e.ids) for e in chosen))
+        responses = torch.full((len(chosen), width), self.pad_id, dtype=torch.long)
+        mask = torch.zeros((len(chosen), width), dtype=torch.float32)
+        log_probs = torch.zeros((len(chosen), width), dtype=torch.float32)
+        versions = torch.full((len(chosen), width), -1, dtype=torch.long)
+        for row, e in enumerate(chosen):
+            k = len(e.ids)
+            responses[row, :k] = torch.tensor(e.ids, dtype=torch.long)
+            mask[row, :k] = 1.0
+            log_probs[row, :k] = torch.tensor(e.log_probs, dtype=torch.float32)
+            versions[row, :k] = torch.tensor(e.versions, dtype=torch.long)
+        return Batch({"responses": responses, "response_mask": mask, "rollout_log_probs": log_probs,
+                      "token_versions": versions})
