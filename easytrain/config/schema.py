@@ -344,6 +344,9 @@ class AlgorithmConfig(Section):
     """trainer.rollout_mode=one_step_off: 0 takes the PPO ratio against the engine's sampling log-probs (the
     behaviour policy); > 0 takes it against the actor's log-probs at its current weights and weighs each
     token's loss by min(exp(actor - engine log-prob), tis_cap) (truncated importance sampling)."""
+    max_staleness: int = bounded(2, low=0)
+    """trainer.rollout_mode=async: a group whose oldest token was sampled more than this many weight versions
+    before the update that would train on it is dropped (counted in rollout/stale_dropped)."""
     kl_coef: float = bounded(1e-2, low=0.0)
     """Weight of the KL term (initial value when kl_type=adaptive)."""
     kl_type: str = choice("fixed", "fixed", "adaptive")
@@ -390,10 +393,20 @@ class TrainerConfig(Section):
     colocate: bool = True
     """One process per device hosts actor, reference and rollout (fused workers; the phases take the device in
     turn, in-process weight sync); false gives each role its own pool of processes and devices."""
-    rollout_mode: str = choice("sync", "sync", "one_step_off")
+    rollout_mode: str = choice("sync", "sync", "one_step_off", "async")
     """sync: each step generates, then trains on what it generated. one_step_off (separate pools,
     trainer.colocate=false): while the actor trains on batch t the engine generates batch t+1 with the weights of
-    step t-1; the update's PPO ratio is taken against the engine's sampling log-probs."""
+    step t-1; the update's PPO ratio is taken against the engine's sampling log-probs. async (separate pools):
+    partial rollouts: the engine generates in calls of trainer.async_call_tokens while the actor trains, a
+    response unfinished at a weight sync goes on under the new weights, finished groups wait in a queue bounded by
+    trainer.async_queue_gb; each token's ratio is taken against the log-prob of the weights that sampled it."""
+    async_call_tokens: int = bounded(0, low=0)
+    """trainer.rollout_mode=async: tokens an engine call adds to each running response before the weights may
+    sync; 0 = half of data.max_response_length."""
+    async_queue_gb: float = -1.0
+    """trainer.rollout_mode=async: host GB the queue of finished samples may hold (token ids, log-probs, each
+    prompt's pixels once); when full, no new prompts start (rollout/queue_full_s). -1 = what the node holds beside
+    every process's planned peak, with the planner's margin (easytrain plan shows it)."""
     threads_per_worker: int = bounded(0, low=0)
     """torch threads of each role worker; 0 = its share of the node's CPUs (node CPUs / workers_per_node when
     colocated, also divided by the roles otherwise; Ray nodes started on one machine split its cores). Ray would

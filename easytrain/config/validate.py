@@ -254,32 +254,53 @@ def _check_strategy(cfg: Config) -> None:
 
 
 def _check_rollout_mode(cfg: Config) -> None:
-    """trainer.rollout_mode=one_step_off overlaps generation with training: separate pools, one batch at a time,
-    and engine log-probs that are the sampling distribution's."""
+    """trainer.rollout_mode=one_step_off (and async) overlaps generation with training: separate pools, batches
+    generated ahead, and engine log-probs that are the sampling distribution's."""
     t, a, r = cfg.trainer, cfg.algorithm, cfg.worker.rollout
     if t.rollout_mode == "sync":
         if a.tis_cap > 0:
             raise ConfigError("algorithm.tis_cap", a.tis_cap, "truncated importance weights correct a one step off "
                               "rollout, and trainer.rollout_mode=sync trains on the weights that generated",
-                              "set algorithm.tis_cap=0 or trainer.rollout_mode=one_step_off")
+                              "set algorithm.tis_cap=0 or trainer.rollout_mode=one_step_off (or async)")
         return
     if t.task != "rl":
         raise ConfigError("trainer.rollout_mode", t.rollout_mode, "SFT generates no rollouts",
                           "set trainer.rollout_mode=sync")
     if t.colocate:
         raise ConfigError("trainer.rollout_mode", t.rollout_mode,
-                          "one step off overlaps generation with training on separate devices, and "
+                          f"{t.rollout_mode} overlaps generation with training on separate devices, and "
                           "trainer.colocate=true puts every role on the same ones",
                           "set trainer.colocate=false (a pool per role)")
     if a.dynamic_sampling:
         raise ConfigError("algorithm.dynamic_sampling", True, "dynamic sampling refills a batch by generating "
-                          "again, which a batch generated one step ahead cannot wait for",
+                          "again, which a batch generated ahead of its step cannot wait for",
                           "set algorithm.dynamic_sampling=false or trainer.rollout_mode=sync")
+    if t.rollout_mode == "async":
+        _check_async(cfg)
     if (r.top_p < 1 or r.top_k > 0) and a.tis_cap == 0:
         raise ConfigError("trainer.rollout_mode", t.rollout_mode,
-                          "one step off takes the PPO ratio against the engine's log-probs, which with "
+                          f"{t.rollout_mode} takes the PPO ratio against the engine's log-probs, which with "
                           "worker.rollout.top_p/top_k are of the truncated distribution",
                           "set algorithm.tis_cap (the ratio then uses the actor's) or top_p=1 and top_k=0")
+
+
+def _check_async(cfg: Config) -> None:
+    """What partial rollouts cannot continue yet: tool turns and videos (a continuation rebuilds a prompt's
+    images alone)."""
+    t = cfg.trainer
+    if cfg.worker.rollout.multi_turn.enable:
+        raise ConfigError("trainer.rollout_mode", t.rollout_mode, "partial rollouts do not continue multi-turn "
+                          "episodes yet", "set trainer.rollout_mode=one_step_off or multi_turn.enable=false")
+    if cfg.data.video_key:
+        raise ConfigError("trainer.rollout_mode", t.rollout_mode, "partial rollouts do not continue prompts with "
+                          "videos yet", "set trainer.rollout_mode=one_step_off or data.video_key=null")
+    if cfg.algorithm.max_staleness < 1:
+        raise ConfigError("algorithm.max_staleness", cfg.algorithm.max_staleness, "an async step trains on tokens "
+                          "the weights before its last sync sampled (1 version old) at the least",
+                          "set algorithm.max_staleness to 1 or more")
+    if t.async_queue_gb != -1.0 and t.async_queue_gb <= 0:
+        raise ConfigError("trainer.async_queue_gb", t.async_queue_gb, "the queue must hold at least one group",
+                          "set a positive size in GB, or -1 for the plan's figure")
 
 
 def _check_rollout(cfg: Config) -> None:

@@ -159,7 +159,9 @@ def engine_resident(config: Config, s: Shape, awake: dict[str, int]) -> dict[str
 
 
 OVERLAPPED = ("ref_log_probs", "old_log_probs", "update")
-"""The actor's phases the rollout pool generates beside with ``trainer.rollout_mode=one_step_off``."""
+"""The actor's phases the rollout pool generates beside with ``trainer.rollout_mode=one_step_off`` (or async)."""
+QUEUE = "async queue (driver)"
+"""``trainer.rollout_mode=async``: the queue of finished samples, at its bound (``trainer.async_queue_gb``)."""
 
 
 @dataclass(frozen=True)
@@ -229,7 +231,23 @@ def plan(config: Config, hf_config: Optional[dict[str, Any]] = None, capacity: O
     notes = [layout_note(config, s.with_ref, s.ref_by_actor, s.on_gpu, set(work)),
              micro_note(config, s, upd_micro), *_notes(config, s, hf_config, capacity)]
     once = [_load_row(step), *_run_rows(step, capacity)]
-    return Plan(rows, capacity, s.on_gpu, notes, once=once, data=data)
+    planned = Plan(rows, capacity, s.on_gpu, notes, once=once, data=data)
+    if config.trainer.rollout_mode == "async":
+        planned.notes.append(queue_note(config, planned))
+    return planned
+
+
+def queue_note(config: Config, planned: Plan) -> str:
+    """The async queue's line: its bound per node, set or (``trainer.async_queue_gb=-1``) the room the node
+    has beside the step's peak with the planner's margin, which the run takes as its bound."""
+    gb = config.trainer.async_queue_gb
+    if gb > 0:
+        return (f"async queue: up to {gb:.2f} GB on the driver's node (trainer.async_queue_gb), counted in every "
+                "phase's host figure")
+    c = planned.capacity
+    room = max(0.0, c.host_limit - planned.host_peak * (1 + c.host_margin)) / 1e9
+    return (f"async queue: up to {room:.2f} GB on the driver's node, the room under Ray's threshold beside the "
+            f"step's peak with the {c.host_margin:.0%} margin (trainer.async_queue_gb=-1)")
 
 
 def object_store_pages(config: Config, s: Shape, role: str) -> dict[str, int]:
@@ -302,6 +320,8 @@ def _host(st: _Step, phase: Phase, role: str, active: dict[str, int], device: di
     in its RSS; on a GPU node its offloaded states and an asleep engine's weights (level 1)."""
     s, config, n, name = st.s, st.config, st.s.per_node, phase.planned
     extra = batches_in_flight(batch_bytes(config, s, validate=name == "validation"), paged(config, s, name))
+    if config.trainer.rollout_mode == "async" and config.trainer.async_queue_gb > 0:
+        extra[QUEUE] = int(config.trainer.async_queue_gb * 1e9)  # the driver holds it through every phase
     if name == "weight_sync":
         extra.update(sync_parts(config, sync_bucket(config, s.largest_module, s.total_params, s.dtype_bytes), n)[1])
     if fused(config):
@@ -310,7 +330,7 @@ def _host(st: _Step, phase: Phase, role: str, active: dict[str, int], device: di
                                         **received_batch(call_batch(config, s.ranked, name), s.world)}, s.on_gpu)
         return node_host(config, name, [(n, process)], True, extra), process
     # one step off, the rollout pool generates the next batch while the actor's phases run: both at once
-    generating = config.trainer.rollout_mode == "one_step_off" and name in OVERLAPPED
+    generating = config.trainer.rollout_mode in ("one_step_off", "async") and name in OVERLAPPED
     workers, process = [], {}
     for other in role_names(s.with_ref):
         if s.on_gpu:

@@ -92,6 +92,18 @@ METRICS: dict[str, str] = {
     "rollout/staleness": "`trainer.rollout_mode=one_step_off`: updates between the weights that generated the "
                          "step's batch and the actor's before its update (0 on the first step, then 1); with "
                          "one optimizer step per batch, `actor/ppo_kl` is then the actor's log-prob gap to the engine.",
+    "rollout/staleness_max": "`trainer.rollout_mode=async`: the most updates between a trained token's sampling "
+                             "weights and the actor's before its update (`rollout/staleness` is their token mean).",
+    "rollout/stale_dropped": "`trainer.rollout_mode=async`: groups dropped from the queue this step for waiting "
+                             "past `algorithm.max_staleness`.",
+    "rollout/queue_full_s": "`trainer.rollout_mode=async`: seconds since the last step the engine idled because "
+                            "no new prompts could start: the queue of finished and running samples was full (its "
+                            "bound, `trainer.async_queue_gb`, or two step batches).",
+    "rollout/queue_gb": "`trainer.rollout_mode=async`: host GB the queue held when the step took its batch "
+                        "(before taking it).",
+    "rollout/queue_peak_gb": "`trainer.rollout_mode=async`: the queue's largest host GB so far.",
+    "rollout/queue_bound_gb": "`trainer.rollout_mode=async`: the queue's bound (`trainer.async_queue_gb`, or the "
+                              "plan's room; halved by the watchdog's soft level).",
     "rollout/tool_calls": "`worker.rollout.multi_turn`: tool calls per response (mean over the step's responses).",
     "rollout/tool_errors": "`worker.rollout.multi_turn`: tool calls in the step that failed (raised, timed out, "
                            "unknown tool, malformed call or arguments); each gave its sample an error turn.",

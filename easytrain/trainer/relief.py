@@ -54,6 +54,9 @@ class MemoryGuard:
         """The run's micro batch layout, whose sizes the relief may halve."""
         self.relieved_step = -1
         """The step whose phases last ran relief (at most once inside a step)."""
+        self.queue: Optional[Any] = None
+        """trainer.rollout_mode=async: the queue of finished samples (:class:`~easytrain.trainer.asynchronous.
+        SampleQueue`), whose bound the soft level lowers before any other action."""
 
     def register(self, roles: Roles, forward: Forward) -> None:
         """Every easytrain process of the run (workers of each role, reward workers, the driver), and the run's
@@ -130,6 +133,13 @@ class MemoryGuard:
         """Run each configured action for the memory under pressure ("ram", "vram"); returns the bytes each
         freed, measured (0 when it was skipped or its effect comes later)."""
         freed = []
+        if self.queue is not None and "ram" in resources:  # what the queue would grow into, before anything else
+            before = self.queue.bound
+            self.queue.shrink()
+            self.watchdog.event(step, "relief", f"async queue bound {before / 2**30:.3f} -> "
+                                f"{self.queue.bound / 2**30:.3f} GiB", action="shrink_async_queue", freed_bytes=0,
+                                planned_bytes=before - self.queue.bound, skipped=False, processes=[],
+                                started=time.time())
         for action in self.config.watchdog.actions:
             started = time.time()
             relief: Relief = getattr(self, action)(resources)

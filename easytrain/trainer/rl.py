@@ -35,6 +35,7 @@ from easytrain.distributed.group import Pending
 from easytrain.memory.data_shape import DataCosts
 from easytrain.memory.report import check_before_launch
 from easytrain.trainer.ahead import Generated, importance_weights, load_generated, save_generated
+from easytrain.trainer.asynchronous import AsyncRollouts, async_rollouts
 from easytrain.trainer.base import RunFailed, StepResult, Stopped, Trainer
 from easytrain.trainer.checkpoint import check_resume
 from easytrain.trainer.data import RLData
@@ -67,8 +68,13 @@ class RLTrainer(Trainer):
         self.optimizer_steps = self.total_steps * steps_per_rollout * config.worker.actor.ppo_epochs
         self.on_policy = config.worker.actor.ppo_epochs == 1 and steps_per_rollout == 1
         self.one_step_off = config.trainer.rollout_mode == "one_step_off"
+        self.behind = config.trainer.rollout_mode in ("one_step_off", "async")
+        """The step trains on tokens an older version of the weights sampled (the engine's log-probs are the
+        behaviour policy's)."""
         self.ready: Optional[Generated] = None
         """one_step_off: the batch the next step trains on, generated during the last one."""
+        self.partial: Optional[AsyncRollouts] = None
+        """async: the partial rollouts and the queue of finished groups (built with the roles)."""
         if self.data.val is None:
             logger.info("no validation data (data.val_files is unset): this run does not validate")
         self.start(resume)
@@ -81,6 +87,10 @@ class RLTrainer(Trainer):
         self.forward = Forward.of(self.config, roles.actor_model)  # how log-prob and update passes are laid out
         if self.config.model.path.startswith(RANDOM_PREFIX):  # the engine built its own random weights: the actor's
             roles.sync()
+        if self.config.trainer.rollout_mode == "async":
+            self.partial = async_rollouts(self.config, roles.rollout, self.data_costs())
+            if self.guard is not None:
+                self.guard.queue = self.partial.queue
         return roles
 
     def new_batches(self) -> Iterator[Batch]:
@@ -94,6 +104,10 @@ class RLTrainer(Trainer):
         state: dict[str, Any] = {"kl": self.kl.state_dict()}
         if self.ready is not None:  # one_step_off: the batch generated for the next step
             state["ahead"] = save_generated(self.ready, folder)
+        if self.partial is not None and (self.partial.queue.groups or self.partial.running):
+            logger.warning("trainer.rollout_mode=async: this checkpoint does not hold the %d queued and %d running "
+                           "groups (not built yet); a resume goes on from the loader's next prompts, so those "
+                           "prompts are skipped this epoch", len(self.partial.queue.groups), len(self.partial.running))
         return state
 
     def load_driver_state(self, state: dict[str, Any], folder: Path) -> None:
@@ -150,6 +164,11 @@ class RLTrainer(Trainer):
         which runs meanwhile (:data:`Scoring`). With dynamic sampling, keep groups with signal and refill (DAPO):
         that needs the scores first. One step off: the batch generated during the last step (the first step
         generates its own) and its staleness."""
+        if self.partial is not None:
+            batch, scores, metrics = self.partial.next_batch(prompts, self.step, self.step - 1,
+                                                             lambda b: self.start_scoring(b)(timer))
+            self.metrics.log_order(self.step, list(batch.meta["uids"]))
+            return batch, lambda _: scores, metrics
         if self.one_step_off:
             ready = self.ready or Generated(*self.generate_and_score(next(prompts), timer), version=self.step - 1)
             self.metrics.log_order(self.step, list(ready.batch.meta["uids"]))
@@ -230,13 +249,13 @@ class RLTrainer(Trainer):
         (the behaviour policy), with truncated importance weights against the actor's when algorithm.tis_cap > 0.
         Where the actor's were computed, how far the engine's are from them (``rollout/log_prob_diff_*``)."""
         a, cap = self.config.worker.actor, self.config.algorithm.tis_cap
-        if self.one_step_off and cap == 0:
+        if self.behind and cap == 0:
             return batch.union(Batch({"old_log_probs": batch["rollout_log_probs"]})), {}
-        if self.on_policy and a.reuse_log_probs_on_policy and not self.one_step_off:
+        if self.on_policy and a.reuse_log_probs_on_policy and not self.behind:
             return batch, {}
         old = self.log_probs(self.roles.actor, "compute_log_probs", batch)
         batch = batch.union(Batch({"old_log_probs": old}))
-        if self.one_step_off:
+        if self.behind:
             weights = importance_weights(old, batch["rollout_log_probs"], batch["response_mask"].float(), cap)
             batch = batch.union(Batch({"is_weights": weights}))
         return batch, log_prob_agreement(batch)

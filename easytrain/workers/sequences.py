@@ -2,13 +2,14 @@
 
 from __future__ import annotations
 
-from typing import Optional
+from typing import Optional, Sequence
 
 import torch
+import torch.nn.functional as F
 
 from easytrain.data.collate import text_positions
 from easytrain.data.vision import VISUAL_KEYS
-from easytrain.distributed.batch import Batch
+from easytrain.distributed.batch import PACKED_IMAGE_KEYS, Batch
 from easytrain.models.families import Family
 
 
@@ -66,3 +67,37 @@ def assemble(prompts: Batch, generated: Batch, n: int, family: Optional[Family] 
         if key in images.tensors:  # the per-visual rows; the patch rows stay stored once per prompt (pixels)
             tensors[key] = images.tensors[key]
     return Batch(tensors, rows.meta, images.image_counts, images.pixels)
+
+
+SPANNING = ("input_ids", "attention_mask", "mm_token_type_ids", "position_ids")
+"""The tensors of an assembled batch that span prompt and response; the other per-token ones span the response."""
+FILL = {"token_versions": -1}
+"""What padding holds per tensor (0 for the rest): a token version of -1 marks no token."""
+
+
+def join_assembled(batches: Sequence[Batch]) -> Batch:
+    """Assembled batches (:func:`assemble`: prompts left-padded, responses right-padded) of different widths as
+    one batch laid out the same way: each one's prompts padded on the left and responses on the right to the
+    widest. (:meth:`Batch.concat` pads on the right only, which would leave a narrower prompt's responses
+    starting in the wrong column.)"""
+    batches = [b for b in batches if len(b)]
+    if not batches:
+        return Batch()
+    widths = [(b["input_ids"].shape[1] - b["responses"].shape[1], b["responses"].shape[1]) for b in batches]
+    prompt, response = max(w[0] for w in widths), max(w[1] for w in widths)
+    return Batch.concat([_widened(b, prompt - p, response - r) for b, (p, r) in zip(batches, widths)])
+
+
+def _widened(batch: Batch, left: int, right: int) -> Batch:
+    """``batch`` with ``left`` more prompt columns and ``right`` more response columns of padding."""
+    if not left and not right:
+        return batch
+    tensors = dict(batch.tensors)
+    for key, value in batch.tensors.items():
+        if key in PACKED_IMAGE_KEYS or value.dim() < 2:
+            continue
+        pad = (left, right) if key in SPANNING else (0, right)
+        tensors[key] = F.pad(value, pad, value=FILL.get(key, 0))
+    if "prompt_length" in tensors:
+        tensors["prompt_length"] = tensors["prompt_length"] + left
+    return Batch(tensors, batch.meta, batch.image_counts, batch.pixels)

@@ -20,13 +20,15 @@ draw the same tokens.
 
 from __future__ import annotations
 
-from typing import Sequence
+from typing import Optional, Sequence
 
 import torch
 
 from easytrain.distributed.batch import Batch
+from easytrain.models.families import Family
 from easytrain.workers.rollout.engine import RolloutEngine, SamplingParams
 from easytrain.workers.rollout.multi_turn import Episode, continuation
+from easytrain.workers.sequences import assemble
 
 CALL_SEED_STRIDE = 7_919
 """A prime the seed moves by from one call to the next."""
@@ -41,11 +43,16 @@ class PartialRollouts:
     """The ``params.n`` samples of each prompt of a batch, generated over as many engine calls as they take."""
 
     def __init__(self, prompts: Batch, params: SamplingParams, pad_id: int, stop_ids: Sequence[int]) -> None:
+        self.prompts = prompts
         self.rows = prompts.repeat_interleave(params.n)
         self.params, self.pad_id, self.stop_ids = params, pad_id, set(stop_ids)
         self.samples = [Episode() for _ in range(len(self.rows))]
         self.done = [False] * len(self.rows)
         self.calls = 0
+        self.first_version: Optional[int] = None
+        """The weight version of the first call (the oldest tokens' version)."""
+        self.taken: set[int] = set()
+        """The prompts whose finished groups :meth:`finished_groups` returned."""
 
     @property
     def running(self) -> list[int]:
@@ -58,6 +65,8 @@ class PartialRollouts:
         active = self.running
         if not active or tokens < 1:
             return []
+        if self.first_version is None:
+            self.first_version = version
         p = self.params
         room = [p.max_new_tokens - len(self.samples[i].ids) for i in active]
         seed = (p.seed + self.calls * CALL_SEED_STRIDE) % 2**31
@@ -73,6 +82,18 @@ class PartialRollouts:
                 self.done[i] = True
                 finished.append(i)
         return finished
+
+    def finished_groups(self, family: Optional[Family]) -> list[Batch]:
+        """Each prompt whose ``n`` samples have all finished since the last call, assembled with its prompt
+        (:func:`~easytrain.workers.sequences.assemble`) at its own widths: a group trains whole (its advantages
+        are relative to each other)."""
+        n, groups = self.params.n, []
+        for prompt in range(len(self.prompts)):
+            if prompt not in self.taken and all(self.done[prompt * n:(prompt + 1) * n]):
+                self.taken.add(prompt)
+                out = self.output(range(prompt * n, (prompt + 1) * n))
+                groups.append(assemble(self.prompts.select([prompt]), out, n, family))
+        return groups
 
     def output(self, indices: Sequence[int]) -> Batch:
         """Samples ``indices`` as an engine returns responses: ``responses`` (pad after each), ``response_mask``,

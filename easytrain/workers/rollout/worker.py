@@ -7,6 +7,7 @@ Weights arrive in buckets, each in parts pushed by the actor ranks (see
 
 from __future__ import annotations
 
+import time
 from typing import Any, Optional, Sequence
 
 import torch
@@ -20,6 +21,7 @@ from easytrain.models.families import family_of
 from easytrain.models.hf import load_tokenizer
 from easytrain.workers.base import DTYPES, WorkerBase
 from easytrain.workers.rollout.engine import EngineSpec, RolloutEngine, SamplingParams, engine_class
+from easytrain.workers.rollout.partial import PartialRollouts
 from easytrain.workers.sequences import assemble
 from easytrain.workers.debug import RolloutDebug, debug_bases
 from easytrain.workers.weight_sync import AliveBytes, Wire, from_wire, join_parts, to_hf_names
@@ -60,6 +62,8 @@ class RolloutWorker(*debug_bases(RolloutDebug), WorkerBase):  # type: ignore[mis
         """Hosted by a fused worker (set by it): the engine shares the process and its torch world."""
         self.multi_turn: Optional[Any] = None
         """worker.rollout.multi_turn: the loop of model and tool turns (:mod:`.multi_turn`)."""
+        self.partial: list[PartialRollouts] = []
+        """trainer.rollout_mode=async: the prompt batches this engine has started and not finished."""
 
     @property
     def member(self) -> int:
@@ -88,6 +92,7 @@ class RolloutWorker(*debug_bases(RolloutDebug), WorkerBase):  # type: ignore[mis
         spec = EngineSpec(self.folder, stop_token_ids(tokenizer, r.stop_tokens), tokenizer.pad_token_id,
                           self.device, self.member, self.fused)
         self.engine = engine_class(r.engine).build(self.config, spec)
+        self.spec = spec
         if self.config.watchdog.enabled:
             self.engine.pressure = PressureFlag.of_this_job()
         self.family = family_of(AutoConfig.from_pretrained(self.folder))
@@ -134,6 +139,28 @@ class RolloutWorker(*debug_bases(RolloutDebug), WorkerBase):  # type: ignore[mis
         if self.multi_turn is not None:  # tool turns may have added images: every row's visuals go back
             return batch
         return batch.without_visuals()  # the driver holds the prompts' visuals and puts them back (with_visuals_of)
+
+    @dispatch(Dispatch.EACH)
+    def advance(self, prompts: Batch, step: int, call: int, tokens: int, version: int,
+                finish_before: int) -> dict[str, Any]:
+        """trainer.rollout_mode=async: start ``prompts`` (this engine's share, maybe none) and add up to ``tokens``
+        to every unfinished response with the weights of ``version``; a batch whose first tokens are of a version
+        before ``finish_before`` is generated to its end now (algorithm.max_staleness). Returns the groups (a
+        prompt's n responses) finished, each assembled at its own widths, without the prompts' visuals (the
+        driver holds them), as ``groups``, and when the call ended (``finished_at``, time.time()). ``call`` numbers
+        the calls of the run (the seeds' part, as :meth:`generate`'s)."""
+        assert self.engine is not None, "setup() first"
+        if len(prompts):
+            params = self.sampling(False, step, call)
+            self.partial.append(PartialRollouts(prompts, params, self.spec.pad_id, self.spec.stop_ids))
+        groups: list[Batch] = []
+        for rollouts in self.partial:
+            first = version if rollouts.first_version is None else rollouts.first_version
+            budget = self.config.data.max_response_length if first < finish_before else tokens
+            rollouts.advance(self.engine, budget, version)
+            groups += [g.without_visuals() for g in rollouts.finished_groups(self.family)]
+        self.partial = [r for r in self.partial if r.running]
+        return {"groups": groups, "finished_at": time.time()}
 
     @dispatch(Dispatch.BROADCAST)
     def sleep(self) -> int:

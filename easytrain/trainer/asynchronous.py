@@ -1,0 +1,304 @@
+"""``trainer.rollout_mode=async``: partial rollouts and a queue of finished samples bounded by host memory.
+
+The rollout pool generates in calls of ``trainer.async_call_tokens`` tokens per response
+(:meth:`RolloutWorker.advance <easytrain.workers.rollout.worker.RolloutWorker.advance>`); a call runs while
+the actor trains, and the weight sync that ends the step waits for it (a Ray actor runs one call at a time),
+so responses unfinished then go on under the new weights in the next call, each token keeping the version
+and the log-prob of the weights that sampled it (:mod:`easytrain.workers.rollout.partial`). A call returns
+the groups (a prompt's ``n`` responses) it finished; they are scored and wait in a :class:`SampleQueue`
+until a step takes ``data.rollout_batch_size`` of them, oldest first.
+
+The queue is bounded by host bytes (``trainer.async_queue_gb``): its groups' tensors and each prompt's
+pixels once, as they are stored. A call starts new prompts only when the queue, the groups still running
+(each counted at its largest possible size, :func:`group_bound`) and the new ones fit under the bound; when
+they do not and nothing is running, the engine has no call: generation pauses (``rollout/queue_full_s``)
+instead of the queue growing. The watchdog's soft level halves the bound (:meth:`SampleQueue.shrink`).
+
+Staleness: a step that trains with the actor at version ``v`` (the updates applied) trains tokens sampled at
+versions ``v - 1`` and older (the last step's call ran under the weights of the sync before it).
+``rollout/staleness`` is ``v`` minus a token's version, mean and max over the step's tokens. A batch whose
+first tokens would be more than ``algorithm.max_staleness`` versions old when trained is generated to its end
+in one call instead of in parts; a group that waited in the queue past it is dropped
+(``rollout/stale_dropped``).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Any, Callable, Iterator, Optional
+
+import torch
+
+from easytrain.config.schema import Config
+from easytrain.distributed.batch import Batch, Pixels
+from easytrain.distributed.group import Pending, WorkerGroup
+from easytrain.workers.sequences import join_assembled
+
+logger = logging.getLogger(__name__)
+
+GB = 1e9
+RESPONSE_BYTES_PER_TOKEN = 8 + 4 + 4 + 8
+"""A response column of an assembled sample: its token id (int64), mask and sampling log-prob (float32) and
+weight version (int64)."""
+SPANNING_BYTES_PER_TOKEN = 8 + 8 + 8 + 3 * 8
+"""A column that spans prompt and response: token id, attention mask, token type (int64 each) and up to three
+rows of position ids (multimodal rotary; int64)."""
+ID = "async_ids"
+"""The meta list numbering the prompts in the order they started."""
+CALLS_AHEAD = 2
+"""Calls a step starts to run while it trains: the second goes on generating (and starts the next prompts) if the
+first ends before the update; the weight sync waits for both."""
+SCORE_BYTES = 64
+"""The reward table of a sample (a few float32 columns) and its scalars, at most."""
+
+
+def host_bytes(*batches: Batch) -> int:
+    """Host bytes ``batches`` hold, counted by storage: a storage two tensors share (a prompt's pixels shown by
+    its n samples, a view into a larger batch) counts once and whole."""
+    seen: dict[int, int] = {}
+    for batch in batches:
+        tensors = list(batch.tensors.values())
+        if batch.image_counts is not None:
+            tensors.append(batch.image_counts)
+        if batch.pixels is not None:
+            tensors += list(vars(batch.pixels).values())
+        for t in tensors:
+            storage = t.untyped_storage()
+            seen[storage.data_ptr()] = storage.nbytes()
+    return sum(seen.values())
+
+
+def group_bound(prompt: Batch, n: int, max_response: int) -> int:
+    """The most host bytes the assembled group of one prompt row can hold: ``n`` samples of its prompt width
+    plus ``max_response`` tokens, its scores, and its visuals once."""
+    width = prompt["input_ids"].shape[1]
+    per_sample = (width + max_response) * SPANNING_BYTES_PER_TOKEN + max_response * RESPONSE_BYTES_PER_TOKEN
+    visuals = Batch({k: v for k, v in prompt.tensors.items() if k == "image_grid_thw"}, {}, prompt.image_counts,
+                    prompt.pixels)
+    return n * (per_sample + SCORE_BYTES) + 8 + host_bytes(visuals)
+
+
+def owned(group: Batch) -> Batch:
+    """``group`` with its own copy of the pixel blocks it shows (not a view into its loader batch's), so the
+    queue holds exactly what it counts and the loader batch can go."""
+    if group.pixels is None:
+        return group
+    p = group.pixels
+    return Batch(group.tensors, group.meta, group.image_counts, Pixels(p.blocks.clone(), p.sizes, p.index))
+
+
+@dataclass
+class Queued:
+    group: Batch
+    scores: dict[str, torch.Tensor]
+    bytes: int
+
+
+@dataclass
+class SampleQueue:
+    """Finished, scored groups waiting to train, oldest first, their host bytes counted against a bound."""
+
+    bound: int
+    groups: deque[Queued] = field(default_factory=deque)
+    bytes: int = 0
+    peak: int = 0
+
+    def put(self, group: Batch, scores: dict[str, torch.Tensor]) -> None:
+        group = owned(group)
+        size = host_bytes(group) + sum(v.nbytes for v in scores.values())
+        self.groups.append(Queued(group, scores, size))
+        self.bytes += size
+        self.peak = max(self.peak, self.bytes)
+
+    def take(self, count: int) -> list[Queued]:
+        out = [self.groups.popleft() for _ in range(min(count, len(self.groups)))]
+        self.bytes -= sum(q.bytes for q in out)
+        return out
+
+    def shrink(self, factor: float = 0.5) -> None:
+        """Lower the bound (the watchdog's soft level): new prompts wait until the queue drains below it."""
+        self.bound = int(self.bound * factor)
+        logger.warning("memory pressure: the async queue's bound is now %.3f GB", self.bound / GB)
+
+
+def oldest(group: Batch) -> int:
+    """The weight version of a group's oldest token."""
+    versions = group["token_versions"]
+    return int(versions[versions >= 0].min())
+
+
+def default_bound(plan: Any) -> int:
+    """``trainer.async_queue_gb=-1``: what the node holds under Ray's threshold beside the step's planned host
+    peak with the planner's margin (:class:`easytrain.memory.capacity.Plan`, the plan's ``async queue`` line);
+    0 when nothing is left."""
+    c = plan.capacity
+    return max(0, int(c.host_limit - plan.host_peak * (1 + c.host_margin)))
+
+
+class AsyncRollouts:
+    """The driver's side of partial rollouts: which prompts are running, the calls in flight, the queue."""
+
+    def __init__(self, rollout: WorkerGroup, n: int, target: int, max_response: int, call_tokens: int,
+                 max_staleness: int, bound_bytes: int) -> None:
+        self.rollout, self.n, self.target = rollout, n, target
+        self.max_response, self.call_tokens, self.max_staleness = max_response, call_tokens, max_staleness
+        self.queue = SampleQueue(bound_bytes)
+        self.running: dict[Any, tuple[Batch, int]] = {}
+        """Prompts started and not finished, by :data:`ID`: the prompt row and its group's bound in bytes."""
+        self.unread: Optional[Batch] = None
+        """A loader batch read but not started (it did not fit): the next call that has room starts it."""
+        self.pending: list[Pending] = []
+        self.paused = False
+        """The last call started no new prompts for want of room: the engine idles from its end to the next."""
+        self.idle_from = 0.0
+        """When the engine's last collected call ended (time.time(), the workers' clock)."""
+        self.paused_s = 0.0
+        self.pauses = 0
+        """Calls that started no new prompts for want of room."""
+        self.calls = 0
+        self.started = 0
+        """Prompts started so far: each gets the next number (:data:`ID`; a uid repeats from epoch to epoch)."""
+
+    def reserved(self) -> int:
+        """The queue's bytes and the running groups' bounds."""
+        return self.queue.bytes + sum(b for _, b in self.running.values())
+
+    def start(self, prompts: Iterator[Batch]) -> Batch:
+        """The prompts the next call starts: the next loader batch when its groups fit under the bound beside the
+        queue and the running ones, and the queue with them holds less than two step batches (one a step takes,
+        one being made). A step cannot train on less than a batch: while fewer groups are queued and running,
+        the next batch starts whatever its size (a warning says so)."""
+        if len(self.queue.groups) + len(self.running) >= 2 * self.target:
+            self.held_back()
+            return Batch()
+        candidate = self.unread if self.unread is not None else next(prompts)
+        bounds = [group_bound(candidate.select([i]), self.n, self.max_response) for i in range(len(candidate))]
+        short = len(self.queue.groups) + len(self.running) < self.target
+        if self.reserved() + sum(bounds) > self.queue.bound and not short:
+            self.unread = candidate
+            self.held_back()
+            return Batch()
+        if self.reserved() + sum(bounds) > self.queue.bound:
+            logger.warning("the async queue's bound (%.3f GB) holds less than a step's batch: starting one anyway "
+                           "(raise trainer.async_queue_gb)", self.queue.bound / GB)
+        self.unread = None
+        candidate.meta[ID] = [self.started + i for i in range(len(candidate))]
+        self.started += len(candidate)
+        for i, key in enumerate(candidate.meta[ID]):
+            self.running[key] = (candidate.select([i]), bounds[i])
+        return candidate
+
+    def held_back(self) -> None:
+        """No new prompts start: the queue is full (its bound, or two step batches queued and running). The engine
+        runs the responses it has, then idles until a call starts: ``rollout/queue_full_s``."""
+        self.paused = True
+        self.pauses += 1
+
+    def submit(self, prompts: Iterator[Batch], step: int, version: int) -> bool:
+        """Start a call with the engine's weights at ``version``; False when there is nothing to run (no room for
+        new prompts and none running): generation pauses, timed in ``rollout/queue_full_s``."""
+        if self.paused and not self.pending:  # the engine idled from its last call's end: the queue was full
+            self.paused_s += max(0.0, time.time() - self.idle_from)
+        self.paused = False
+        new = self.start(prompts)
+        if not len(new) and not self.running:
+            return False
+        members = self.rollout.members
+        shares = new.split(members) if len(new) else [new] * members
+        finish_before = version - self.max_staleness + 2  # unfinished now, they would train past max_staleness
+        self.pending.append(self.rollout.submit("advance", shares, step, self.calls, self.call_tokens, version,
+                                                finish_before))
+        self.calls += 1
+        return True
+
+    def collect(self, score: Callable[[Batch], dict[str, torch.Tensor]]) -> int:
+        """Wait for the calls in flight; its finished groups, their prompts' visuals put back, are scored
+        together (``score`` takes the joined batch) and join the queue. How many groups finished."""
+        groups = []
+        for pending in self.pending:
+            shares = self.rollout.collect(pending)
+            groups += [g for share in shares for g in share["groups"]]
+            self.idle_from = max(share["finished_at"] for share in shares)
+        self.pending = []
+        if not groups:
+            return 0
+        joined = join_assembled(groups)
+        scores = score(joined)  # and the texts it scored, in joined's meta
+        for k, group in enumerate(groups):
+            prompt, _ = self.running.pop(group.meta[ID][0])
+            if prompt.image_counts is not None:
+                group = group.with_visuals_of(prompt.repeat_interleave(self.n))
+            rows = slice(k * self.n, (k + 1) * self.n)
+            if "texts" in joined.meta:
+                group.meta["texts"] = joined.meta["texts"][rows]
+            self.queue.put(group, {key: v[rows].clone() for key, v in scores.items()})
+        return len(groups)
+
+    def next_batch(self, prompts: Iterator[Batch], step: int, version: int,
+                   score: Callable[[Batch], dict[str, torch.Tensor]]) -> tuple[Batch, dict[str, torch.Tensor],
+                                                                                dict[str, float]]:
+        """The batch step ``step`` trains with the actor at ``version`` (updates applied): the oldest queued groups
+        after the call in flight and as many more calls as the queue needs; then the next call starts, to run
+        while the step trains. Its metrics: staleness, drops, the queue's bytes and pauses."""
+        self.collect(score)
+        dropped = 0
+        while True:
+            dropped += self.drop_stale(version)
+            if len(self.queue.groups) >= self.target:
+                break
+            self.submit(prompts, step, version)  # the queue is short: a batch always starts
+            self.collect(score)
+        queued = self.queue.bytes
+        taken = self.queue.take(self.target)
+        batch = join_assembled([q.group for q in taken])
+        scores = {k: torch.cat([q.scores[k] for q in taken]) for k in taken[0].scores}
+        for _ in range(CALLS_AHEAD):  # while this step trains
+            if not self.submit(prompts, step, version):
+                break
+        mask = batch["response_mask"].bool()
+        staleness = (version - batch["token_versions"])[mask].float()
+        metrics = {"rollout/staleness": float(staleness.mean()) if len(staleness) else 0.0,
+                   "rollout/staleness_max": float(staleness.max()) if len(staleness) else 0.0,
+                   "rollout/stale_dropped": float(dropped), "rollout/queue_full_s": self.paused_seconds(),
+                   "rollout/queue_gb": queued / GB, "rollout/queue_peak_gb": self.queue.peak / GB,
+                   "rollout/queue_bound_gb": self.queue.bound / GB}
+        return batch, scores, metrics
+
+    def drop_stale(self, version: int) -> int:
+        """Drop the queued groups whose oldest token is more than max_staleness versions before ``version``."""
+        kept = [q for q in self.queue.groups if version - oldest(q.group) <= self.max_staleness]
+        dropped = len(self.queue.groups) - len(kept)
+        if dropped:
+            self.queue.groups = deque(kept)
+            self.queue.bytes = sum(q.bytes for q in kept)
+        return dropped
+
+    def paused_seconds(self) -> float:
+        """Seconds the engine idled for want of room since the last call of this (a pause still on counts up to
+        now, and on from now at the next call)."""
+        if self.paused and not self.pending:
+            now = time.time()
+            self.paused_s += max(0.0, now - self.idle_from)
+            self.idle_from = now
+        total, self.paused_s = self.paused_s, 0.0
+        return total
+
+def async_rollouts(config: Config, rollout: WorkerGroup, data: Any = None) -> AsyncRollouts:
+    """The async pipeline of ``config``: its call size, staleness and queue bound (``trainer.async_queue_gb``;
+    -1: :func:`default_bound` of the run's plan, priced on ``data`` when given)."""
+    t, d = config.trainer, config.data
+    tokens = t.async_call_tokens or max(1, d.max_response_length // 2)
+    if t.async_queue_gb == -1:
+        from easytrain.memory.planner import plan
+
+        bound = default_bound(plan(config, data=data))
+        source = "the plan's room beside the step's peak"
+    else:
+        bound, source = int(t.async_queue_gb * GB), "trainer.async_queue_gb"
+    logger.info("async rollouts: calls of %d tokens, max_staleness %d, the queue bounded at %.3f GB (%s)",
+                tokens, config.algorithm.max_staleness, bound / GB, source)
+    return AsyncRollouts(rollout, config.worker.rollout.n, d.rollout_batch_size, d.max_response_length, tokens,
+                         config.algorithm.max_staleness, bound)
