@@ -54,3 +54,20 @@ def test_each_token_is_trained_against_the_weights_that_sampled_it(ray_local: No
         assert metrics[step - 1]["rollout/staleness_max"] == float(staleness.max()) <= 3
     assert spanning > 0  # responses went on across weight syncs
     assert max(m["rollout/staleness_max"] for m in metrics[1:]) >= 1
+
+
+def test_a_resumed_run_lands_on_the_uninterrupted_runs_weights(ray_local: None, tmp_path: Path) -> None:
+    """4 steps straight, against 2 steps, a stop, and a resume for the last 2: the checkpoint holds the queue, the
+    engines' unfinished responses and the batch read but not started, so the resumed run trains on what the
+    uninterrupted one did and the weights end equal (CPU, fp32)."""
+    from grpo_helpers import trained_weights
+
+    common = [*ASYNC[:-1], "trainer.save_freq=1", "data.synthetic_size=16", "trainer.total_epochs=1"]
+    straight = trained_weights(make_config(str(tmp_path / "straight"), *common, "trainer.max_steps=4"))
+    trained_weights(make_config(str(tmp_path / "resumed"), *common, "trainer.max_steps=2"))
+    assert (tmp_path / "resumed" / "checkpoints" / "global_step_2" / "rollout_async.safetensors").is_file()
+    resumed = trained_weights(make_config(str(tmp_path / "resumed"), *common, "trainer.max_steps=4",
+                                          "trainer.resume=auto"))
+    assert straight.keys() == resumed.keys()
+    for name, tensor in straight.items():
+        torch.testing.assert_close(resumed[name], tensor, rtol=0, atol=0, msg=name)

@@ -30,7 +30,7 @@ from easytrain.distributed.batch import Batch, Pixels
 
 FILE = "rollout_ahead.safetensors"
 """The generated next batch in a checkpoint folder (tensors only; its lists are in the trainer state)."""
-META_KEYS = ("uids", "answers", "texts")
+META_KEYS = ("uids", "answers", "texts", "async_ids")
 """The per-sample lists a generated batch keeps across a checkpoint (what scoring and logging read)."""
 
 
@@ -50,26 +50,39 @@ def importance_weights(actor: torch.Tensor, engine: torch.Tensor, mask: torch.Te
     return (actor - engine).exp().clamp(max=cap) * mask
 
 
+def pack(batch: Batch, prefix: str = "") -> tuple[dict[str, torch.Tensor], dict[str, list[Any]]]:
+    """``batch`` as safetensors' tensors (named under ``prefix``) and its :data:`META_KEYS` lists (JSON-able:
+    checked here, before a checkpoint is published)."""
+    tensors = {f"{prefix}batch/{k}": v.contiguous() for k, v in batch.tensors.items()}
+    if batch.image_counts is not None:
+        tensors[f"{prefix}image_counts"] = batch.image_counts.contiguous()
+    if batch.pixels is not None:  # each prompt's patch rows once, as the batch holds them
+        tensors.update({f"{prefix}pixels/{k}": v.contiguous() for k, v in vars(batch.pixels).items()})
+    meta = {k: list(batch.meta[k]) for k in META_KEYS if k in batch.meta}
+    json.dumps(meta)  # fails here if a list holds something JSON cannot
+    return tensors, meta
+
+
+def unpack(tensors: dict[str, torch.Tensor], meta: dict[str, list[Any]], prefix: str = "") -> Batch:
+    """The batch :func:`pack` wrote under ``prefix``."""
+    def under(part: str) -> dict[str, torch.Tensor]:
+        return {k[len(prefix + part):]: v for k, v in tensors.items() if k.startswith(prefix + part)}
+
+    pixels = under("pixels/")
+    return Batch(under("batch/"), {k: list(v) for k, v in meta.items()}, tensors.get(f"{prefix}image_counts"),
+                 Pixels(**pixels) if pixels else None)
+
+
 def save_generated(generated: Generated, folder: Path) -> dict[str, Any]:
     """Write the batch's tensors to ``folder``/:data:`FILE`; the JSON-able rest for the trainer state."""
-    tensors = {f"batch/{k}": v.contiguous() for k, v in generated.batch.tensors.items()}
+    tensors, meta = pack(generated.batch)
     tensors.update({f"scores/{k}": v.contiguous() for k, v in generated.scores.items()})
-    if generated.batch.image_counts is not None:
-        tensors["image_counts"] = generated.batch.image_counts.contiguous()
-    if generated.batch.pixels is not None:  # each prompt's patch rows once, as the batch holds them
-        tensors.update({f"pixels/{k}": v.contiguous() for k, v in vars(generated.batch.pixels).items()})
     save_file(tensors, str(folder / FILE))
-    meta = {k: list(generated.batch.meta[k]) for k in META_KEYS if k in generated.batch.meta}
-    json.dumps(meta)  # fails here, before the checkpoint is published, if a list holds something JSON cannot
     return {"version": generated.version, "meta": meta}
 
 
 def load_generated(state: dict[str, Any], folder: Path) -> Generated:
     """The batch :func:`save_generated` wrote into ``folder``."""
     tensors = load_file(str(folder / FILE))
-    pixels = {k[len("pixels/"):]: v for k, v in tensors.items() if k.startswith("pixels/")}
-    batch = Batch({k[len("batch/"):]: v for k, v in tensors.items() if k.startswith("batch/")},
-                  {k: list(v) for k, v in state["meta"].items()}, tensors.get("image_counts"),
-                  Pixels(**pixels) if pixels else None)
     scores = {k[len("scores/"):]: v for k, v in tensors.items() if k.startswith("scores/")}
-    return Generated(batch, scores, int(state["version"]))
+    return Generated(unpack(tensors, state["meta"]), scores, int(state["version"]))

@@ -28,13 +28,17 @@ import logging
 import time
 from collections import deque
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any, Callable, Iterator, Optional
 
 import torch
 
 from easytrain.config.schema import Config
+from safetensors.torch import load_file, save_file
+
 from easytrain.distributed.batch import Batch, Pixels
 from easytrain.distributed.group import Pending, WorkerGroup
+from easytrain.trainer.ahead import pack, unpack
 from easytrain.workers.sequences import join_assembled
 
 logger = logging.getLogger(__name__)
@@ -46,6 +50,9 @@ weight version (int64)."""
 SPANNING_BYTES_PER_TOKEN = 8 + 8 + 8 + 3 * 8
 """A column that spans prompt and response: token id, attention mask, token type (int64 each) and up to three
 rows of position ids (multimodal rotary; int64)."""
+FILE = "rollout_async.safetensors"
+"""The queue, the started batches and the unread one in a checkpoint folder (their lists are in the trainer
+state)."""
 ID = "async_ids"
 """The meta list numbering the prompts in the order they started."""
 CALLS_AHEAD = 2
@@ -73,12 +80,18 @@ def host_bytes(*batches: Batch) -> int:
 
 def group_bound(prompt: Batch, n: int, max_response: int) -> int:
     """The most host bytes the assembled group of one prompt row can hold: ``n`` samples of its prompt width
-    plus ``max_response`` tokens, its scores, and its visuals once."""
+    plus ``max_response`` tokens, its scores, and its images' patch rows once (counted from their sizes, so the
+    figure does not depend on which batch's storage the row still shares)."""
     width = prompt["input_ids"].shape[1]
     per_sample = (width + max_response) * SPANNING_BYTES_PER_TOKEN + max_response * RESPONSE_BYTES_PER_TOKEN
-    visuals = Batch({k: v for k, v in prompt.tensors.items() if k == "image_grid_thw"}, {}, prompt.image_counts,
-                    prompt.pixels)
-    return n * (per_sample + SCORE_BYTES) + 8 + host_bytes(visuals)
+    visuals = 0
+    if prompt.pixels is not None:
+        p = prompt.pixels
+        shown = torch.unique(p.index)
+        row_bytes = p.blocks[:1].nbytes if len(p.blocks) else 0
+        visuals = int(p.sizes[shown].sum()) * row_bytes + (len(shown) + len(p.index)) * 8 * 2
+        visuals += prompt.tensors["image_grid_thw"].nbytes + 8
+    return n * (per_sample + SCORE_BYTES) + 8 + visuals
 
 
 def owned(group: Batch) -> Batch:
@@ -159,6 +172,8 @@ class AsyncRollouts:
         self.pauses = 0
         """Calls that started no new prompts for want of room."""
         self.calls = 0
+        self.in_step: list[Queued] = []
+        """The groups the running step took: back to the queue's front if the step is abandoned (:meth:`save`)."""
         self.started = 0
         """Prompts started so far: each gets the next number (:data:`ID`; a uid repeats from epoch to epoch)."""
 
@@ -252,7 +267,7 @@ class AsyncRollouts:
             self.submit(prompts, step, version)  # the queue is short: a batch always starts
             self.collect(score)
         queued = self.queue.bytes
-        taken = self.queue.take(self.target)
+        taken = self.in_step = self.queue.take(self.target)
         batch = join_assembled([q.group for q in taken])
         scores = {k: torch.cat([q.scores[k] for q in taken]) for k in taken[0].scores}
         for _ in range(CALLS_AHEAD):  # while this step trains
@@ -266,6 +281,10 @@ class AsyncRollouts:
                    "rollout/queue_gb": queued / GB, "rollout/queue_peak_gb": self.queue.peak / GB,
                    "rollout/queue_bound_gb": self.queue.bound / GB}
         return batch, scores, metrics
+
+    def commit(self) -> None:
+        """The step's update ran: its batch is trained."""
+        self.in_step = []
 
     def drop_stale(self, version: int) -> int:
         """Drop the queued groups whose oldest token is more than max_staleness versions before ``version``."""
@@ -285,6 +304,60 @@ class AsyncRollouts:
             self.idle_from = now
         total, self.paused_s = self.paused_s, 0.0
         return total
+
+    # ------------------------------------------------------------------ checkpoint
+
+    def save(self, folder: Path, score: Callable[[Batch], dict[str, torch.Tensor]]) -> dict[str, Any]:
+        """Write the queue, the batches the engines have started and the loader batch read but not started to
+        ``folder``/:data:`FILE` (the calls in flight first join the queue: the step's sync waited for them); the
+        JSON-able rest for the trainer state. A resume continues exactly where this run stood."""
+        self.collect(score)
+        for q in reversed(self.in_step):  # a step abandoned before its update: its batch trains again
+            self.queue.groups.appendleft(q)
+            self.queue.bytes += q.bytes
+        self.in_step = []
+        tensors: dict[str, torch.Tensor] = {}
+        queue = []
+        for i, q in enumerate(self.queue.groups):
+            packed, meta = pack(q.group, f"queue/{i}/")
+            tensors.update(packed)
+            tensors.update({f"queue/{i}/scores/{k}": v.contiguous() for k, v in q.scores.items()})
+            queue.append({"meta": meta, "bytes": q.bytes})
+        engines = self.rollout.call("partial_state")[::self.rollout.block_size]
+        for m, pools in enumerate(engines):
+            for j, pool in enumerate(pools):
+                packed, pool["meta"] = pack(pool.pop("prompts"), f"running/{m}/{j}/")
+                tensors.update(packed)
+        unread = None
+        if self.unread is not None:
+            packed, unread = pack(self.unread, "unread/")
+            tensors.update(packed)
+        save_file(tensors, str(folder / FILE))
+        return {"queue": queue, "engines": engines, "unread": unread, "calls": self.calls, "started": self.started,
+                "bound": self.queue.bound, "peak": self.queue.peak}
+
+    def load(self, state: dict[str, Any], folder: Path) -> None:
+        """Bring back what :meth:`save` wrote: the queue, each engine's started batches, the unread batch."""
+        tensors = load_file(str(folder / FILE))
+        self.queue = SampleQueue(int(state["bound"]), peak=int(state["peak"]))
+        for i, q in enumerate(state["queue"]):
+            prefix = f"queue/{i}/scores/"
+            scores = {k[len(prefix):]: v for k, v in tensors.items() if k.startswith(prefix)}
+            self.queue.groups.append(Queued(unpack(tensors, q["meta"], f"queue/{i}/"), scores, int(q["bytes"])))
+            self.queue.bytes += int(q["bytes"])
+        self.running = {}
+        engines = state["engines"]
+        for m, pools in enumerate(engines):
+            for j, pool in enumerate(pools):
+                pool["prompts"] = prompts = unpack(tensors, pool.pop("meta"), f"running/{m}/{j}/")
+                for p, key in enumerate(prompts.meta[ID]):
+                    if p not in pool["taken"]:
+                        row = prompts.select([p])
+                        self.running[key] = (row, group_bound(row, self.n, self.max_response))
+        self.rollout.call("load_partial_state", engines)
+        self.unread = unpack(tensors, state["unread"], "unread/") if state["unread"] is not None else None
+        self.calls, self.started = int(state["calls"]), int(state["started"])
+        self.pending, self.paused = [], False
 
 def async_rollouts(config: Config, rollout: WorkerGroup, data: Any = None) -> AsyncRollouts:
     """The async pipeline of ``config``: its call size, staleness and queue bound (``trainer.async_queue_gb``;

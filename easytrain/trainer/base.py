@@ -139,6 +139,11 @@ class Trainer:
     def validate(self) -> dict[str, float]:
         raise NotImplementedError
 
+    def abandoned_at(self, boundary: dict[str, Any]) -> dict[str, Any]:
+        """The data position and RNG a checkpoint of an abandoned step takes: by default where the last finished
+        step ended (``boundary``)."""
+        return boundary
+
     def driver_state(self, folder: Path) -> dict[str, Any]:
         """What a checkpoint keeps of the driver beyond the actor's state: JSON for the trainer state; larger
         things as files the trainer writes into ``folder`` (the checkpoint being written)."""
@@ -189,7 +194,7 @@ class Trainer:
             except MemoryStop as abort:  # nothing of this step is in the weights: the last step is the state
                 reason = self.stop_reason_of(abort, "generate")
                 self.step -= 1
-                raise Stopped(reason, self.step, self.save(boundary=boundary)) from None
+                raise Stopped(reason, self.step, self.save(boundary=self.abandoned_at(boundary))) from None
             self.record_peaks("step")
             metrics = result.metrics
             metrics["actor/update_micro"] = float(self.forward.update_micro)

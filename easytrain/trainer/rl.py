@@ -104,16 +104,23 @@ class RLTrainer(Trainer):
         state: dict[str, Any] = {"kl": self.kl.state_dict()}
         if self.ready is not None:  # one_step_off: the batch generated for the next step
             state["ahead"] = save_generated(self.ready, folder)
-        if self.partial is not None and (self.partial.queue.groups or self.partial.running):
-            logger.warning("trainer.rollout_mode=async: this checkpoint does not hold the %d queued and %d running "
-                           "groups (not built yet); a resume goes on from the loader's next prompts, so those "
-                           "prompts are skipped this epoch", len(self.partial.queue.groups), len(self.partial.running))
+        if self.partial is not None:  # async: the queue, the engines' started batches, the unread one
+            state["async"] = self.partial.save(folder, lambda b: self.start_scoring(b)(PhaseTimer()))
         return state
+
+    def abandoned_at(self, boundary: dict[str, Any]) -> dict[str, Any]:
+        """async: the prompts read during the abandoned step are in the queue, the engines or the unread batch,
+        which the checkpoint holds: the data position stays where reading stopped."""
+        if self.partial is None:
+            return boundary
+        return {**boundary, "data": self.loader.state_dict()}
 
     def load_driver_state(self, state: dict[str, Any], folder: Path) -> None:
         self.kl.load_state_dict(state["kl"])
         self.ready = load_generated(state["ahead"], folder) if "ahead" in state else None
         self.roles.sync()  # the engine serves the restored weights
+        if self.partial is not None and "async" in state:
+            self.partial.load(state["async"], folder)
 
     # ------------------------------------------------------------------ one step
 
@@ -137,6 +144,8 @@ class RLTrainer(Trainer):
         self.note(largest_micro_batches(batch, self.roles.actor.members, self.config, self.forward))
         with timer("update"):
             update = self.update(batch)
+        if self.partial is not None:
+            self.partial.commit()
         self.check_pressure("update", before_update=False)  # from here on the step finishes and saves
         next_batch = self.finish_ahead(ahead, timer) if ahead is not None else None
         with timer("sync"):  # the engine's weights wake, the actor's go in

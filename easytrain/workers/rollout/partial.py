@@ -20,7 +20,8 @@ draw the same tokens.
 
 from __future__ import annotations
 
-from typing import Optional, Sequence
+from dataclasses import asdict
+from typing import Any, Optional, Sequence
 
 import torch
 
@@ -82,6 +83,24 @@ class PartialRollouts:
                 self.done[i] = True
                 finished.append(i)
         return finished
+
+    def state(self) -> dict[str, Any]:
+        """What continues these rollouts exactly after a restart (:meth:`restored`): the prompts, each sample's
+        tokens, log-probs and versions so far, which finished, the calls made (the seeds' part)."""
+        return {"prompts": self.prompts, "params": asdict(self.params), "pad_id": self.pad_id,
+                "stop_ids": sorted(self.stop_ids), "done": list(self.done), "calls": self.calls,
+                "first_version": self.first_version, "taken": sorted(self.taken),
+                "samples": [[e.ids, e.log_probs, e.versions] for e in self.samples]}
+
+    @staticmethod
+    def restored(state: dict[str, Any]) -> "PartialRollouts":
+        out = PartialRollouts(state["prompts"], SamplingParams(**state["params"]), state["pad_id"], state["stop_ids"])
+        out.done, out.calls, out.first_version = list(state["done"]), state["calls"], state["first_version"]
+        out.taken = set(state["taken"])
+        for episode, (ids, log_probs, versions) in zip(out.samples, state["samples"]):
+            episode.ids, episode.log_probs, episode.versions = list(ids), list(log_probs), list(versions)
+            episode.trained = [True] * len(ids)
+        return out
 
     def finished_groups(self, family: Optional[Family]) -> list[Batch]:
         """Each prompt whose ``n`` samples have all finished since the last call, assembled with its prompt

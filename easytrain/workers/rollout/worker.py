@@ -163,6 +163,16 @@ class RolloutWorker(*debug_bases(RolloutDebug), WorkerBase):  # type: ignore[mis
         return {"groups": groups, "finished_at": time.time()}
 
     @dispatch(Dispatch.BROADCAST)
+    def partial_state(self) -> list[dict[str, Any]]:
+        """trainer.rollout_mode=async: the batches this engine has started and not finished, for a checkpoint."""
+        return [rollouts.state() for rollouts in self.partial]
+
+    @dispatch(Dispatch.EACH)
+    def load_partial_state(self, pools: list[dict[str, Any]]) -> None:
+        """Continue the batches :meth:`partial_state` returned (this engine's), as they were."""
+        self.partial = [PartialRollouts.restored(pool) for pool in pools]
+
+    @dispatch(Dispatch.BROADCAST)
     def sleep(self) -> int:
         """Free the engine's device memory until it is woken (colocated roles); bytes freed."""
         assert self.engine is not None, "setup() first"
