@@ -14,6 +14,7 @@ import torch
 from easytrain.config import ConfigError, load
 from easytrain.distributed.batch import Batch
 from easytrain.trainer.asynchronous import ID, AsyncRollouts, SampleQueue, group_bound, host_bytes
+from easytrain.trainer.metrics import PhaseTimer
 from easytrain.workers.sequences import assemble, join_assembled
 
 N = 2
@@ -136,7 +137,7 @@ def test_a_bound_that_binds_pauses_generation_and_the_queue_stays_under_it() -> 
     score = lambda b: {"overall": torch.ones(len(b))}  # noqa: E731
     seen = []
     for step in range(1, 6):
-        batch, scores, metrics = pipeline.next_batch(batches, step, step - 1, score)
+        batch, scores, metrics = pipeline.next_batch(batches, step, step - 1, score, PhaseTimer())
         assert len(batch) == target * N and len(scores["overall"]) == target * N
         seen += batch.meta[ID][::N]
         assert pipeline.queue.peak <= bound
@@ -190,3 +191,13 @@ def test_the_plan_counts_a_set_queue_bound_in_every_phase_and_states_the_default
     assert any(n.startswith(f"async queue: up to {default_bound(room) / 1e9:.2f} GB") for n in room.notes)
     c = room.capacity
     assert default_bound(room) == int(c.host_limit - room.host_peak * (1 + c.host_margin)) > 0
+
+
+def test_a_bound_below_a_steps_batch_is_a_config_error_naming_the_size() -> None:
+    length = 6
+    batch = group_bound(prompts([5]), N, length) * 2
+    pipeline = AsyncRollouts(FakeRollout(length), N, 2, length, call_tokens=length, max_staleness=2,  # type: ignore[arg-type]
+                             bound_bytes=batch - 1)
+    with pytest.raises(ConfigError) as err:
+        pipeline.next_batch(loader(2), 1, 0, lambda b: {"overall": torch.ones(len(b))}, PhaseTimer())
+    assert str(err.value).startswith("trainer.async_queue_gb=") and f"{2 * batch / 1e9:.4f}" in str(err.value)

@@ -71,3 +71,48 @@ def test_a_resumed_run_lands_on_the_uninterrupted_runs_weights(ray_local: None, 
     assert straight.keys() == resumed.keys()
     for name, tensor in straight.items():
         torch.testing.assert_close(resumed[name], tensor, rtol=0, atol=0, msg=name)
+
+
+def test_a_bound_that_binds_pauses_generation_and_the_node_stays_under_the_plan(tmp_path: Path) -> None:
+    """``python -m easytrain.main`` in async mode with trainer.async_queue_gb at one and a half of the default
+    task's step batches (as :func:`group_bound` counts them): the next batch cannot start while one waits, so
+    calls start no new prompts (``rollout/queue_held``), the queue never holds more than its bound, and the run's
+    processes (their RSS as the watchdog sampled it, summed at each sampling) stay under the plan's node figure,
+    which counts the queue at its bound."""
+    import collections
+    import json
+    import subprocess
+    import sys
+
+    from easytrain.config import load
+    from easytrain.memory.planner import plan
+    from easytrain.trainer.asynchronous import group_bound
+    from easytrain.trainer.data import RLData
+
+    base = ["trainer.colocate=false", "trainer.workers_per_node=1", "trainer.rollout_mode=async",
+            "trainer.max_steps=6", "trainer.val_before_train=false"]
+    config = load([f"trainer.output_dir={tmp_path / 'probe'}", "+exp=tiny", *base])  # main's default preset
+    batch = next(RLData(config).train_batches())
+    one = sum(group_bound(batch.select([i]), config.worker.rollout.n, config.data.max_response_length)
+              for i in range(len(batch)))
+    bound_gb = 1.5 * one / 1e9
+    run_dir = tmp_path / "run"
+    overrides = [*base, f"trainer.async_queue_gb={bound_gb:.9f}"]
+    proc = subprocess.run([sys.executable, "-m", "easytrain.main", *overrides, "ray.include_dashboard=false",
+                           f"hydra.run.dir={run_dir}"], cwd=Path(__file__).resolve().parents[1],
+                          capture_output=True, text=True, timeout=900)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    steps = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    steps = [r for r in steps if "rollout/queue_peak_gb" in r]
+    assert len(steps) == 6
+    assert max(r["rollout/queue_peak_gb"] for r in steps) <= bound_gb
+    assert sum(r["rollout/queue_held"] for r in steps) > 0  # generation paused rather than grow the queue
+    samples: dict[float, dict[tuple[str, int], int]] = collections.defaultdict(dict)
+    for line in (run_dir / "memory.jsonl").read_text().splitlines():
+        record = json.loads(line)
+        if record["kind"] == "process":
+            samples[record["t"] // 0.5][(record["role"], record["rank"])] = record["rss_bytes"]
+    processes = max(len(s) for s in samples.values())
+    measured = max(sum(s.values()) for s in samples.values() if len(s) == processes)
+    planned = plan(load([f"trainer.output_dir={tmp_path / 'probe'}", "+exp=tiny", *overrides])).host_peak
+    assert measured <= planned, (measured, planned)

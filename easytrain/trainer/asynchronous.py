@@ -27,12 +27,14 @@ from __future__ import annotations
 import logging
 import time
 from collections import deque
+from contextlib import nullcontext
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Iterator, Optional
+from typing import Any, Callable, ContextManager, Iterator, Optional
 
 import torch
 
+from easytrain.config.errors import ConfigError
 from easytrain.config.schema import Config
 from safetensors.torch import load_file, save_file
 
@@ -171,6 +173,7 @@ class AsyncRollouts:
         self.paused_s = 0.0
         self.pauses = 0
         """Calls that started no new prompts for want of room."""
+        self.pauses_logged = 0
         self.calls = 0
         self.in_step: list[Queued] = []
         """The groups the running step took: back to the queue's front if the step is abandoned (:meth:`save`)."""
@@ -184,8 +187,8 @@ class AsyncRollouts:
     def start(self, prompts: Iterator[Batch]) -> Batch:
         """The prompts the next call starts: the next loader batch when its groups fit under the bound beside the
         queue and the running ones, and the queue with them holds less than two step batches (one a step takes,
-        one being made). A step cannot train on less than a batch: while fewer groups are queued and running,
-        the next batch starts whatever its size (a warning says so)."""
+        one being made). A step cannot train on less than a batch: a bound that cannot hold the batch a step
+        still needs is a :class:`ConfigError` naming the size it takes."""
         if len(self.queue.groups) + len(self.running) >= 2 * self.target:
             self.held_back()
             return Batch()
@@ -196,9 +199,13 @@ class AsyncRollouts:
             self.unread = candidate
             self.held_back()
             return Batch()
-        if self.reserved() + sum(bounds) > self.queue.bound:
-            logger.warning("the async queue's bound (%.3f GB) holds less than a step's batch: starting one anyway "
-                           "(raise trainer.async_queue_gb)", self.queue.bound / GB)
+        if self.reserved() + sum(bounds) > self.queue.bound:  # a step could never fill its batch
+            raise ConfigError("trainer.async_queue_gb", round(self.queue.bound / GB, 6),
+                              f"the queue cannot hold a step's batch beside what it holds: this batch's groups "
+                              f"may take {sum(bounds) / GB:.4f} GB (each prompt's images once and n responses of "
+                              f"data.max_response_length tokens), and {self.reserved() / GB:.4f} GB are queued "
+                              "or running", f"set it to at least {2 * sum(bounds) / GB:.4f} (two batches: one "
+                              "trains while the next fills), or -1 for the plan's room")
         self.unread = None
         candidate.meta[ID] = [self.started + i for i in range(len(candidate))]
         self.started += len(candidate)
@@ -229,12 +236,14 @@ class AsyncRollouts:
         self.calls += 1
         return True
 
-    def collect(self, score: Callable[[Batch], dict[str, torch.Tensor]]) -> int:
+    def collect(self, score: Callable[[Batch], dict[str, torch.Tensor]],
+                wait: Callable[[str], ContextManager[None]] = lambda _: nullcontext()) -> int:
         """Wait for the calls in flight; its finished groups, their prompts' visuals put back, are scored
         together (``score`` takes the joined batch) and join the queue. How many groups finished."""
         groups = []
         for pending in self.pending:
-            shares = self.rollout.collect(pending)
+            with wait("generate_wait"):  # what the update did not hide
+                shares = self.rollout.collect(pending)
             groups += [g for share in shares for g in share["groups"]]
             self.idle_from = max(share["finished_at"] for share in shares)
         self.pending = []
@@ -253,19 +262,20 @@ class AsyncRollouts:
         return len(groups)
 
     def next_batch(self, prompts: Iterator[Batch], step: int, version: int,
-                   score: Callable[[Batch], dict[str, torch.Tensor]]) -> tuple[Batch, dict[str, torch.Tensor],
-                                                                                dict[str, float]]:
+                   score: Callable[[Batch], dict[str, torch.Tensor]],
+                   timer: Callable[[str], ContextManager[None]]) -> tuple[Batch, dict[str, torch.Tensor],
+                                                                           dict[str, float]]:
         """The batch step ``step`` trains with the actor at ``version`` (updates applied): the oldest queued groups
         after the call in flight and as many more calls as the queue needs; then the next call starts, to run
         while the step trains. Its metrics: staleness, drops, the queue's bytes and pauses."""
-        self.collect(score)
+        self.collect(score, timer)
         dropped = 0
         while True:
             dropped += self.drop_stale(version)
             if len(self.queue.groups) >= self.target:
                 break
             self.submit(prompts, step, version)  # the queue is short: a batch always starts
-            self.collect(score)
+            self.collect(score, timer)
         queued = self.queue.bytes
         taken = self.in_step = self.queue.take(self.target)
         batch = join_assembled([q.group for q in taken])
@@ -274,10 +284,12 @@ class AsyncRollouts:
             if not self.submit(prompts, step, version):
                 break
         mask = batch["response_mask"].bool()
+        self.pauses_logged, held = self.pauses, self.pauses_logged
         staleness = (version - batch["token_versions"])[mask].float()
         metrics = {"rollout/staleness": float(staleness.mean()) if len(staleness) else 0.0,
                    "rollout/staleness_max": float(staleness.max()) if len(staleness) else 0.0,
                    "rollout/stale_dropped": float(dropped), "rollout/queue_full_s": self.paused_seconds(),
+                   "rollout/queue_held": float(self.pauses - held),
                    "rollout/queue_gb": queued / GB, "rollout/queue_peak_gb": self.queue.peak / GB,
                    "rollout/queue_bound_gb": self.queue.bound / GB}
         return batch, scores, metrics

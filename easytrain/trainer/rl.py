@@ -175,7 +175,7 @@ class RLTrainer(Trainer):
         generates its own) and its staleness."""
         if self.partial is not None:
             batch, scores, metrics = self.partial.next_batch(prompts, self.step, self.step - 1,
-                                                             lambda b: self.start_scoring(b)(timer))
+                                                             lambda b: self.start_scoring(b)(timer), timer)
             self.metrics.log_order(self.step, list(batch.meta["uids"]))
             return batch, lambda _: scores, metrics
         if self.one_step_off:
