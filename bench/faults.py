@@ -39,11 +39,16 @@ def moment(rng: random.Random) -> tuple[int, float]:
     return rng.randint(1, fh.STEPS - 1), rng.uniform(0.0, 0.6)
 
 
+ASYNC_ARGS = (*fh.SEPARATE_POOLS, "trainer.rollout_mode=async", "data.max_response_length=4")
+"""``trainer.rollout_mode=async`` (a pool per role), responses of up to 4 tokens generated 2 at a time: a kill
+finds a queue and unfinished responses, which the checkpoint holds."""
+
 FAULTS: dict[str, tuple[bool, Trial]] = {
     "sigkill_driver": (True, lambda w, n, r: fh.kill(w, "driver", *moment(r), n)),
     "sigkill_actor": (True, lambda w, n, r: fh.kill(w, "actor", *moment(r), n)),
     "sigkill_rollout": (True, lambda w, n, r: fh.kill(w, "rollout", *moment(r), n)),
     "sigkill_reward": (True, lambda w, n, r: fh.kill(w, "reward", *moment(r), n)),
+    "async_sigkill_driver": (True, lambda w, n, r: fh.kill(w, "driver", *moment(r), n, *ASYNC_ARGS)),
     "sigkill_driver_in_save": (True, lambda w, n, r: fh.kill_in_save(w, r.randint(1, fh.STEPS - 1), n)),
     "sft_sigkill_driver": (True, lambda w, n, r: fh.kill(w, "driver", *moment(r), n, *fh.SFT_ARGS)),
     "sft_sigkill_actor": (True, lambda w, n, r: fh.kill(w, "actor", *moment(r), n, *fh.SFT_ARGS)),

@@ -101,18 +101,19 @@ def test_host_bytes_counts_a_shared_storage_once() -> None:
 
 
 class FakeRollout:
-    """A rollout pool of one engine whose every call finishes each running prompt (response of ``length``)."""
+    """A rollout pool of one engine whose every prompt takes two calls: a call finishes the prompts the call
+    before it started (responses of ``length``) and starts its own."""
 
     members = 1
 
     def __init__(self, length: int) -> None:
-        self.length, self.running, self.calls = length, Batch(), []
+        self.length, self.waiting = length, Batch()
 
     def submit(self, method: str, shares: list[Batch], step: int, call: int, tokens: int, version: int,
                finish_before: int) -> Any:
-        self.calls.append(len(shares[0]))
-        groups = [assemble(shares[0].select([p]), responses([self.length] * N, version), N).without_visuals()
-                  for p in range(len(shares[0]))]
+        finishing, self.waiting = self.waiting, shares[0]
+        groups = [assemble(finishing.select([p]), responses([self.length] * N, version), N).without_visuals()
+                  for p in range(len(finishing))]
         return [{"groups": groups, "finished_at": time.time()}]
 
     def collect(self, pending: Any) -> Any:
@@ -129,22 +130,23 @@ def loader(batch_size: int) -> Any:
 def test_a_bound_that_binds_pauses_generation_and_the_queue_stays_under_it() -> None:
     target, length = 2, 6
     one_group = group_bound(prompts([5]), N, length)
-    bound = 3 * one_group  # a step's batch (2 groups) and one more: the second batch must wait for room
+    bound = 3 * one_group  # a step's batch (2 groups) and one more: a batch waits while another runs
     rollout = FakeRollout(length)
     pipeline = AsyncRollouts(rollout, N, target, length, call_tokens=length, max_staleness=2,  # type: ignore[arg-type]
                              bound_bytes=bound)
     batches = loader(target)
     score = lambda b: {"overall": torch.ones(len(b))}  # noqa: E731
-    seen = []
+    seen, uids = [], []
     for step in range(1, 6):
         batch, scores, metrics = pipeline.next_batch(batches, step, step - 1, score, PhaseTimer())
         assert len(batch) == target * N and len(scores["overall"]) == target * N
         seen += batch.meta[ID][::N]
+        uids += batch.meta["uids"][::N]
         assert pipeline.queue.peak <= bound
         assert pipeline.reserved() <= bound
     assert seen == list(range(len(seen)))  # every prompt trains once, in the order it started
     assert pipeline.pauses > 0  # calls started no new prompts: generation paused at the bound
-    assert pipeline.unread is not None  # the batch that did not fit waits to start, not lost
+    assert uids == [f"u{k}" for k in range(len(uids))]  # a batch that had to wait for room was not skipped
 
 
 @pytest.mark.parametrize("overrides,key", [
@@ -178,6 +180,9 @@ def test_the_watchdogs_soft_level_lowers_the_queues_bound_first() -> None:
     MemoryGuard.relieve(guard, 2, {"ram"})  # type: ignore[arg-type]
     assert guard.queue.bound == 500
     assert [e["action"] for e in events] == ["shrink_async_queue"] and events[0]["planned_bytes"] == 500
+    floored = SampleQueue(bound=1000, floor=800)  # two step batches: the run could not go on below
+    floored.shrink()
+    assert floored.bound == 800
 
 
 def test_the_plan_counts_a_set_queue_bound_in_every_phase_and_states_the_default_room(tmp_path: Path) -> None:
@@ -195,9 +200,10 @@ def test_the_plan_counts_a_set_queue_bound_in_every_phase_and_states_the_default
 
 def test_a_bound_below_a_steps_batch_is_a_config_error_naming_the_size() -> None:
     length = 6
-    batch = group_bound(prompts([5]), N, length) * 2
+    first = prompts([5, 5])  # the loader's first batch
+    batch = sum(group_bound(first.select([i]), N, length) for i in range(len(first)))
     pipeline = AsyncRollouts(FakeRollout(length), N, 2, length, call_tokens=length, max_staleness=2,  # type: ignore[arg-type]
                              bound_bytes=batch - 1)
     with pytest.raises(ConfigError) as err:
         pipeline.next_batch(loader(2), 1, 0, lambda b: {"overall": torch.ones(len(b))}, PhaseTimer())
-    assert str(err.value).startswith("trainer.async_queue_gb=") and f"{2 * batch / 1e9:.4f}" in str(err.value)
+    assert str(err.value).startswith("trainer.async_queue_gb=") and f"{2 * batch / 1e9:.3g}" in str(err.value)

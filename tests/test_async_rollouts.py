@@ -74,9 +74,10 @@ def test_a_resumed_run_lands_on_the_uninterrupted_runs_weights(ray_local: None, 
 
 
 def test_a_bound_that_binds_pauses_generation_and_the_node_stays_under_the_plan(tmp_path: Path) -> None:
-    """``python -m easytrain.main`` in async mode with trainer.async_queue_gb at one and a half of the default
-    task's step batches (as :func:`group_bound` counts them): the next batch cannot start while one waits, so
-    calls start no new prompts (``rollout/queue_held``), the queue never holds more than its bound, and the run's
+    """``python -m easytrain.main`` in async mode, responses of up to 8 tokens generated 2 at a time, with
+    trainer.async_queue_gb at one and a half of the default task's step batches (as :func:`group_bound` counts
+    them): a batch cannot start while another is unfinished, so calls start no new prompts
+    (``rollout/queue_held``), the queue never holds more than its bound, and the run's
     processes (their RSS as the watchdog sampled it, summed at each sampling) stay under the plan's node figure,
     which counts the queue at its bound."""
     import collections
@@ -90,7 +91,8 @@ def test_a_bound_that_binds_pauses_generation_and_the_node_stays_under_the_plan(
     from easytrain.trainer.data import RLData
 
     base = ["trainer.colocate=false", "trainer.workers_per_node=1", "trainer.rollout_mode=async",
-            "trainer.max_steps=6", "trainer.val_before_train=false"]
+            "trainer.max_steps=6", "trainer.val_before_train=false", "data.max_response_length=8",
+            "trainer.async_call_tokens=2"]
     config = load([f"trainer.output_dir={tmp_path / 'probe'}", "+exp=tiny", *base])  # main's default preset
     batch = next(RLData(config).train_batches())
     one = sum(group_bound(batch.select([i]), config.worker.rollout.n, config.data.max_response_length)

@@ -58,8 +58,10 @@ state)."""
 ID = "async_ids"
 """The meta list numbering the prompts in the order they started."""
 CALLS_AHEAD = 2
-"""Calls a step starts to run while it trains: the second goes on generating (and starts the next prompts) if the
-first ends before the update; the weight sync waits for both."""
+"""Calls a step starts to run while it trains: the first starts the next batch, the second goes on with the
+responses the first left unfinished; the weight sync waits for both. A step starts one batch as it trains one:
+starting more would only age the queue (bench/results/async_rollout.json at 37c6d23: every token two versions
+old)."""
 SCORE_BYTES = 64
 """The reward table of a sample (a few float32 columns) and its scalars, at most."""
 
@@ -117,6 +119,8 @@ class SampleQueue:
     """Finished, scored groups waiting to train, oldest first, their host bytes counted against a bound."""
 
     bound: int
+    floor: int = 0
+    """The least bound the queue can run with: two step batches at their largest (:meth:`AsyncRollouts.start`)."""
     groups: deque[Queued] = field(default_factory=deque)
     bytes: int = 0
     peak: int = 0
@@ -134,8 +138,9 @@ class SampleQueue:
         return out
 
     def shrink(self, factor: float = 0.5) -> None:
-        """Lower the bound (the watchdog's soft level): new prompts wait until the queue drains below it."""
-        self.bound = int(self.bound * factor)
+        """Lower the bound (the watchdog's soft level): new prompts wait until the queue drains below it. Never
+        below :attr:`floor`, two step batches, which a run needs to go on."""
+        self.bound = max(self.floor, int(self.bound * factor))
         logger.warning("memory pressure: the async queue's bound is now %.3f GB", self.bound / GB)
 
 
@@ -202,10 +207,11 @@ class AsyncRollouts:
         if self.reserved() + sum(bounds) > self.queue.bound:  # a step could never fill its batch
             raise ConfigError("trainer.async_queue_gb", round(self.queue.bound / GB, 6),
                               f"the queue cannot hold a step's batch beside what it holds: this batch's groups "
-                              f"may take {sum(bounds) / GB:.4f} GB (each prompt's images once and n responses of "
-                              f"data.max_response_length tokens), and {self.reserved() / GB:.4f} GB are queued "
-                              "or running", f"set it to at least {2 * sum(bounds) / GB:.4f} (two batches: one "
+                              f"may take {sum(bounds) / GB:.3g} GB (each prompt's images once and n responses of "
+                              f"data.max_response_length tokens), and {self.reserved() / GB:.3g} GB are queued "
+                              "or running", f"set it to at least {2 * sum(bounds) / GB:.3g} (two batches: one "
                               "trains while the next fills), or -1 for the plan's room")
+        self.queue.floor = max(self.queue.floor, min(self.queue.bound, 2 * sum(bounds)))
         self.unread = None
         candidate.meta[ID] = [self.started + i for i in range(len(candidate))]
         self.started += len(candidate)
@@ -219,13 +225,13 @@ class AsyncRollouts:
         self.paused = True
         self.pauses += 1
 
-    def submit(self, prompts: Iterator[Batch], step: int, version: int) -> bool:
-        """Start a call with the engine's weights at ``version``; False when there is nothing to run (no room for
-        new prompts and none running): generation pauses, timed in ``rollout/queue_full_s``."""
+    def submit(self, prompts: Iterator[Batch], step: int, version: int, admit: bool = True) -> bool:
+        """Start a call with the engine's weights at ``version``, with new prompts when ``admit`` and there is
+        room; False when there is nothing to run (none new and none running)."""
         if self.paused and not self.pending:  # the engine idled from its last call's end: the queue was full
             self.paused_s += max(0.0, time.time() - self.idle_from)
         self.paused = False
-        new = self.start(prompts)
+        new = self.start(prompts) if admit else Batch()
         if not len(new) and not self.running:
             return False
         members = self.rollout.members
@@ -280,16 +286,16 @@ class AsyncRollouts:
         taken = self.in_step = self.queue.take(self.target)
         batch = join_assembled([q.group for q in taken])
         scores = {k: torch.cat([q.scores[k] for q in taken]) for k in taken[0].scores}
-        for _ in range(CALLS_AHEAD):  # while this step trains
-            if not self.submit(prompts, step, version):
+        for call in range(CALLS_AHEAD):  # while this step trains; one new batch a step, as one trains
+            if not self.submit(prompts, step, version, admit=call == 0):
                 break
         mask = batch["response_mask"].bool()
-        self.pauses_logged, held = self.pauses, self.pauses_logged
+        held, self.pauses_logged = self.pauses - self.pauses_logged, self.pauses
         staleness = (version - batch["token_versions"])[mask].float()
         metrics = {"rollout/staleness": float(staleness.mean()) if len(staleness) else 0.0,
                    "rollout/staleness_max": float(staleness.max()) if len(staleness) else 0.0,
                    "rollout/stale_dropped": float(dropped), "rollout/queue_full_s": self.paused_seconds(),
-                   "rollout/queue_held": float(self.pauses - held),
+                   "rollout/queue_held": float(held),
                    "rollout/queue_gb": queued / GB, "rollout/queue_peak_gb": self.queue.peak / GB,
                    "rollout/queue_bound_gb": self.queue.bound / GB}
         return batch, scores, metrics
@@ -346,12 +352,12 @@ class AsyncRollouts:
             tensors.update(packed)
         save_file(tensors, str(folder / FILE))
         return {"queue": queue, "engines": engines, "unread": unread, "calls": self.calls, "started": self.started,
-                "bound": self.queue.bound, "peak": self.queue.peak}
+                "bound": self.queue.bound, "floor": self.queue.floor, "peak": self.queue.peak}
 
     def load(self, state: dict[str, Any], folder: Path) -> None:
         """Bring back what :meth:`save` wrote: the queue, each engine's started batches, the unread batch."""
         tensors = load_file(str(folder / FILE))
-        self.queue = SampleQueue(int(state["bound"]), peak=int(state["peak"]))
+        self.queue = SampleQueue(int(state["bound"]), int(state["floor"]), peak=int(state["peak"]))
         for i, q in enumerate(state["queue"]):
             prefix = f"queue/{i}/scores/"
             scores = {k[len(prefix):]: v for k, v in tensors.items() if k.startswith(prefix)}
