@@ -132,8 +132,8 @@ def test_a_bound_that_binds_pauses_generation_and_the_queue_stays_under_it() -> 
     one_group = group_bound(prompts([5]), N, length)
     bound = 3 * one_group  # a step's batch (2 groups) and one more: a batch waits while another runs
     rollout = FakeRollout(length)
-    pipeline = AsyncRollouts(rollout, N, target, length, call_tokens=length, max_staleness=2,  # type: ignore[arg-type]
-                             bound_bytes=bound)
+    pipeline = AsyncRollouts(rollout, N, target, length, call_tokens=length, max_staleness=3,  # type: ignore[arg-type]
+                             bound_bytes=bound)  # two step batches may be ahead: the bound binds first
     batches = loader(target)
     score = lambda b: {"overall": torch.ones(len(b))}  # noqa: E731
     seen, uids = [], []

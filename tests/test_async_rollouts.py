@@ -92,7 +92,7 @@ def test_a_bound_that_binds_pauses_generation_and_the_node_stays_under_the_plan(
 
     base = ["trainer.colocate=false", "trainer.workers_per_node=1", "trainer.rollout_mode=async",
             "trainer.max_steps=6", "trainer.val_before_train=false", "data.max_response_length=8",
-            "trainer.async_call_tokens=2"]
+            "trainer.async_call_tokens=2", "algorithm.max_staleness=3"]  # two batches may run ahead
     config = load([f"trainer.output_dir={tmp_path / 'probe'}", "+exp=tiny", *base])  # main's default preset
     batch = next(RLData(config).train_batches())
     one = sum(group_bound(batch.select([i]), config.worker.rollout.n, config.data.max_response_length)

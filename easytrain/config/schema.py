@@ -345,8 +345,10 @@ class AlgorithmConfig(Section):
     behaviour policy); > 0 takes it against the actor's log-probs at its current weights and weighs each
     token's loss by min(exp(actor - engine log-prob), tis_cap) (truncated importance sampling)."""
     max_staleness: int = bounded(2, low=0)
-    """trainer.rollout_mode=async: a group whose oldest token was sampled more than this many weight versions
-    before the update that would train on it is dropped (counted in rollout/stale_dropped)."""
+    """trainer.rollout_mode=async: the most weight versions between a token's sampling and the update that
+    trains it. New prompts start while fewer than max_staleness - 1 step batches (at least one) are queued and
+    running; a batch whose first tokens would train older is generated to its end in one call; a queued group
+    past it is dropped (rollout/stale_dropped)."""
     kl_coef: float = bounded(1e-2, low=0.0)
     """Weight of the KL term (initial value when kl_type=adaptive)."""
     kl_type: str = choice("fixed", "fixed", "adaptive")

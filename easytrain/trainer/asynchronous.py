@@ -58,10 +58,10 @@ state)."""
 ID = "async_ids"
 """The meta list numbering the prompts in the order they started."""
 CALLS_AHEAD = 2
-"""Calls a step starts to run while it trains: the first starts the next batch, the second goes on with the
-responses the first left unfinished; the weight sync waits for both. A step starts one batch as it trains one:
-starting more would only age the queue (bench/results/async_rollout.json at 37c6d23: every token two versions
-old)."""
+"""Calls a step starts to run while it trains: the second goes on with the responses the first left unfinished
+(and starts new prompts where :attr:`AsyncRollouts.ahead` allows); the weight sync waits for both. At 37c6d23
+and 035f190 every call could start a batch while two were queued and running: the queue stayed a batch ahead and
+bench/results/async_rollout.json's async runs trained every token two versions old, at no gain in step time."""
 SCORE_BYTES = 64
 """The reward table of a sample (a few float32 columns) and its scalars, at most."""
 
@@ -165,6 +165,9 @@ class AsyncRollouts:
                  max_staleness: int, bound_bytes: int) -> None:
         self.rollout, self.n, self.target = rollout, n, target
         self.max_response, self.call_tokens, self.max_staleness = max_response, call_tokens, max_staleness
+        self.ahead = max(1, max_staleness - 1)
+        """Step batches that may be queued and running as a step trains: a batch started then trains after those
+        before it, one more version old each (a batch started as step t trains trains at t + 1, 1 version old)."""
         self.queue = SampleQueue(bound_bytes)
         self.running: dict[Any, tuple[Batch, int]] = {}
         """Prompts started and not finished, by :data:`ID`: the prompt row and its group's bound in bytes."""
@@ -191,10 +194,10 @@ class AsyncRollouts:
 
     def start(self, prompts: Iterator[Batch]) -> Batch:
         """The prompts the next call starts: the next loader batch when its groups fit under the bound beside the
-        queue and the running ones, and the queue with them holds less than two step batches (one a step takes,
-        one being made). A step cannot train on less than a batch: a bound that cannot hold the batch a step
+        queue and the running ones, and fewer than :attr:`ahead` step batches are queued and running (more
+        would train older than algorithm.max_staleness allows). A step cannot train on less than a batch: a bound that cannot hold the batch a step
         still needs is a :class:`ConfigError` naming the size it takes."""
-        if len(self.queue.groups) + len(self.running) >= 2 * self.target:
+        if len(self.queue.groups) + len(self.running) >= self.ahead * self.target:
             self.held_back()
             return Batch()
         candidate = self.unread if self.unread is not None else next(prompts)
@@ -280,14 +283,15 @@ class AsyncRollouts:
             dropped += self.drop_stale(version)
             if len(self.queue.groups) >= self.target:
                 break
-            self.submit(prompts, step, version)  # the queue is short: a batch always starts
+            short = len(self.queue.groups) + len(self.running) < self.target
+            self.submit(prompts, step, version, admit=short)  # new prompts only where those running cannot fill it
             self.collect(score, timer)
         queued = self.queue.bytes
         taken = self.in_step = self.queue.take(self.target)
         batch = join_assembled([q.group for q in taken])
         scores = {k: torch.cat([q.scores[k] for q in taken]) for k in taken[0].scores}
-        for call in range(CALLS_AHEAD):  # while this step trains; one new batch a step, as one trains
-            if not self.submit(prompts, step, version, admit=call == 0):
+        for _ in range(CALLS_AHEAD):  # while this step trains
+            if not self.submit(prompts, step, version):
                 break
         mask = batch["response_mask"].bool()
         held, self.pauses_logged = self.pauses - self.pauses_logged, self.pauses

@@ -98,7 +98,8 @@ METRICS: dict[str, str] = {
                              "past `algorithm.max_staleness`.",
     "rollout/queue_full_s": "`trainer.rollout_mode=async`: seconds since the last step the engine idled because "
                             "no new prompts could start: the queue of finished and running samples was full (its "
-                            "bound, `trainer.async_queue_gb`, or two step batches).",
+                            "bound, `trainer.async_queue_gb`, or the step batches `algorithm.max_staleness` allows "
+                            "ahead: max_staleness - 1).",
     "rollout/queue_held": "`trainer.rollout_mode=async`: engine calls since the last step that started no new "
                           "prompts because the queue was full.",
     "rollout/queue_gb": "`trainer.rollout_mode=async`: host GB the queue held when the step took its batch "
