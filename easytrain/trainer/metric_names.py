@@ -91,7 +91,8 @@ METRICS: dict[str, str] = {
                                     "that gap sits at a likely token or far in the sampled tail.",
     "rollout/staleness": "`trainer.rollout_mode=one_step_off`: updates between the weights that generated the "
                          "step's batch and the actor's before its update (0 on the first step, then 1); with "
-                         "one optimizer step per batch, `actor/ppo_kl` is then the actor's log-prob gap to the engine.",
+                         "one optimizer step per batch, `actor/ppo_kl` is then the actor's log-prob gap to the engine. "
+                         "`trainer.rollout_mode=async`: the same per token, its mean over the step's tokens.",
     "rollout/staleness_max": "`trainer.rollout_mode=async`: the most updates between a trained token's sampling "
                              "weights and the actor's before its update (`rollout/staleness` is their token mean).",
     "rollout/stale_dropped": "`trainer.rollout_mode=async`: groups dropped from the queue this step for waiting "
