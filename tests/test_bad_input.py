@@ -41,7 +41,7 @@ SIGNED = {"model.tiny_seed", "trainer.seed"}
 """Numeric keys with no range: any integer seeds the run."""
 NEEDS_POSITIVE = {"worker.rollout.max_model_len"}
 """Optional numbers without schema bounds whose meaning needs a positive value (null = the default)."""
-SPECIAL_RANGE = {"trainer.checkpoint_host_buffer_gb": "-2"}
+SPECIAL_RANGE = {"trainer.checkpoint_host_buffer_gb": "-2", "trainer.async_queue_gb": "-2"}
 """Numbers whose range a cross-field rule states (positive, or -1 to size it from the node)."""
 
 

@@ -298,9 +298,6 @@ def _check_async(cfg: Config) -> None:
         raise ConfigError("algorithm.max_staleness", cfg.algorithm.max_staleness, "an async step trains on tokens "
                           "the weights before its last sync sampled (1 version old) at the least",
                           "set algorithm.max_staleness to 1 or more")
-    if t.async_queue_gb != -1.0 and t.async_queue_gb <= 0:
-        raise ConfigError("trainer.async_queue_gb", t.async_queue_gb, "the queue must hold at least one group",
-                          "set a positive size in GB, or -1 for the plan's figure")
 
 
 def _check_rollout(cfg: Config) -> None:
@@ -428,6 +425,9 @@ def _check_trainer(cfg: Config) -> None:
     if t.checkpoint_host_buffer_gb <= 0 and t.checkpoint_host_buffer_gb != -1:
         raise ConfigError("trainer.checkpoint_host_buffer_gb", t.checkpoint_host_buffer_gb,
                           "must be positive, or -1 to size it from the node", "e.g. 1 (GB per process)")
+    if t.async_queue_gb <= 0 and t.async_queue_gb != -1:
+        raise ConfigError("trainer.async_queue_gb", t.async_queue_gb, "must be positive (the async queue's host GB), "
+                          "or -1 for the room the plan leaves", "e.g. 4")
     if t.checkpoint_async and cfg.worker.actor.strategy != "fsdp":
         raise ConfigError("trainer.checkpoint_async", True, f"background saves need worker.actor.strategy=fsdp, not "
                           f"{cfg.worker.actor.strategy}", "set trainer.checkpoint_async=false")
