@@ -157,6 +157,8 @@ def test_a_bound_that_binds_pauses_generation_and_the_queue_stays_under_it() -> 
      "trainer.async_queue_gb"),
     (["trainer.rollout_mode=async", "trainer.colocate=false", "worker.rollout.multi_turn.enable=true"],
      "trainer.rollout_mode"),
+    (["trainer.rollout_mode=async", "trainer.colocate=false", "worker.rollout.engine=vllm", "model.dtype=float32"],
+     "trainer.rollout_mode"),
 ])
 def test_async_combinations_it_cannot_run_are_config_errors(tmp_path: Path, overrides: list[str],
                                                             key: str) -> None:

@@ -294,6 +294,11 @@ def _check_async(cfg: Config) -> None:
     if cfg.data.video_key:
         raise ConfigError("trainer.rollout_mode", t.rollout_mode, "partial rollouts do not continue prompts with "
                           "videos yet", "set trainer.rollout_mode=one_step_off or data.video_key=null")
+    if cfg.worker.rollout.engine == "vllm" and cfg.data.image_key:
+        raise ConfigError("trainer.rollout_mode", t.rollout_mode, "partial rollouts with vLLM and images are not "
+                          "built yet (vLLM's prompts carry their images as PIL objects, which the queue does not "
+                          "count and a checkpoint does not hold)", "set worker.rollout.engine=hf or "
+                          "trainer.rollout_mode=one_step_off")
     if cfg.algorithm.max_staleness < 1:
         raise ConfigError("algorithm.max_staleness", cfg.algorithm.max_staleness, "an async step trains on tokens "
                           "the weights before its last sync sampled (1 version old) at the least",

@@ -121,6 +121,8 @@ class RLTrainer(Trainer):
         self.roles.sync()  # the engine serves the restored weights
         if self.partial is not None and "async" in state:
             self.partial.load(state["async"], folder)
+            if self.guard is not None:  # the watchdog relieves the restored queue, not the one it replaced
+                self.guard.queue = self.partial.queue
 
     # ------------------------------------------------------------------ one step
 
