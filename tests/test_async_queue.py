@@ -189,15 +189,14 @@ def test_the_watchdogs_soft_level_lowers_the_queues_bound_first() -> None:
 
 def test_the_plan_counts_a_set_queue_bound_in_every_phase_and_states_the_default_room(tmp_path: Path) -> None:
     from easytrain.memory.planner import plan
-    from easytrain.trainer.asynchronous import default_bound
 
     base = [f"trainer.output_dir={tmp_path}", "trainer.rollout_mode=async", "trainer.colocate=false"]
     room, bound = plan(load(base)), plan(load([*base, "trainer.async_queue_gb=2"]))
     assert [b.host - r.host for b, r in zip(bound.rows, room.rows)] == [2 * 10**9] * len(room.rows)
     assert any(n.startswith("async queue: up to 2.00 GB") for n in bound.notes)
-    assert any(n.startswith(f"async queue: up to {default_bound(room) / 1e9:.2f} GB") for n in room.notes)
+    assert any(n.startswith(f"async queue: up to {room.host_room / 1e9:.2f} GB") for n in room.notes)
     c = room.capacity
-    assert default_bound(room) == int(c.host_limit - room.host_peak * (1 + c.host_margin)) > 0
+    assert room.host_room == int(c.host_limit - room.host_peak * (1 + c.host_margin)) > 0
 
 
 def test_a_bound_below_a_steps_batch_is_a_config_error_naming_the_size() -> None:

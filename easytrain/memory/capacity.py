@@ -180,6 +180,22 @@ class Plan:
         return max(r.host for r in self.rows)
 
     @property
+    def host_room(self) -> int:
+        """Bytes of the node left under Ray's threshold beside the step's host peak with the margin (0 when none):
+        what ``trainer.rollout_mode=async``'s queue takes with ``trainer.async_queue_gb=-1``."""
+        c = self.capacity
+        return max(0, int(c.host_limit - self.host_peak * (1 + c.host_margin)))
+
+    def queue_note(self, queue_gb: float) -> str:
+        """The async queue's line: its bound per node, set (``queue_gb``) or the room the run takes as it."""
+        if queue_gb > 0:
+            return (f"async queue: up to {queue_gb:.2f} GB on the driver's node (trainer.async_queue_gb), counted in "
+                    "every phase's host figure")
+        return (f"async queue: up to {self.host_room / 1e9:.2f} GB on the driver's node, the room under Ray's "
+                f"threshold beside the step's peak with the {self.capacity.host_margin:.0%} margin "
+                "(trainer.async_queue_gb=-1)")
+
+    @property
     def device_headroom(self) -> Optional[float]:
         """What is left of a GPU at the step's device peak plus the margin (:attr:`Capacity.device_margin`)."""
         cap = self.capacity.gpu_bytes

@@ -233,21 +233,8 @@ def plan(config: Config, hf_config: Optional[dict[str, Any]] = None, capacity: O
     once = [_load_row(step), *_run_rows(step, capacity)]
     planned = Plan(rows, capacity, s.on_gpu, notes, once=once, data=data)
     if config.trainer.rollout_mode == "async":
-        planned.notes.append(queue_note(config, planned))
+        planned.notes.append(planned.queue_note(config.trainer.async_queue_gb))
     return planned
-
-
-def queue_note(config: Config, planned: Plan) -> str:
-    """The async queue's line: its bound per node, set or (``trainer.async_queue_gb=-1``) the room the node
-    has beside the step's peak with the planner's margin, which the run takes as its bound."""
-    gb = config.trainer.async_queue_gb
-    if gb > 0:
-        return (f"async queue: up to {gb:.2f} GB on the driver's node (trainer.async_queue_gb), counted in every "
-                "phase's host figure")
-    c = planned.capacity
-    room = max(0.0, c.host_limit - planned.host_peak * (1 + c.host_margin)) / 1e9
-    return (f"async queue: up to {room:.2f} GB on the driver's node, the room under Ray's threshold beside the "
-            f"step's peak with the {c.host_margin:.0%} margin (trainer.async_queue_gb=-1)")
 
 
 def object_store_pages(config: Config, s: Shape, role: str) -> dict[str, int]:

@@ -150,14 +150,6 @@ def oldest(group: Batch) -> int:
     return int(versions[versions >= 0].min())
 
 
-def default_bound(plan: Any) -> int:
-    """``trainer.async_queue_gb=-1``: what the node holds under Ray's threshold beside the step's planned host
-    peak with the planner's margin (:class:`easytrain.memory.capacity.Plan`, the plan's ``async queue`` line);
-    0 when nothing is left."""
-    c = plan.capacity
-    return max(0, int(c.host_limit - plan.host_peak * (1 + c.host_margin)))
-
-
 class AsyncRollouts:
     """The driver's side of partial rollouts: which prompts are running, the calls in flight, the queue."""
 
@@ -383,13 +375,13 @@ class AsyncRollouts:
 
 def async_rollouts(config: Config, rollout: WorkerGroup, data: Any = None) -> AsyncRollouts:
     """The async pipeline of ``config``: its call size, staleness and queue bound (``trainer.async_queue_gb``;
-    -1: :func:`default_bound` of the run's plan, priced on ``data`` when given)."""
+    -1: the room its plan leaves, :attr:`Plan.host_room`, priced on ``data`` when given)."""
     t, d = config.trainer, config.data
     tokens = t.async_call_tokens or max(1, d.max_response_length // 2)
     if t.async_queue_gb == -1:
         from easytrain.memory.planner import plan
 
-        bound = default_bound(plan(config, data=data))
+        bound = plan(config, data=data).host_room
         source = "the plan's room beside the step's peak"
     else:
         bound, source = int(t.async_queue_gb * GB), "trainer.async_queue_gb"
