@@ -155,8 +155,8 @@ def test_a_bound_that_binds_pauses_generation_and_the_queue_stays_under_it() -> 
      "algorithm.max_staleness"),
     (["trainer.rollout_mode=async", "trainer.colocate=false", "trainer.async_queue_gb=0"],
      "trainer.async_queue_gb"),
-    (["trainer.rollout_mode=async", "trainer.colocate=false", "worker.rollout.multi_turn.enable=true"],
-     "trainer.rollout_mode"),
+    (["trainer.rollout_mode=async", "trainer.colocate=false", "worker.rollout.multi_turn.enable=true",
+      "worker.rollout.engine=vllm", "model.dtype=float32", "data.image_key=null"], "trainer.rollout_mode"),
     (["trainer.rollout_mode=async", "trainer.colocate=false", "worker.rollout.engine=vllm", "model.dtype=float32"],
      "trainer.rollout_mode"),
 ])

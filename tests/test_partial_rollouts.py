@@ -5,7 +5,9 @@ ratio will use, which must be the sampling weights' own, as a teacher-forced for
 from __future__ import annotations
 
 import copy
+import tempfile
 from pathlib import Path
+from typing import Any, Callable
 
 import pytest
 import torch
@@ -13,10 +15,10 @@ import torch
 from easytrain.distributed.batch import Batch
 from easytrain.models.families import family_of
 from easytrain.workers.forward import response_log_probs
-from easytrain.workers.rollout.engine import SamplingParams
+from easytrain.workers.rollout.engine import RolloutEngine, SamplingParams, pad_responses
 from easytrain.workers.rollout.hf_engine import HFEngine
 from easytrain.workers.rollout.partial import PartialRollouts
-from easytrain.workers.sequences import assemble
+from easytrain.workers.sequences import assemble, join_assembled
 
 from test_decode import CPU, setup
 
@@ -72,9 +74,12 @@ def prompt_side(batch: Batch, row: int) -> dict[str, torch.Tensor]:
     keep = batch["attention_mask"][row, :width].bool()
     positions = batch["position_ids"]
     one = batch.select([row])
-    return {"ids": batch["input_ids"][row, :width][keep], "types": batch["mm_token_type_ids"][row, :width][keep],
-            "positions": (positions[:, row] if positions.dim() == 3 else positions[row])[..., :width][..., keep],
-            "grids": one["image_grid_thw"], "pixels": one["pixel_values"]}
+    out = {"ids": batch["input_ids"][row, :width][keep], "types": batch["mm_token_type_ids"][row, :width][keep],
+           "positions": (positions[:, row] if positions.dim() == 3 else positions[row])[..., :width][..., keep],
+           "grids": one["image_grid_thw"], "pixels": one["pixel_values"]}
+    if "visual_seconds" in one:
+        out["seconds"] = one["visual_seconds"]
+    return out
 
 
 def wider(prompts: Batch, columns: int) -> Batch:
@@ -89,8 +94,6 @@ def test_a_sample_trains_on_the_same_images_and_prompt_in_both_modes(tmp_path: P
     """trainer.rollout_mode=async assembles each finished group on its own and joins groups of other widths; a
     sample must still carry what a sync rollout of the same prompt carries: its image's patch rows and grid, its
     prompt's tokens, types and multimodal positions."""
-    from easytrain.workers.sequences import join_assembled
-
     model, prompts, tokenizer, stops = setup(tmp_path, "qwen2_5_vl")
     engine = HFEngine(model, stops, tokenizer.pad_token_id, CPU)
     params = SamplingParams(n=2, temperature=1.0, top_p=1.0, top_k=0, max_new_tokens=10, seed=3)
@@ -107,9 +110,165 @@ def test_a_sample_trains_on_the_same_images_and_prompt_in_both_modes(tmp_path: P
         assert not rollouts.running
     partial = join_assembled(groups[::-1])  # finished in another order than the prompts'
     assert partial.image_counts is not None and int(partial.image_counts.sum()) == int(sync.image_counts.sum())
+    assert_same_samples(partial, sync, prompt_side)
+
+
+def sample_inputs(batch: Batch, row: int) -> dict[str, torch.Tensor]:
+    """Everything sample ``row`` of an assembled batch gives the model and the loss, without its padding: the tokens
+    it attends to, their types and positions, which are trained, and its visuals (grids, seconds, patch rows)."""
+    keep = batch["attention_mask"][row].bool()
+    positions = batch["position_ids"]
+    width = batch["responses"].shape[1]
+    one = batch.select([row])
+    out = {"ids": batch["input_ids"][row][keep], "types": batch["mm_token_type_ids"][row][keep],
+           "positions": (positions[:, row] if positions.dim() == 3 else positions[row])[..., keep],
+           "trained": batch["response_mask"][row][keep[-width:]], "grids": one["image_grid_thw"],
+           "pixels": one["pixel_values"]}
+    if "visual_seconds" in one:
+        out["seconds"] = one["visual_seconds"]
+    return out
+
+
+def assert_same_samples(partial: Batch, sync: Batch, inputs: Callable[[Batch, int], dict[str, torch.Tensor]]) -> None:
+    """Each sample of ``partial`` carries the ``inputs`` the sync sample of its prompt does (a prompt's samples in
+    order)."""
+    seen: dict[str, int] = {}
     for row, uid in enumerate(partial.meta["uids"]):
-        twin = sync.meta["uids"].index(uid)
-        mine, theirs = prompt_side(partial, row), prompt_side(sync, twin)
-        assert len(mine["pixels"]) > 0
+        twin = [r for r, u in enumerate(sync.meta["uids"]) if u == uid][seen.get(uid, 0)]
+        seen[uid] = seen.get(uid, 0) + 1
+        mine, theirs = inputs(partial, row), inputs(sync, twin)
+        assert mine.keys() == theirs.keys() and len(mine["pixels"]) > 0
         for key in mine:
             assert torch.equal(mine[key], theirs[key]), (uid, key)
+
+
+def test_a_video_prompt_continued_over_calls_keeps_its_clips_seconds(tmp_path: Path) -> None:
+    """Video rows (Qwen2.5-VL: temporal positions step by the clip's seconds per patch; at 0.05 fps they reach past
+    the text after the clip) generated 1 token per call: each continuation carries the clips' seconds, so every
+    token's sampling log-prob is the training forward's over the assembled rows, and each sample carries the
+    inputs a sync rollout of its prompt does."""
+    from test_video import actor_model, prompts_with_both, video_config
+
+    config = video_config(tmp_path, "qwen2_5_vl", "data.video_fps=0.05")
+    prompts = prompts_with_both(config)
+    model = actor_model(config)
+    family = family_of(model)
+    engine = HFEngine(model, [-1], 0, CPU)  # no stop: 4 tokens each
+    params = SamplingParams(n=2, temperature=1.0, top_p=1.0, top_k=0, max_new_tokens=4, seed=5)
+    rollouts = PartialRollouts(prompts, params, 0, [-1])
+    groups = []
+    for version in range(4):
+        rollouts.advance(engine, 1, version)
+        groups += rollouts.finished_groups(family)
+    assert not rollouts.running
+    partial = join_assembled(groups)
+    lp, _ = response_log_probs(model.eval(), partial, 1.0, CPU)
+    torch.testing.assert_close(lp, partial["rollout_log_probs"], rtol=1e-4, atol=1e-4)
+    assert partial["token_versions"].tolist() == [[0, 1, 2, 3]] * len(partial)
+    sync = assemble(prompts, engine.generate(prompts, params), params.n, family)
+    assert "visual_seconds" in partial and (partial["visual_seconds"] > 0).any()
+    assert_same_samples(partial, sync, prompt_side)
+
+
+class ChatScript(RolloutEngine):
+    """Writes a fixed conversation's model turns as a model would, from the rows it is given: the turn is the
+    number of assistant turns begun after the prompt's, the place in it the tokens since the last one began. A turn
+    written over several calls is the same turn (log-prob -0.5 a token)."""
+
+    def __init__(self, turns: list[list[int]], begin: list[int], stop_ids: list[int], pad_id: int) -> None:
+        self.turns, self.begin, self.stop_ids, self.pad_id = turns, begin, stop_ids, pad_id
+
+    @classmethod
+    def build(cls, config: Any, spec: Any) -> "ChatScript":
+        raise NotImplementedError
+
+    def generate(self, prompts: Batch, params: SamplingParams) -> Batch:
+        rows = []
+        for r in range(len(prompts)):
+            seq = prompts["input_ids"][r][prompts["attention_mask"][r].bool()].tolist()
+            k = len(self.begin)
+            starts = [i + k for i in range(len(seq) - k + 1) if seq[i:i + k] == self.begin]
+            turn, written = len(starts) - 1, len(seq) - starts[-1]
+            rows += [self.turns[turn][written:written + params.max_new_tokens]] * params.n
+        return pad_responses(rows, [[-0.5] * len(row) for row in rows], self.pad_id, self.stop_ids)
+
+    def load_weights(self, weights: Any) -> int:
+        return 0
+
+
+def through_a_checkpoint(rollouts: PartialRollouts, turns: Any) -> PartialRollouts:
+    """``rollouts`` after the trip a driver's checkpoint makes: prompts packed (their PIL images as pixels), every
+    tensor through a safetensors file, the rest through JSON."""
+    import json
+
+    from safetensors.torch import load_file, save_file
+
+    from easytrain.trainer.ahead import pack, unpack
+
+    state = rollouts.state()
+    tensors, meta = pack(state.pop("prompts"), "prompts/")
+    tensors.update({f"tools/{k}": v.contiguous() for k, v in state.pop("tensors").items()})
+    with tempfile.TemporaryDirectory() as folder:
+        save_file(tensors, f"{folder}/state.safetensors")
+        tensors = load_file(f"{folder}/state.safetensors")
+    state = json.loads(json.dumps(state))
+    state["prompts"] = unpack(tensors, meta, "prompts/")
+    state["tensors"] = {k[len("tools/"):]: v for k, v in tensors.items() if k.startswith("tools/")}
+    return PartialRollouts.restored(state, turns)
+
+
+def test_a_multi_turn_episode_with_tool_images_continues_over_calls_and_trains_as_the_sync_one(tmp_path: Path) -> None:
+    """The same conversation (a tool call that returns an image, one that reads the sample's own image, an answer)
+    written by the sync loop in one call per turn and by partial rollouts 5 tokens a call, the state taken through
+    a checkpoint after every call: each sample carries the same tokens, trained mask, positions, prompt and tool
+    images; tool tokens have no version, the model's the call's that wrote them; a group stays within the bound the
+    queue reserves for it."""
+    from easytrain.models.hf import load_model, model_folder
+    from easytrain.trainer.asynchronous import group_bound, host_bytes, tool_image_bytes
+    from easytrain.trainer.data import RLData
+    from easytrain.workers.rollout.multi_turn import MultiTurn, ToolImages
+    from rl_batches import rl_config
+
+    tools = Path(__file__).resolve().parent / "assets" / "turn_tools.py"
+    config = rl_config(tmp_path, "worker.rollout.multi_turn.enable=true", "worker.rollout.multi_turn.max_turns=3",
+                       f"worker.rollout.multi_turn.tools=[{tools}:paint,{tools}:size]", "data.max_response_length=256")
+    data = RLData(config)
+    tok, d = data.tokenizer, config.data
+    end = tok.convert_tokens_to_ids("<|im_end|>")
+    prompts = next(data.train_batches()).select([0, 1])
+
+    def text(value: str) -> list[int]:
+        return list(tok(value, add_special_tokens=False)["input_ids"])
+
+    script = [text('<tool_call>\n{"name": "paint", "arguments": {"colour": "red"}}\n</tool_call> and then') + [end],
+              text('<tool_call>\n{"name": "size", "arguments": {}}\n</tool_call>') + [end], text("3") + [end]]
+    engine = ChatScript(script, text("<|im_start|>assistant\n"), [end], tok.pad_token_id)
+    turns = MultiTurn(config.worker.rollout.multi_turn, tok, d.max_response_length,
+                      images=ToolImages(data.visuals(), d.min_pixels, d.max_pixels))
+    params = SamplingParams(n=2, temperature=1.0, top_p=1.0, top_k=0, max_new_tokens=d.max_response_length, seed=0)
+    family = family_of(load_model(config.model, model_folder(config.model)))
+    try:
+        sync = assemble(prompts, turns.generate(engine, prompts, params), params.n, family)
+        rollouts, groups = PartialRollouts(prompts, params, tok.pad_token_id, [end], turns), []
+        for version in range(40):
+            rollouts.advance(engine, 5, version)
+            groups += rollouts.finished_groups(family)
+            if not rollouts.running:
+                break
+            rollouts = through_a_checkpoint(rollouts, turns)
+    finally:
+        turns.close()
+    assert not rollouts.running and version > 3
+    partial = join_assembled(groups)
+    assert_same_samples(partial, sync, sample_inputs)
+    assert partial["tool_calls"].tolist() == sync["tool_calls"].tolist() == [2.0] * 4
+    image = prompts.meta["images"][0][0]
+    first = tok.decode(partial["responses"][0][partial["response_attention_mask"][0].bool()])
+    assert f"{image.width}x{image.height}" in first  # the size tool saw the prompt's image after every trip
+    versions, trained = partial["token_versions"], partial["response_mask"].bool()
+    present = partial["response_attention_mask"].bool()
+    assert (versions[present & ~trained] == -1).all() and (versions[trained] >= 0).all()
+    assert versions[trained].unique().numel() > 3  # the model's turns were written over many calls
+    for p, group in enumerate(groups):
+        row = prompts.select([prompts.meta["uids"].index(group.meta["uids"][0])])
+        assert host_bytes(group) <= group_bound(row, params.n, d.max_response_length, tool_image_bytes(config))

@@ -23,6 +23,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import torch
 from safetensors.torch import load_file, save_file
 
@@ -59,6 +60,10 @@ def pack(batch: Batch, prefix: str = "") -> tuple[dict[str, torch.Tensor], dict[
     if batch.pixels is not None:  # each prompt's patch rows once, as the batch holds them
         tensors.update({f"{prefix}pixels/{k}": v.contiguous() for k, v in vars(batch.pixels).items()})
     meta = {k: list(batch.meta[k]) for k in META_KEYS if k in batch.meta}
+    if "images" in batch.meta:  # the PIL images vLLM and multi-turn tools take: their pixels, exactly
+        meta["image_modes"] = [[image.mode for image in row] for row in batch.meta["images"]]
+        tensors.update({f"{prefix}images/{r}/{k}": torch.from_numpy(np.array(image))
+                        for r, row in enumerate(batch.meta["images"]) for k, image in enumerate(row)})
     json.dumps(meta)  # fails here if a list holds something JSON cannot
     return tensors, meta
 
@@ -69,8 +74,17 @@ def unpack(tensors: dict[str, torch.Tensor], meta: dict[str, list[Any]], prefix:
         return {k[len(prefix + part):]: v for k, v in tensors.items() if k.startswith(prefix + part)}
 
     pixels = under("pixels/")
-    return Batch(under("batch/"), {k: list(v) for k, v in meta.items()}, tensors.get(f"{prefix}image_counts"),
-                 Pixels(**pixels) if pixels else None)
+    lists = {k: list(v) for k, v in meta.items() if k != "image_modes"}
+    if "image_modes" in meta:
+        from PIL import Image
+
+        def image(r: int, k: int, mode: str) -> Image.Image:
+            out = Image.fromarray(tensors[f"{prefix}images/{r}/{k}"].numpy())  # RGB, L, RGBA from the shape
+            return out if out.mode == mode else out.convert(mode)
+
+        lists["images"] = [[image(r, k, mode) for k, mode in enumerate(modes)]
+                           for r, modes in enumerate(meta["image_modes"])]
+    return Batch(under("batch/"), lists, tensors.get(f"{prefix}image_counts"), Pixels(**pixels) if pixels else None)
 
 
 def save_generated(generated: Generated, folder: Path) -> dict[str, Any]:

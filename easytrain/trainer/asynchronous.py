@@ -82,10 +82,12 @@ def host_bytes(*batches: Batch) -> int:
     return sum(seen.values())
 
 
-def group_bound(prompt: Batch, n: int, max_response: int) -> int:
+def group_bound(prompt: Batch, n: int, max_response: int, tool_bytes: int = 0) -> int:
     """The most host bytes the assembled group of one prompt row can hold: ``n`` samples of its prompt width
-    plus ``max_response`` tokens, its scores, and its images' patch rows once (counted from their sizes, so the
-    figure does not depend on which batch's storage the row still shares)."""
+    plus ``max_response`` tokens, its scores, its images' (or videos') patch rows once (counted from their
+    sizes, so the figure does not depend on which batch's storage the row still shares) with each sample's
+    copy of their grids and seconds, and ``tool_bytes`` per sample for the images multi-turn tools may return
+    (:func:`tool_image_bytes`)."""
     width = prompt["input_ids"].shape[1]
     per_sample = (width + max_response) * SPANNING_BYTES_PER_TOKEN + max_response * RESPONSE_BYTES_PER_TOKEN
     visuals = 0
@@ -94,8 +96,28 @@ def group_bound(prompt: Batch, n: int, max_response: int) -> int:
         shown = torch.unique(p.index)
         row_bytes = p.blocks[:1].nbytes if len(p.blocks) else 0
         visuals = int(p.sizes[shown].sum()) * row_bytes + (len(shown) + len(p.index)) * 8 * 2
-        visuals += prompt.tensors["image_grid_thw"].nbytes + 8
-    return n * (per_sample + SCORE_BYTES) + 8 + visuals
+        per_visual = sum(prompt.tensors[k].nbytes for k in ("image_grid_thw", "visual_seconds") if k in prompt)
+        visuals += n * (per_visual + 8)  # each sample's grids, seconds and count
+    return n * (per_sample + SCORE_BYTES + tool_bytes) + 8 + visuals
+
+
+def tool_image_bytes(config: Config) -> int:
+    """The most host bytes the images multi-turn tools return take in one sample: their vision tokens are
+    response tokens, so at most data.max_response_length of them (and at most multi_turn.max_tool_images
+    images at data.max_pixels), each behind its patches' fp32 values (:class:`VisionGeometry
+    <easytrain.memory.vision.VisionGeometry>`), and each image's grid, seconds, size and index entries."""
+    from easytrain.memory.vision import vision_geometry
+    from easytrain.models.shapes import hf_config_for
+
+    turns, d = config.worker.rollout.multi_turn, config.data
+    if not (turns.enable and turns.max_tool_images):
+        return 0
+    hf_config = hf_config_for(config.model)
+    geometry = vision_geometry(hf_config) if hf_config is not None else None
+    if geometry is None:
+        return 0  # a text model: a tool's image becomes an error turn
+    tokens = min(d.max_response_length, turns.max_tool_images * geometry.image_tokens(d.max_pixels))
+    return tokens * geometry.values_per_token * 4 + turns.max_tool_images * (3 * 8 + 4 + 2 * 8)
 
 
 def owned(group: Batch) -> Batch:
@@ -154,8 +176,8 @@ class AsyncRollouts:
     """The driver's side of partial rollouts: which prompts are running, the calls in flight, the queue."""
 
     def __init__(self, rollout: WorkerGroup, n: int, target: int, max_response: int, call_tokens: int,
-                 max_staleness: int, bound_bytes: int) -> None:
-        self.rollout, self.n, self.target = rollout, n, target
+                 max_staleness: int, bound_bytes: int, tool_bytes: int = 0) -> None:
+        self.rollout, self.n, self.target, self.tool_bytes = rollout, n, target, tool_bytes
         self.max_response, self.call_tokens, self.max_staleness = max_response, call_tokens, max_staleness
         self.ahead = max(1, max_staleness - 1)
         """Step batches that may be queued and running as a step trains: a batch started then trains after those
@@ -180,6 +202,10 @@ class AsyncRollouts:
         self.started = 0
         """Prompts started so far: each gets the next number (:data:`ID`; a uid repeats from epoch to epoch)."""
 
+    def bound_of(self, prompt: Batch) -> int:
+        """The most host bytes the group of ``prompt`` (one row) can take in the queue (:func:`group_bound`)."""
+        return group_bound(prompt, self.n, self.max_response, self.tool_bytes)
+
     def reserved(self) -> int:
         """The queue's bytes and the running groups' bounds."""
         return self.queue.bytes + sum(b for _, b in self.running.values())
@@ -193,7 +219,7 @@ class AsyncRollouts:
             self.held_back()
             return Batch()
         candidate = self.unread if self.unread is not None else next(prompts)
-        bounds = [group_bound(candidate.select([i]), self.n, self.max_response) for i in range(len(candidate))]
+        bounds = [self.bound_of(candidate.select([i])) for i in range(len(candidate))]
         short = len(self.queue.groups) + len(self.running) < self.target
         if self.reserved() + sum(bounds) > self.queue.bound and not short:
             self.unread = candidate
@@ -254,7 +280,7 @@ class AsyncRollouts:
         scores = score(joined)  # and the texts it scored, in joined's meta
         for k, group in enumerate(groups):
             prompt, _ = self.running.pop(group.meta[ID][0])
-            if prompt.image_counts is not None:
+            if prompt.image_counts is not None and group.image_counts is None:  # multi-turn groups bring theirs
                 group = group.with_visuals_of(prompt.repeat_interleave(self.n))
             rows = slice(k * self.n, (k + 1) * self.n)
             if "texts" in joined.meta:
@@ -342,6 +368,7 @@ class AsyncRollouts:
             for j, pool in enumerate(pools):
                 packed, pool["meta"] = pack(pool.pop("prompts"), f"running/{m}/{j}/")
                 tensors.update(packed)
+                tensors.update({f"running/{m}/{j}/tools/{k}": t.contiguous() for k, t in pool.pop("tensors").items()})
         unread = None
         if self.unread is not None:
             packed, unread = pack(self.unread, "unread/")
@@ -364,10 +391,12 @@ class AsyncRollouts:
         for m, pools in enumerate(engines):
             for j, pool in enumerate(pools):
                 pool["prompts"] = prompts = unpack(tensors, pool.pop("meta"), f"running/{m}/{j}/")
+                tools = f"running/{m}/{j}/tools/"
+                pool["tensors"] = {k[len(tools):]: v for k, v in tensors.items() if k.startswith(tools)}
                 for p, key in enumerate(prompts.meta[ID]):
                     if p not in pool["taken"]:
                         row = prompts.select([p])
-                        self.running[key] = (row, group_bound(row, self.n, self.max_response))
+                        self.running[key] = (row, self.bound_of(row))
         self.rollout.call("load_partial_state", engines)
         self.unread = unpack(tensors, state["unread"], "unread/") if state["unread"] is not None else None
         self.calls, self.started = int(state["calls"]), int(state["started"])
@@ -388,4 +417,4 @@ def async_rollouts(config: Config, rollout: WorkerGroup, data: Any = None) -> As
     logger.info("async rollouts: calls of %d tokens, max_staleness %d, the queue bounded at %.3f GB (%s)",
                 tokens, config.algorithm.max_staleness, bound / GB, source)
     return AsyncRollouts(rollout, config.worker.rollout.n, d.rollout_batch_size, d.max_response_length, tokens,
-                         config.algorithm.max_staleness, bound)
+                         config.algorithm.max_staleness, bound, tool_image_bytes(config))

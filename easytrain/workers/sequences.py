@@ -24,6 +24,22 @@ def continue_after_prompt(positions: torch.Tensor, attention_mask: torch.Tensor,
     positions[:, :, prompt_width:] = ((start[:, None] + steps) * present)[None]
 
 
+def continued_positions(family: Family, batch: Batch) -> torch.Tensor:
+    """Multimodal rotary positions of a partial rollout's continuation rows (each one's prompt and its response
+    so far, left-padded; ``continued`` holds the response's length per row): the prompt's as the family places
+    them, and the response going on from the prompt's largest position + 1, where the decode that sampled it
+    placed it (:func:`continue_after_prompt`). The model's own rule would put that text after the prompt's last
+    token instead, which differs after a video whose temporal positions reach past the text."""
+    mask = batch["attention_mask"]
+    positions = family.positions(batch["input_ids"], batch.tensors.get("mm_token_type_ids"), batch.tensors, mask)
+    width = mask.shape[1]
+    for row, k in enumerate(batch["continued"].tolist()):
+        if k:
+            start = positions[:, row, :width - k].max() + 1
+            positions[:, row, width - k:] = start + torch.arange(k)
+    return positions
+
+
 def assemble(prompts: Batch, generated: Batch, n: int, family: Optional[Family] = None) -> Batch:
     """Join each prompt (repeated ``n`` times) with its responses: ids, masks, positions, image tensors.
 

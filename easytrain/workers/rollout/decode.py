@@ -70,10 +70,13 @@ def prefill(model: Any, once: dict[str, torch.Tensor]) -> tuple[Any, torch.Tenso
     mask = once["attention_mask"]
     inputs = dict(once)
     family.begin_prefill(model)  # nothing of the last batch's rope offsets is kept
-    if "image_grid_thw" not in once and "video_grid_thw" not in once:  # text positions, on every rope axis
+    given = once.get("position_ids")  # a continuation's (the engine placed them)
+    if given is None and "image_grid_thw" not in once and "video_grid_thw" not in once:  # text, every rope axis
         inputs["position_ids"] = family.decode_positions(generate_positions(mask))
     cache = DynamicCache(config=model.config)
     logits = model(**inputs, past_key_values=cache, use_cache=True, logits_to_keep=1).logits[:, -1].float()
+    if given is not None:
+        return cache, logits, given.reshape(-1, *mask.shape).amax(dim=(0, 2)) + 1
     offsets = family.prefill_offsets(model, mask.shape[0], mask.device)
     return cache, logits, mask.long().sum(-1) + offsets
 

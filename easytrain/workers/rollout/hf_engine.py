@@ -37,6 +37,7 @@ from easytrain.models.families import family_of
 from easytrain.workers.rollout.decode import decode
 from easytrain.workers.rollout.engine import EngineSpec, RolloutEngine, SamplingParams, describe_sleep, response_mask
 from easytrain.workers.rollout.static_decode import StaticDecoder, unsupported, wants_static
+from easytrain.workers.sequences import continued_positions
 
 logger = logging.getLogger(__name__)
 
@@ -224,9 +225,13 @@ class HFEngine(RolloutEngine):
                       "rollout_log_probs": (raw_log_probs * mask).cpu()})
 
     def _inputs(self, batch: Batch) -> dict[str, torch.Tensor]:
-        """What generation feeds the model from ``batch``, on this engine's device (videos split from images)."""
-        return model_inputs(batch, self.device, family_of(self.model), GENERATE_INPUTS,
-                            takes_video_seconds(self.model))
+        """What generation feeds the model from ``batch``, on this engine's device (videos split from images); a
+        partial rollout's continuation (``continued``) with its positions (:func:`continued_positions`)."""
+        family = family_of(self.model)
+        inputs = model_inputs(batch, self.device, family, GENERATE_INPUTS, takes_video_seconds(self.model))
+        if "continued" in batch and family.rope_rows and "mm_token_type_ids" in batch:
+            inputs["position_ids"] = continued_positions(family, batch).to(self.device)
+        return inputs
 
     @torch.no_grad()
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> int:

@@ -58,13 +58,16 @@ class Episode:
     images: list[Any] = field(default_factory=list)
     """The same images as sized for the model (PIL), for an engine that takes images (vLLM)."""
     versions: list[int] = field(default_factory=list)
-    """Per token, the weight version that sampled it (partial rollouts: :mod:`easytrain.workers.rollout.partial`)."""
+    """Per token, the weight version that sampled it, -1 for a tool turn's (partial rollouts:
+    :mod:`easytrain.workers.rollout.partial`)."""
+    turn_start: int = 0
+    """Where the model turn being written began in :attr:`ids` (after the last tool turn)."""
 
     def add(self, ids: list[int], log_probs: list[float], trained: bool, version: int = 0) -> None:
         self.ids += ids
         self.log_probs += log_probs
         self.trained += [trained] * len(ids)
-        self.versions += [version] * len(ids)
+        self.versions += [version if trained else -1] * len(ids)
 
 
 @dataclass
@@ -129,7 +132,7 @@ class MultiTurn:
         for turn in range(1, self.cfg.max_turns):
             due = [i for i, e in enumerate(episodes) if e.call is not None]
             for i in due:
-                self._tool_turn(episodes[i], rows.meta["images"][i] if "images" in rows.meta else [])
+                self.tool_turn(episodes[i], rows.meta["images"][i] if "images" in rows.meta else [])
             active = [i for i in due if len(episodes[i].ids) < self.max_length]  # room left for a model turn
             if not active:
                 break
@@ -138,7 +141,7 @@ class MultiTurn:
             turn_params = SamplingParams(1, params.temperature, params.top_p, params.top_k, budget, seed)
             self._take(episodes, active, engine.generate(self._continuation(rows, episodes, active), turn_params),
                        can_call=turn < last)
-        return self._output(rows, episodes)
+        return self.output(rows, episodes)
 
     def _take(self, episodes: list[Episode], indices: list[int], out: Batch, can_call: bool) -> None:
         """Append one model turn per row of ``out`` to ``episodes[indices]``, cut to the room left and, when a
@@ -148,13 +151,25 @@ class MultiTurn:
             e = episodes[i]
             valid = out["response_mask"][j].bool()
             ids = out["responses"][j][valid].tolist()[:self.max_length - len(e.ids)]
-            log_probs = out["rollout_log_probs"][j][valid].tolist()[:len(ids)]
-            end = self._call_end(ids) if can_call else None
-            e.call = None
-            if end is not None:
-                ids, log_probs = ids[:end], log_probs[:end]
-                e.call = self.tokenizer.decode(ids, skip_special_tokens=False)
-            e.add(ids, log_probs, trained=True)
+            e.add(*self.cut(e, ids, out["rollout_log_probs"][j][valid].tolist()[:len(ids)], can_call), trained=True)
+
+    def cut(self, e: Episode, ids: list[int], log_probs: list[float], can_call: bool) -> tuple[list[int], list[float]]:
+        """What to keep of ``ids``, the next tokens of ``e``'s model turn: when a tool turn may follow
+        (``can_call``), up to the end of the turn's first complete tool call, whose text goes to ``e.call`` (the
+        call may have begun in the turn's tokens before these: a partial rollout writes a turn over several
+        engine calls); else all of them."""
+        e.call = None
+        before = e.ids[e.turn_start:]
+        end = self._call_end(before + ids) if can_call else None
+        if end is None:
+            return ids, log_probs
+        keep = end - len(before)  # >= 1: the turn's earlier tokens held no complete call, or it would have ended
+        e.call = self.tokenizer.decode(before + ids[:keep], skip_special_tokens=False)
+        return ids[:keep], log_probs[:keep]
+
+    def can_call(self, e: Episode) -> bool:
+        """A tool turn may follow ``e``'s model turn: it is not the last of worker.rollout.multi_turn.max_turns."""
+        return e.calls < self.cfg.max_turns - 1
 
     def _call_end(self, ids: list[int]) -> Optional[int]:
         """The fewest leading tokens of ``ids`` whose text holds a complete tool call (None: no call)."""
@@ -169,11 +184,15 @@ class MultiTurn:
                 high = mid
         return low
 
-    def _tool_turn(self, e: Episode, images: list[Any]) -> None:
+    def tool_turn(self, e: Episode, images: list[Any]) -> None:
         """Run the call ``e`` ended with (a tool that takes ``images`` gets the sample's, PIL) and append its
         result as a tool turn (untrained), its images with it; a text turn is cut to the room left, a turn with
-        images that does not fit is an error turn."""
+        images that does not fit is an error turn. The next model turn begins after it."""
         assert e.call is not None
+        self._run_tool(e, images)
+        e.turn_start = len(e.ids)
+
+    def _run_tool(self, e: Episode, images: list[Any]) -> None:
         result = self.runner.run(parse_tool_call(e.call), {"images": list(images)})
         e.calls += 1
         e.call = None
@@ -219,13 +238,14 @@ class MultiTurn:
         return ids, pixel_values, grid, fitted
 
     def _continuation(self, rows: Batch, episodes: list[Episode], active: list[int]) -> Batch:
-        return continuation(rows, episodes, active, self.tokenizer.pad_token_id, self._types)
+        return continuation(rows, episodes, active, self.tokenizer.pad_token_id, self.types)
 
-    def _types(self, ids: torch.Tensor) -> torch.Tensor:
+    def types(self, ids: torch.Tensor) -> torch.Tensor:
         """``mm_token_type_ids`` of response tokens: the image pads of tool turns are image tokens."""
         return mm_token_type_ids(ids, self.images.visuals.image_token_id if self.images is not None else -1)
 
-    def _output(self, rows: Batch, episodes: list[Episode]) -> Batch:
+    def output(self, rows: Batch, episodes: list[Episode]) -> Batch:
+        """The responses of ``episodes`` (one per row of ``rows``) as :meth:`generate` returns them."""
         width = max(1, max(len(e.ids) for e in episodes))
         pad = self.tokenizer.pad_token_id
         responses = torch.full((len(episodes), width), pad, dtype=torch.long)
@@ -244,7 +264,7 @@ class MultiTurn:
                    "tool_errors": torch.tensor([float(e.errors) for e in episodes])}
         if not any(e.grids for e in episodes):
             return Batch(tensors)
-        tensors["response_mm_token_type_ids"] = self._types(responses) * present.long()
+        tensors["response_mm_token_type_ids"] = self.types(responses) * present.long()
         counts, pixels = with_images(tensors, rows, episodes, list(range(len(episodes))))
         return Batch(tensors, image_counts=counts, pixels=pixels)
 
@@ -252,8 +272,9 @@ class MultiTurn:
 
 def with_images(tensors: dict[str, torch.Tensor], rows: Batch, episodes: list[Episode],
                 indices: list[int]) -> tuple[Optional[torch.Tensor], Optional[Pixels]]:
-    """The visuals of rows ``indices``, each row's prompt images then its tool turns': their grids into
-    ``tensors``, their counts per row and their patch rows (a prompt's stored once, as ``rows`` holds them)."""
+    """The visuals of rows ``indices``, each row's prompt images (or videos) then its tool turns': their grids
+    and, where the prompts carry them, ``visual_seconds`` (0 for a tool's still image) into ``tensors``, their
+    counts per row and their patch rows (a prompt's stored once, as ``rows`` holds them)."""
     prompts = rows.select(indices) if rows.image_counts is not None and "image_grid_thw" in rows else None
     from_prompt = [0] * len(indices) if prompts is None else prompts.image_counts.tolist()  # type: ignore[union-attr]
     from_tools = [sum(int(g.shape[0]) for g in episodes[i].grids) for i in indices]
@@ -272,6 +293,9 @@ def with_images(tensors: dict[str, torch.Tensor], rows: Batch, episodes: list[Ep
         prompt_next, tool_next = prompt_next + own, tool_next + tools
     index = torch.tensor(order, dtype=torch.long)
     tensors["image_grid_thw"] = torch.cat(grids)[index]
+    if prompts is not None and "visual_seconds" in prompts:  # a video's temporal positions step by it
+        still = torch.zeros(sum(from_tools), dtype=prompts["visual_seconds"].dtype)
+        tensors["visual_seconds"] = torch.cat([prompts["visual_seconds"], still])[index]
     return torch.tensor([p + t for p, t in zip(from_prompt, from_tools)]), Pixels.concat(parts).take(index)
 
 

@@ -146,19 +146,22 @@ class RolloutWorker(*debug_bases(RolloutDebug), WorkerBase):  # type: ignore[mis
         """trainer.rollout_mode=async: start ``prompts`` (this engine's share, maybe none) and add up to ``tokens``
         to every unfinished response with the weights of ``version``; a batch whose first tokens are of a version
         before ``finish_before`` is generated to its end now (algorithm.max_staleness). Returns the groups (a
-        prompt's n responses) finished, each assembled at its own widths, without the prompts' visuals (the
-        driver holds them), as ``groups``, and when the call ended (``finished_at``, time.time()). ``call`` numbers
-        the calls of the run (the seeds' part, as :meth:`generate`'s)."""
+        prompt's n responses) finished, each assembled at its own widths, as ``groups``: without the prompts'
+        visuals (the driver holds them), but multi-turn groups with every visual (tool turns may have added
+        some); and when the call ended (``finished_at``, time.time()). ``call`` numbers the calls of the run (the
+        seeds' part, as :meth:`generate`'s)."""
         assert self.engine is not None, "setup() first"
         if len(prompts):
             params = self.sampling(False, step, call)
-            self.partial.append(PartialRollouts(prompts, params, self.spec.pad_id, self.spec.stop_ids))
+            self.partial.append(PartialRollouts(prompts, params, self.spec.pad_id, self.spec.stop_ids,
+                                                self.multi_turn))
         groups: list[Batch] = []
         for rollouts in self.partial:
             first = version if rollouts.first_version is None else rollouts.first_version
             budget = self.config.data.max_response_length if first < finish_before else tokens
             rollouts.advance(self.engine, budget, version)
-            groups += [g.without_visuals() for g in rollouts.finished_groups(self.family)]
+            finished = rollouts.finished_groups(self.family)
+            groups += finished if self.multi_turn is not None else [g.without_visuals() for g in finished]
         self.partial = [r for r in self.partial if r.running]
         return {"groups": groups, "finished_at": time.time()}
 
@@ -170,7 +173,7 @@ class RolloutWorker(*debug_bases(RolloutDebug), WorkerBase):  # type: ignore[mis
     @dispatch(Dispatch.EACH)
     def load_partial_state(self, pools: list[dict[str, Any]]) -> None:
         """Continue the batches :meth:`partial_state` returned (this engine's), as they were."""
-        self.partial = [PartialRollouts.restored(pool) for pool in pools]
+        self.partial = [PartialRollouts.restored(pool, self.multi_turn) for pool in pools]
 
     @dispatch(Dispatch.BROADCAST)
     def sleep(self) -> int:
