@@ -23,8 +23,16 @@ ASYNC = ["trainer.colocate=false", "trainer.rollout_mode=async", "trainer.worker
 and weight syncs."""
 
 
+VIDEOS = ["data.train_files=synthetic:shapes/colour+motion", "data.video_key=videos", "data.video_fps=0.05",
+          "data.synthetic_difficulty=0"]
+"""Image questions and motion clips in one batch; at 0.05 fps a clip's temporal positions reach past the text
+after it, where a continuation's response must be placed as the decode placed it."""
+
+
 def test_each_token_is_trained_against_the_weights_that_sampled_it(ray_local: None, tmp_path: Path) -> None:
-    config = make_config(str(tmp_path), *ASYNC)
+    """Image and video rows whose responses go on across weight syncs: each trained token's ratio log-prob is its
+    own version's, recomputed here over the batch the update took."""
+    config = make_config(str(tmp_path), *ASYNC, *VIDEOS)
     trainer = RecordingTrainer(config)
     try:
         weights = [trainer.roles.actor.call("full_state_dict")]  # weights[v]: after v updates
@@ -37,6 +45,7 @@ def test_each_token_is_trained_against_the_weights_that_sampled_it(ray_local: No
     finally:
         trainer.close()
     spanning = 0
+    assert any(bool((batch["visual_seconds"] > 0).any()) for batch in updated)  # video rows trained
     for step, batch in enumerate(updated, start=1):
         mask = batch["response_mask"].bool()
         versions = batch["token_versions"]
@@ -118,3 +127,26 @@ def test_a_bound_that_binds_pauses_generation_and_the_node_stays_under_the_plan(
     measured = max(sum(s.values()) for s in samples.values() if len(s) == processes)
     planned = plan(load([f"trainer.output_dir={tmp_path / 'probe'}", "+exp=tiny", *overrides])).host_peak
     assert measured <= planned, (measured, planned)
+
+
+def test_multi_turn_episodes_run_async_with_their_images(ray_local: None, tmp_path: Path) -> None:
+    """Multi-turn rollouts (the tools' schemas in the prompts, the real engine, whose random model writes no calls)
+    in async mode: the rollout worker sends each finished group back with its visuals, the driver keeps them, and
+    every updated batch trains on each prompt's image with the tool metrics logged."""
+    tools = Path(__file__).resolve().parent / "assets" / "turn_tools.py"
+    config = make_config(str(tmp_path), *ASYNC, "worker.rollout.multi_turn.enable=true",
+                         f"worker.rollout.multi_turn.tools=[{tools}:count,{tools}:paint]", "data.max_response_length=16",
+                         "trainer.async_call_tokens=5")
+    trainer = RecordingTrainer(config)
+    try:
+        metrics = []
+        for step in range(1, 4):
+            trainer.step = step
+            metrics.append(trainer.train_step().metrics)
+        updated: list[Batch] = trainer.updated  # type: ignore[attr-defined]
+    finally:
+        trainer.close()
+    for batch in updated:
+        assert batch.image_counts is not None and batch.image_counts.tolist() == [1] * len(batch)
+        assert batch.pixels is not None and "response_attention_mask" in batch
+    assert all("rollout/tool_calls" in m and m["rollout/staleness_max"] <= 3 for m in metrics)
