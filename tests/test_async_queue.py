@@ -41,8 +41,9 @@ def prompts(widths: list[int], first_uid: int = 0, images: bool = True) -> Batch
                  torch.ones(len(widths), dtype=torch.long))
 
 
-def responses(lengths: list[int], version: int) -> Batch:
-    """Right-padded responses of ``lengths`` tokens (token k of row r is 1000 * (r + 1) + k)."""
+def responses(lengths: list[int], version: int, turns: bool = False) -> Batch:
+    """Right-padded responses of ``lengths`` tokens (token k of row r is 1000 * (r + 1) + k); ``turns``: with a
+    multi-turn rollout's tensors too (the attention mask over tool turns, tool calls and errors per row)."""
     width = max(lengths)
     ids = torch.zeros(len(lengths), width, dtype=torch.long)
     mask = torch.zeros(len(lengths), width)
@@ -51,7 +52,11 @@ def responses(lengths: list[int], version: int) -> Batch:
         ids[r, :k] = 1000 * (r + 1) + torch.arange(k)
         mask[r, :k] = 1
         versions[r, :k] = version
-    return Batch({"responses": ids, "response_mask": mask, "rollout_log_probs": -mask, "token_versions": versions})
+    tensors = {"responses": ids, "response_mask": mask, "rollout_log_probs": -mask, "token_versions": versions}
+    if turns:
+        tensors.update(response_attention_mask=mask.clone(), tool_calls=torch.ones(len(lengths)),
+                       tool_errors=torch.zeros(len(lengths)))
+    return Batch(tensors)
 
 
 def test_groups_of_different_widths_join_with_prompts_left_and_responses_right() -> None:
@@ -75,13 +80,14 @@ def test_groups_of_different_widths_join_with_prompts_left_and_responses_right()
     assert joined.image_counts.tolist() == [1, 1, 1, 1]  # type: ignore[union-attr]
 
 
-def test_the_queue_counts_each_prompts_pixels_once_and_a_group_stays_within_its_bound() -> None:
+@pytest.mark.parametrize("turns", [False, True])
+def test_the_queue_counts_each_prompts_pixels_once_and_a_group_stays_within_its_bound(turns: bool) -> None:
     batch = prompts([4, 6, 5])
     queue = SampleQueue(bound=10**9)
     expected = 0
     for p in range(len(batch)):
         row = batch.select([p])
-        group = assemble(row, responses([3, 8], 0), N)
+        group = assemble(row, responses([3, 8], 0, turns), N)
         scores = {"overall": torch.tensor([1.0, 0.0]), "accuracy": torch.tensor([1.0, 0.0])}
         queue.put(group, scores)
         patch_rows = 4 * (p + 1)
@@ -208,3 +214,23 @@ def test_a_bound_below_a_steps_batch_is_a_config_error_naming_the_size() -> None
     with pytest.raises(ConfigError) as err:
         pipeline.next_batch(loader(2), 1, 0, lambda b: {"overall": torch.ones(len(b))}, PhaseTimer())
     assert str(err.value).startswith("trainer.async_queue_gb=") and f"{2 * batch / 1e9:.3g}" in str(err.value)
+
+
+def test_groups_with_and_without_visuals_join() -> None:
+    """Text prompts whose multi-turn tools returned images in one group and none in another: joined in either
+    order, each sample keeps its own visuals (none: a count of 0), where Batch.concat once took the first group's
+    layout (a KeyError, or the other group's images dropped)."""
+    with_images = assemble(prompts([3]), responses([2, 4], 0), N)
+    without = assemble(prompts([5], images=False), responses([3, 1], 0), N)
+    for order in ([with_images, without], [without, with_images]):
+        joined = join_assembled(order)
+        assert joined.image_counts is not None and joined.pixels is not None
+        for k, part in enumerate(order):
+            rows = joined.select(range(k * N, (k + 1) * N))
+            own = part.image_counts if part.image_counts is not None else torch.zeros(N, dtype=torch.long)
+            assert rows.image_counts.tolist() == own.tolist()  # type: ignore[union-attr]
+            if part.pixels is not None:
+                assert torch.equal(rows["pixel_values"], part["pixel_values"])
+                assert torch.equal(rows["image_grid_thw"], part["image_grid_thw"])
+            else:
+                assert rows["image_grid_thw"].shape == (0, 3) and rows["pixel_values"].shape[0] == 0

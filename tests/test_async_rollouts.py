@@ -132,21 +132,20 @@ def test_a_bound_that_binds_pauses_generation_and_the_node_stays_under_the_plan(
 def test_multi_turn_episodes_run_async_with_their_images(ray_local: None, tmp_path: Path) -> None:
     """Multi-turn rollouts (the tools' schemas in the prompts, the real engine, whose random model writes no calls)
     in async mode: the rollout worker sends each finished group back with its visuals, the driver keeps them, and
-    every updated batch trains on each prompt's image with the tool metrics logged."""
+    every updated batch trains on each prompt's image."""
     tools = Path(__file__).resolve().parent / "assets" / "turn_tools.py"
     config = make_config(str(tmp_path), *ASYNC, "worker.rollout.multi_turn.enable=true",
                          f"worker.rollout.multi_turn.tools=[{tools}:count,{tools}:paint]", "data.max_response_length=16",
                          "trainer.async_call_tokens=5")
     trainer = RecordingTrainer(config)
     try:
-        metrics = []
         for step in range(1, 4):
             trainer.step = step
-            metrics.append(trainer.train_step().metrics)
+            trainer.train_step()
         updated: list[Batch] = trainer.updated  # type: ignore[attr-defined]
     finally:
         trainer.close()
+    assert len(updated) == 3
     for batch in updated:
         assert batch.image_counts is not None and batch.image_counts.tolist() == [1] * len(batch)
         assert batch.pixels is not None and "response_attention_mask" in batch
-    assert all("rollout/tool_calls" in m and m["rollout/staleness_max"] <= 3 for m in metrics)

@@ -6,8 +6,9 @@ from __future__ import annotations
 
 import copy
 import tempfile
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, Iterator
 
 import pytest
 import torch
@@ -213,18 +214,30 @@ def through_a_checkpoint(rollouts: PartialRollouts, turns: Any) -> PartialRollou
         tensors = load_file(f"{folder}/state.safetensors")
     state = json.loads(json.dumps(state))
     state["prompts"] = unpack(tensors, meta, "prompts/")
+    for before, after in zip(rollouts.prompts.meta["images"], state["prompts"].meta["images"]):
+        assert [(im.mode, im.tobytes()) for im in before] == [(im.mode, im.tobytes()) for im in after]
     state["tensors"] = {k[len("tools/"):]: v for k, v in tensors.items() if k.startswith("tools/")}
     return PartialRollouts.restored(state, turns)
 
 
-def test_a_multi_turn_episode_with_tool_images_continues_over_calls_and_trains_as_the_sync_one(tmp_path: Path) -> None:
-    """The same conversation (a tool call that returns an image, one that reads the sample's own image, an answer)
-    written by the sync loop in one call per turn and by partial rollouts 5 tokens a call, the state taken through
-    a checkpoint after every call: each sample carries the same tokens, trained mask, positions, prompt and tool
-    images; tool tokens have no version, the model's the call's that wrote them; a group stays within the bound the
-    queue reserves for it."""
+@dataclass
+class Conversation:
+    """A scripted conversation on the tiny Qwen2.5-VL with image prompts: a tool call that returns an image, one
+    that reads the sample's own image, an answer."""
+
+    config: Any
+    prompts: Batch
+    tokenizer: Any
+    end: int
+    engine: ChatScript
+    turns: Any
+    params: SamplingParams
+    family: Any
+
+
+@pytest.fixture
+def conversation(tmp_path: Path) -> Iterator[Conversation]:
     from easytrain.models.hf import load_model, model_folder
-    from easytrain.trainer.asynchronous import group_bound, host_bytes, tool_image_bytes
     from easytrain.trainer.data import RLData
     from easytrain.workers.rollout.multi_turn import MultiTurn, ToolImages
     from rl_batches import rl_config
@@ -235,40 +248,68 @@ def test_a_multi_turn_episode_with_tool_images_continues_over_calls_and_trains_a
     data = RLData(config)
     tok, d = data.tokenizer, config.data
     end = tok.convert_tokens_to_ids("<|im_end|>")
-    prompts = next(data.train_batches()).select([0, 1])
 
     def text(value: str) -> list[int]:
         return list(tok(value, add_special_tokens=False)["input_ids"])
 
     script = [text('<tool_call>\n{"name": "paint", "arguments": {"colour": "red"}}\n</tool_call> and then') + [end],
               text('<tool_call>\n{"name": "size", "arguments": {}}\n</tool_call>') + [end], text("3") + [end]]
-    engine = ChatScript(script, text("<|im_start|>assistant\n"), [end], tok.pad_token_id)
     turns = MultiTurn(config.worker.rollout.multi_turn, tok, d.max_response_length,
                       images=ToolImages(data.visuals(), d.min_pixels, d.max_pixels))
-    params = SamplingParams(n=2, temperature=1.0, top_p=1.0, top_k=0, max_new_tokens=d.max_response_length, seed=0)
-    family = family_of(load_model(config.model, model_folder(config.model)))
     try:
-        sync = assemble(prompts, turns.generate(engine, prompts, params), params.n, family)
-        rollouts, groups = PartialRollouts(prompts, params, tok.pad_token_id, [end], turns), []
-        for version in range(40):
-            rollouts.advance(engine, 5, version)
-            groups += rollouts.finished_groups(family)
-            if not rollouts.running:
-                break
-            rollouts = through_a_checkpoint(rollouts, turns)
+        yield Conversation(config, next(data.train_batches()).select([0, 1]), tok, end,
+                           ChatScript(script, text("<|im_start|>assistant\n"), [end], tok.pad_token_id), turns,
+                           SamplingParams(n=2, temperature=1.0, top_p=1.0, top_k=0,
+                                          max_new_tokens=d.max_response_length, seed=0),
+                           family_of(load_model(config.model, model_folder(config.model))))
     finally:
         turns.close()
+
+
+def test_a_multi_turn_episode_with_tool_images_continues_over_calls_and_trains_as_the_sync_one(
+        conversation: Conversation) -> None:
+    """The conversation written by the sync loop in one call per turn and by partial rollouts 5 tokens a call, the
+    state taken through a checkpoint after every call: each sample carries the same tokens, trained mask,
+    positions, prompt and tool images; tool tokens have no version, the model's the call's that wrote them; a
+    group stays within the bound the queue reserves for it."""
+    from easytrain.trainer.asynchronous import group_bound, host_bytes, tool_image_bytes
+
+    c = conversation
+    sync = assemble(c.prompts, c.turns.generate(c.engine, c.prompts, c.params), c.params.n, c.family)
+    rollouts, groups = PartialRollouts(c.prompts, c.params, c.tokenizer.pad_token_id, [c.end], c.turns), []
+    for version in range(40):
+        rollouts.advance(c.engine, 5, version)
+        groups += rollouts.finished_groups(c.family)
+        if not rollouts.running:
+            break
+        rollouts = through_a_checkpoint(rollouts, c.turns)
     assert not rollouts.running and version > 3
     partial = join_assembled(groups)
     assert_same_samples(partial, sync, sample_inputs)
     assert partial["tool_calls"].tolist() == sync["tool_calls"].tolist() == [2.0] * 4
-    image = prompts.meta["images"][0][0]
-    first = tok.decode(partial["responses"][0][partial["response_attention_mask"][0].bool()])
+    image = c.prompts.meta["images"][0][0]
+    first = c.tokenizer.decode(partial["responses"][0][partial["response_attention_mask"][0].bool()])
     assert f"{image.width}x{image.height}" in first  # the size tool saw the prompt's image after every trip
     versions, trained = partial["token_versions"], partial["response_mask"].bool()
     present = partial["response_attention_mask"].bool()
     assert (versions[present & ~trained] == -1).all() and (versions[trained] >= 0).all()
     assert versions[trained].unique().numel() > 3  # the model's turns were written over many calls
-    for p, group in enumerate(groups):
-        row = prompts.select([prompts.meta["uids"].index(group.meta["uids"][0])])
-        assert host_bytes(group) <= group_bound(row, params.n, d.max_response_length, tool_image_bytes(config))
+    n, length = c.params.n, c.config.data.max_response_length
+    for group in groups:
+        row = c.prompts.select([c.prompts.meta["uids"].index(group.meta["uids"][0])])
+        assert host_bytes(group) <= group_bound(row, n, length, tool_image_bytes(c.config))
+
+
+def test_max_staleness_finishes_a_multi_turn_episode_under_one_version(conversation: Conversation) -> None:
+    """algorithm.max_staleness's forced finish (:meth:`PartialRollouts.finish`) goes on through the tool turns: the
+    episodes end under the version they began with, as the sync loop writes them."""
+    c = conversation
+    sync = assemble(c.prompts, c.turns.generate(c.engine, c.prompts, c.params), c.params.n, c.family)
+    rollouts = PartialRollouts(c.prompts, c.params, c.tokenizer.pad_token_id, [c.end], c.turns)
+    rollouts.advance(c.engine, 5, version=0)
+    rollouts.finish(c.engine, version=0)
+    assert not rollouts.running
+    partial = join_assembled(rollouts.finished_groups(c.family))
+    assert_same_samples(partial, sync, sample_inputs)
+    trained = partial["response_mask"].bool()
+    assert (partial["token_versions"][trained] == 0).all() and partial["tool_calls"].tolist() == [2.0] * 4

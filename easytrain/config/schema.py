@@ -347,8 +347,8 @@ class AlgorithmConfig(Section):
     max_staleness: int = bounded(2, low=0)
     """trainer.rollout_mode=async: the most weight versions between a token's sampling and the update that
     trains it. New prompts start while fewer than max_staleness - 1 step batches (at least one) are queued and
-    running; a batch whose first tokens would train older is generated to its end in one call; a queued group
-    past it is dropped (rollout/stale_dropped)."""
+    running; a batch whose first tokens would train older is generated to its end in one call (through its tool
+    turns); a queued group past it is dropped (rollout/stale_dropped)."""
     kl_coef: float = bounded(1e-2, low=0.0)
     """Weight of the KL term (initial value when kl_type=adaptive)."""
     kl_type: str = choice("fixed", "fixed", "adaptive")

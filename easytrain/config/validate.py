@@ -292,8 +292,9 @@ def _check_async(cfg: Config) -> None:
     tool_images = r.multi_turn.enable and r.multi_turn.max_tool_images > 0
     if r.engine == "vllm" and (cfg.data.image_key or tool_images):
         raise ConfigError("trainer.rollout_mode", t.rollout_mode, "partial rollouts with vLLM and images (the "
-                          "prompts' or multi-turn tools') are not built yet", "set worker.rollout.engine=hf, "
-                          "trainer.rollout_mode=one_step_off, or (text prompts) multi_turn.max_tool_images=0")
+                          "prompts' or multi-turn tools') are not built yet", "set worker.rollout.engine=hf or "
+                          "trainer.rollout_mode=one_step_off" + (", or (text prompts) worker.rollout.multi_turn."
+                                                                 "max_tool_images=0" if tool_images and not cfg.data.image_key else ""))
     if cfg.algorithm.max_staleness < 1:
         raise ConfigError("algorithm.max_staleness", cfg.algorithm.max_staleness, "an async step trains on tokens "
                           "the weights before its last sync sampled (1 version old) at the least",

@@ -208,8 +208,11 @@ class Batch:
     @staticmethod
     def concat(batches: Sequence["Batch"]) -> "Batch":
         """Samples of every batch in order; tensors padded on the right to a common length when needed."""
-        batches = [_with_seconds(b) if any("visual_seconds" in o.tensors for o in batches) else b
-                   for b in batches if len(b)]
+        batches = [b for b in batches if len(b)]
+        like = next((b for b in batches if b.pixels is not None), None)
+        if like is not None:  # a batch without visuals joins with none (text prompts beside tool images)
+            batches = [b if b.pixels is not None else _without_any(b, like) for b in batches]
+        batches = [_with_seconds(b) if any("visual_seconds" in o.tensors for o in batches) else b for b in batches]
         if not batches:
             return Batch()
         first = batches[0]
@@ -270,6 +273,15 @@ def _ranges(offsets: torch.Tensor, which: torch.Tensor) -> torch.Tensor:
     total = int(counts.sum())
     placed = torch.cumsum(counts, 0) - counts  # where each run begins in the output
     return torch.repeat_interleave(starts - placed, counts, output_size=total) + torch.arange(total)
+
+
+def _without_any(batch: Batch, like: Batch) -> Batch:
+    """``batch``, which has no visuals, with none in ``like``'s layout (zero counts, empty grids and rows), so it
+    joins batches that have some."""
+    empty = {k: like.tensors[k][:0] for k in PACKED_IMAGE_KEYS if k in like.tensors}
+    none = torch.zeros(0, dtype=torch.long)
+    return Batch({**batch.tensors, **empty}, batch.meta, torch.zeros(len(batch), dtype=torch.long),
+                 Pixels(like.pixels.blocks[:0], none, none.clone()))  # type: ignore[union-attr]
 
 
 def _with_seconds(batch: Batch) -> Batch:

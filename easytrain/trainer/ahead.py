@@ -53,17 +53,23 @@ def importance_weights(actor: torch.Tensor, engine: torch.Tensor, mask: torch.Te
 
 def pack(batch: Batch, prefix: str = "") -> tuple[dict[str, torch.Tensor], dict[str, list[Any]]]:
     """``batch`` as safetensors' tensors (named under ``prefix``) and its :data:`META_KEYS` lists (JSON-able:
-    checked here, before a checkpoint is published)."""
+    checked here, before a checkpoint is published); the PIL images of ``meta["images"]`` as uint8 tensors, each
+    distinct image once."""
     tensors = {f"{prefix}batch/{k}": v.contiguous() for k, v in batch.tensors.items()}
     if batch.image_counts is not None:
         tensors[f"{prefix}image_counts"] = batch.image_counts.contiguous()
     if batch.pixels is not None:  # each prompt's patch rows once, as the batch holds them
         tensors.update({f"{prefix}pixels/{k}": v.contiguous() for k, v in vars(batch.pixels).items()})
     meta = {k: list(batch.meta[k]) for k in META_KEYS if k in batch.meta}
-    if "images" in batch.meta:  # the PIL images vLLM and multi-turn tools take: their pixels, exactly
-        meta["image_modes"] = [[image.mode for image in row] for row in batch.meta["images"]]
-        tensors.update({f"{prefix}images/{r}/{k}": torch.from_numpy(np.array(image))
-                        for r, row in enumerate(batch.meta["images"]) for k, image in enumerate(row)})
+    if "images" in batch.meta:  # the PIL images vLLM and multi-turn tools take: their pixels, each image once
+        distinct: dict[int, int] = {}
+        for row in batch.meta["images"]:
+            for image in row:
+                if id(image) not in distinct:
+                    tensors[f"{prefix}images/{len(distinct)}"] = torch.from_numpy(np.array(image))
+                    meta.setdefault("image_modes", []).append(image.mode)
+                    distinct[id(image)] = len(distinct)
+        meta["image_refs"] = [[distinct[id(image)] for image in row] for row in batch.meta["images"]]
     json.dumps(meta)  # fails here if a list holds something JSON cannot
     return tensors, meta
 
@@ -74,16 +80,16 @@ def unpack(tensors: dict[str, torch.Tensor], meta: dict[str, list[Any]], prefix:
         return {k[len(prefix + part):]: v for k, v in tensors.items() if k.startswith(prefix + part)}
 
     pixels = under("pixels/")
-    lists = {k: list(v) for k, v in meta.items() if k != "image_modes"}
-    if "image_modes" in meta:
+    lists = {k: list(v) for k, v in meta.items() if k not in ("image_modes", "image_refs")}
+    if "image_refs" in meta:
         from PIL import Image
 
-        def image(r: int, k: int, mode: str) -> Image.Image:
-            out = Image.fromarray(tensors[f"{prefix}images/{r}/{k}"].numpy())  # RGB, L, RGBA from the shape
+        def image(u: int, mode: str) -> Image.Image:
+            out = Image.fromarray(tensors[f"{prefix}images/{u}"].numpy())  # RGB, L, RGBA from the shape
             return out if out.mode == mode else out.convert(mode)
 
-        lists["images"] = [[image(r, k, mode) for k, mode in enumerate(modes)]
-                           for r, modes in enumerate(meta["image_modes"])]
+        images = [image(u, mode) for u, mode in enumerate(meta.get("image_modes", []))]
+        lists["images"] = [[images[u] for u in row] for row in meta["image_refs"]]
     return Batch(under("batch/"), lists, tensors.get(f"{prefix}image_counts"), Pixels(**pixels) if pixels else None)
 
 

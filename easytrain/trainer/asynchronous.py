@@ -18,7 +18,7 @@ Staleness: a step that trains with the actor at version ``v`` (the updates appli
 versions ``v - 1`` and older (the last step's call ran under the weights of the sync before it).
 ``rollout/staleness`` is ``v`` minus a token's version, mean and max over the step's tokens. A batch whose
 first tokens would be more than ``algorithm.max_staleness`` versions old when trained is generated to its end
-in one call instead of in parts; a group that waited in the queue past it is dropped
+in one call instead of in parts (a multi-turn episode through its tool turns); a group that waited in the queue past it is dropped
 (``rollout/stale_dropped``).
 """
 
@@ -46,9 +46,9 @@ from easytrain.workers.sequences import join_assembled
 logger = logging.getLogger(__name__)
 
 GB = 1e9
-RESPONSE_BYTES_PER_TOKEN = 8 + 4 + 4 + 8
-"""A response column of an assembled sample: its token id (int64), mask and sampling log-prob (float32) and
-weight version (int64)."""
+RESPONSE_BYTES_PER_TOKEN = 8 + 4 + 4 + 4 + 8
+"""A response column of an assembled sample: its token id (int64), mask, multi-turn attention mask and sampling
+log-prob (float32) and weight version (int64)."""
 SPANNING_BYTES_PER_TOKEN = 8 + 8 + 8 + 3 * 8
 """A column that spans prompt and response: token id, attention mask, token type (int64 each) and up to three
 rows of position ids (multimodal rotary; int64)."""
@@ -62,8 +62,9 @@ CALLS_AHEAD = 2
 (and starts new prompts where :attr:`AsyncRollouts.ahead` allows); the weight sync waits for both. At 37c6d23
 and 035f190 every call could start a batch while two were queued and running: the queue stayed a batch ahead and
 bench/results/async_rollout.json's async runs trained every token two versions old, at no gain in step time."""
-SCORE_BYTES = 64
-"""The reward table of a sample (a few float32 columns) and its scalars, at most."""
+SCORE_BYTES = 64 + 8
+"""The reward table of a sample (a few float32 columns) and its scalars, at most, and a multi-turn sample's tool
+calls and errors (float32)."""
 
 
 def host_bytes(*batches: Batch) -> int:
@@ -95,7 +96,7 @@ def group_bound(prompt: Batch, n: int, max_response: int, tool_bytes: int = 0) -
         p = prompt.pixels
         shown = torch.unique(p.index)
         row_bytes = p.blocks[:1].nbytes if len(p.blocks) else 0
-        visuals = int(p.sizes[shown].sum()) * row_bytes + (len(shown) + len(p.index)) * 8 * 2
+        visuals = int(p.sizes[shown].sum()) * row_bytes + (len(shown) + n * len(p.index)) * 8 * 2  # sizes, index
         per_visual = sum(prompt.tensors[k].nbytes for k in ("image_grid_thw", "visual_seconds") if k in prompt)
         visuals += n * (per_visual + 8)  # each sample's grids, seconds and count
     return n * (per_sample + SCORE_BYTES + tool_bytes) + 8 + visuals

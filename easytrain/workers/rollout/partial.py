@@ -104,6 +104,12 @@ class PartialRollouts:
                 finished.append(i)
         return finished
 
+    def finish(self, engine: RolloutEngine, version: int) -> None:
+        """Generate every running sample to its end with the weights of ``version`` (algorithm.max_staleness): one
+        call, or one per model turn of a multi-turn episode (a tool turn runs between them)."""
+        while self.running:
+            self.advance(engine, self.params.max_new_tokens, version)
+
     def state(self) -> dict[str, Any]:
         """What continues these rollouts exactly after a restart (:meth:`restored`): the prompts, each sample's
         tokens, log-probs, versions and (multi-turn) tool turns so far, which finished, the calls made (the seeds'
@@ -123,9 +129,10 @@ class PartialRollouts:
                               turns)
         out.done, out.calls, out.first_version = list(state["done"]), state["calls"], state["first_version"]
         out.taken = set(state["taken"])
-        tensors = state["tensors"]
+        tensors = state.get("tensors", {})
         for i, (e, sample) in enumerate(zip(out.samples, state["samples"])):
-            ids, log_probs, versions, trained, e.calls, e.errors, e.turn_start, images = sample
+            ids, log_probs, versions, *rest = sample  # before tool turns were kept: the three lists alone
+            trained, e.calls, e.errors, e.turn_start, images = rest or [[True] * len(ids), 0, 0, 0, 0]
             e.ids, e.log_probs, e.versions, e.trained = list(ids), list(log_probs), list(versions), list(trained)
             e.pixel_values = [tensors[f"tool/{i}/{k}/pixel_values"] for k in range(images)]
             e.grids = [tensors[f"tool/{i}/{k}/grid"] for k in range(images)]

@@ -158,8 +158,10 @@ class RolloutWorker(*debug_bases(RolloutDebug), WorkerBase):  # type: ignore[mis
         groups: list[Batch] = []
         for rollouts in self.partial:
             first = version if rollouts.first_version is None else rollouts.first_version
-            budget = self.config.data.max_response_length if first < finish_before else tokens
-            rollouts.advance(self.engine, budget, version)
+            if first < finish_before:
+                rollouts.finish(self.engine, version)
+            else:
+                rollouts.advance(self.engine, tokens, version)
             finished = rollouts.finished_groups(self.family)
             groups += finished if self.multi_turn is not None else [g.without_visuals() for g in finished]
         self.partial = [r for r in self.partial if r.running]
