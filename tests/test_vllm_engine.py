@@ -88,6 +88,21 @@ class EngineHost:
         return turn_helpers.two_turns([self.engine, self.hf], self.spec, tokenizer, prompts, params, call, tools,
                                       length)
 
+    def partial(self, prompts: Batch, params: SamplingParams, tokens: int) -> tuple[Batch, Batch, Batch]:
+        """Partial rollouts on vLLM, ``tokens`` a call (a version a call), and the same prompts in one call on vLLM
+        and on the HF engine."""
+        from easytrain.workers.rollout.partial import PartialRollouts
+        from easytrain.workers.rollout.vllm_engine import ban
+
+        self.engine.spec, self.engine.banned, self.hf.suppressed = self.spec, ban([], self.vocab), []  # as built
+        rollouts = PartialRollouts(prompts, params, self.spec.pad_id, self.spec.stop_ids)
+        version = 0
+        while rollouts.running:
+            rollouts.advance(self.engine, tokens, version)
+            version += 1
+        whole = self.engine.generate(prompts, params)
+        return rollouts.output(range(len(rollouts.samples))), whole, self.hf.generate(prompts, params)
+
     def reload_own_weights(self) -> list[tuple[str, Any]]:
         """A weight update with the weights the engine already has (the HF copy's), recording what vLLM ran after
         the load: the cache resets are vLLM's own methods, run as they are; the record is their order and
@@ -294,3 +309,18 @@ def test_a_multi_turn_conversation_continues_on_vllm_as_on_hf(setup: dict[str, A
     assert torch.equal(vllm_out["responses"] * vllm_out["response_attention_mask"].long(),
                        hf_out["responses"] * hf_out["response_attention_mask"].long())
     assert torch.equal(vllm_out["response_mask"], hf_out["response_mask"])
+
+
+def test_partial_rollouts_continue_on_vllm_as_one_call_writes_them(setup: dict[str, Any], host: Any) -> None:
+    """trainer.rollout_mode=async on vLLM (text prompts): greedy responses written 3 tokens a call, each call a
+    new request of the prompt and the tokens so far, are the tokens one call writes (vLLM's and the HF engine's),
+    with the same log-probs, each token under the version of the call that wrote it."""
+    prompts = setup["prompts"]
+    params = SamplingParams(1, 0.0, 1.0, -1, 8)
+    partial, whole, hf = ray.get(host.partial.remote(prompts, params, 3))
+    assert torch.equal(_masked(partial), _masked(whole)) and torch.equal(_masked(partial), _masked(hf))
+    mask = partial["response_mask"].bool()
+    assert torch.equal(mask, whole["response_mask"].bool()) and mask.sum(-1).max() > 3  # responses spanned calls
+    assert (partial["rollout_log_probs"] - whole["rollout_log_probs"]).abs()[mask].max() < 1e-4
+    columns = torch.arange(mask.shape[1]).expand_as(mask)
+    assert torch.equal(partial["token_versions"][mask], (columns // 3)[mask])
