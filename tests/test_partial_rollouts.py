@@ -27,7 +27,7 @@ FIRST = 4
 """Tokens of the first call, under version 0; the rest come under version 1."""
 
 
-@pytest.mark.parametrize("family", ["qwen2_5_vl", "qwen2"])
+@pytest.mark.parametrize("family", ["qwen2_5_vl", "qwen3_vl", "internvl", "gemma3", "qwen2"])
 def test_a_response_continued_across_a_weight_sync_keeps_each_tokens_version_and_log_prob(family: str,
                                                                                        tmp_path: Path) -> None:
     model, prompts, tokenizer, stops = setup(tmp_path, family)
